@@ -1,0 +1,97 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("text", "messages", "add_special_tokens", "add_generation_prompt", "enable_thinking")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    enable_thinking: bool
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("token_ids", "rendered")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RENDERED_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    rendered: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., rendered: _Optional[str] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("token_ids", "skip_special_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_special_tokens: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class DecodeIncrementalRequest(_message.Message):
+    __slots__ = ("token_ids", "read_offset", "skip_special_tokens", "final")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    READ_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    read_offset: int
+    skip_special_tokens: bool
+    final: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., read_offset: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., final: _Optional[bool] = ...) -> None: ...
+
+class DecodeIncrementalResponse(_message.Message):
+    __slots__ = ("text", "prefix_advance", "read_offset")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ADVANCE_FIELD_NUMBER: _ClassVar[int]
+    READ_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    prefix_advance: int
+    read_offset: int
+    def __init__(self, text: _Optional[str] = ..., prefix_advance: _Optional[int] = ..., read_offset: _Optional[int] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SpecialToken(_message.Message):
+    __slots__ = ("id", "content")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    content: str
+    def __init__(self, id: _Optional[int] = ..., content: _Optional[str] = ...) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("vocab_size", "special_tokens", "eos_token_ids", "has_chat_template")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    special_tokens: _containers.RepeatedCompositeFieldContainer[SpecialToken]
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    has_chat_template: bool
+    def __init__(self, vocab_size: _Optional[int] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
