@@ -1,0 +1,38 @@
+"""Turns the public GenerateRequest proto into the gateway's GenerationRequest."""
+
+from gateway.validation import GenerationRequest
+from vllm_v0.gateway.v1 import gateway_pb2
+
+# proto3 `optional` scalars: HasField tells "unset" from a zero the client chose.
+_OPTIONAL_FIELDS = (
+    "enable_thinking",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
+)
+
+
+def from_proto(msg: gateway_pb2.GenerateRequest) -> GenerationRequest:
+    """Copies the fields across; range checks are validate()'s job, not this one's."""
+    optional = {name: getattr(msg, name) if msg.HasField(name) else None for name in _OPTIONAL_FIELDS}
+    messages = [(m.role, m.content) for m in msg.messages] or None
+    # `prompt` is a plain proto3 string, so "" is also "not given". Keep it as an empty
+    # prompt only when there are no messages either, so validate() says it is empty.
+    prompt = msg.prompt if msg.prompt or messages is None else None
+    return GenerationRequest(
+        prompt=prompt,
+        messages=messages,
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
+        request_id=msg.request_id,
+        **optional,
+    )

@@ -1,0 +1,177 @@
+"""The gateway's request object and the checks it must pass before any work is done."""
+
+import math
+from dataclasses import dataclass, field
+
+from rpcserver.errors import InvalidArgument
+
+ROLES = ("system", "user", "assistant", "tool")
+MAX_SEED = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the gateway accepts; the None defaults are resolved from max_context."""
+
+    max_context: int
+    max_prompt_tokens: int | None = None  # None: max_context - 1, leaving room for one token
+    max_tokens_limit: int | None = None  # None: max_context
+    max_stop_strings: int = 8
+    max_stop_string_chars: int = 128
+    max_logprobs: int = 20
+    max_prompt_chars: int = 1_000_000
+    max_messages: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_context < 2:
+            raise ValueError(f"max_context must be >= 2, got {self.max_context}")
+        # Frozen, so the resolved defaults are written past __setattr__, once, here.
+        if self.max_prompt_tokens is None:
+            object.__setattr__(self, "max_prompt_tokens", self.max_context - 1)
+        if self.max_tokens_limit is None:
+            object.__setattr__(self, "max_tokens_limit", self.max_context)
+        if not 1 <= self.max_prompt_tokens < self.max_context:
+            raise ValueError(
+                f"max_prompt_tokens must be in [1, {self.max_context - 1}], got {self.max_prompt_tokens}"
+            )
+        if not 1 <= self.max_tokens_limit <= self.max_context:
+            raise ValueError(
+                f"max_tokens_limit must be in [1, {self.max_context}], got {self.max_tokens_limit}"
+            )
+
+
+@dataclass
+class GenerationRequest:
+    """One generation request, independent of how it arrived. None means unset."""
+
+    prompt: str | None = None
+    messages: list[tuple[str, str]] | None = None  # (role, content)
+    enable_thinking: bool | None = None
+    max_tokens: int | None = None
+    # Sampling overrides; None takes the checkpoint's generation_config default.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    request_id: str = ""
+
+
+def validate(req: GenerationRequest, limits: Limits) -> None:
+    """Raises InvalidArgument naming the first field that is out of range."""
+    _check_input(req, limits)
+    _check_sampling(req)
+    if req.max_tokens is not None:
+        _check_int_range("max_tokens", req.max_tokens, 1, limits.max_tokens_limit)
+    if len(req.stop) > limits.max_stop_strings:
+        raise InvalidArgument(
+            f"stop has {len(req.stop)} strings; at most {limits.max_stop_strings} are allowed"
+        )
+    for i, stop in enumerate(req.stop):
+        if not stop:
+            raise InvalidArgument(f"stop[{i}] is empty; stop strings must have at least one character")
+        if len(stop) > limits.max_stop_string_chars:
+            raise InvalidArgument(
+                f"stop[{i}] is {len(stop)} characters; "
+                f"at most {limits.max_stop_string_chars} are allowed"
+            )
+    for i, token_id in enumerate(req.stop_token_ids):
+        if token_id < 0:
+            raise InvalidArgument(f"stop_token_ids[{i}] must be >= 0, got {token_id}")
+    if req.logprobs is not None:
+        _check_int_range("logprobs", req.logprobs, 0, limits.max_logprobs)
+
+
+def check_prompt_length(prompt_tokens: int, max_tokens: int | None, limits: Limits) -> int:
+    """Checks the tokenized prompt against the context; returns the max_tokens to use."""
+    if prompt_tokens <= 0:
+        raise InvalidArgument("the prompt is empty after tokenization; give some text to continue")
+    if prompt_tokens > limits.max_prompt_tokens:
+        raise InvalidArgument(
+            f"prompt is {prompt_tokens} tokens; at most {limits.max_prompt_tokens} are allowed"
+        )
+    room = limits.max_context - prompt_tokens
+    if max_tokens is None:
+        return min(room, limits.max_tokens_limit)
+    if max_tokens > room:
+        raise InvalidArgument(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+            f"context of {limits.max_context} tokens; lower max_tokens to at most {room}"
+        )
+    return max_tokens
+
+
+def _check_input(req: GenerationRequest, limits: Limits) -> None:
+    if (req.prompt is None) == (req.messages is None):
+        raise InvalidArgument("give exactly one of prompt and messages")
+    if req.prompt is not None:
+        if req.prompt == "":
+            raise InvalidArgument("prompt is empty; give some text to continue")
+        if len(req.prompt) > limits.max_prompt_chars:
+            raise InvalidArgument(
+                f"prompt is {len(req.prompt)} characters; at most {limits.max_prompt_chars} are allowed"
+            )
+        return
+    if not req.messages:
+        raise InvalidArgument("messages is empty; give at least one message")
+    if len(req.messages) > limits.max_messages:
+        raise InvalidArgument(
+            f"messages has {len(req.messages)} entries; at most {limits.max_messages} are allowed"
+        )
+    for i, (role, _) in enumerate(req.messages):
+        if role not in ROLES:
+            raise InvalidArgument(
+                f"messages[{i}].role is {role!r}; it must be one of {', '.join(ROLES)}"
+            )
+    chars = sum(len(content) for _, content in req.messages)
+    if chars > limits.max_prompt_chars:
+        raise InvalidArgument(
+            f"messages hold {chars} characters of content; at most {limits.max_prompt_chars} are allowed"
+        )
+
+
+def _check_sampling(req: GenerationRequest) -> None:
+    # (field, low, low inclusive, high, high inclusive); a high of None means no upper bound.
+    float_ranges = (
+        ("temperature", 0.0, True, None, True),
+        ("top_p", 0.0, False, 1.0, True),
+        ("min_p", 0.0, True, 1.0, True),
+        ("repetition_penalty", 0.0, False, None, True),
+        ("presence_penalty", -2.0, True, 2.0, True),
+        ("frequency_penalty", -2.0, True, 2.0, True),
+    )
+    for name, low, low_closed, high, high_closed in float_ranges:
+        value = getattr(req, name)
+        if value is None:
+            continue
+        if not math.isfinite(value):
+            raise InvalidArgument(f"{name} must be a finite number, got {value:g}")
+        too_low = value < low if low_closed else value <= low
+        too_high = high is not None and (value > high if high_closed else value >= high)
+        if too_low or too_high:
+            raise InvalidArgument(
+                f"{name} must be {_interval(low, low_closed, high, high_closed)}, got {value:g}"
+            )
+    if req.top_k is not None and req.top_k < -1:
+        raise InvalidArgument(f"top_k must be >= -1 (-1 or 0 disables it), got {req.top_k}")
+    if req.seed is not None:
+        _check_int_range("seed", req.seed, 0, MAX_SEED)
+
+
+def _check_int_range(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise InvalidArgument(f"{name} must be in [{low}, {high}], got {value}")
+
+
+def _interval(low: float, low_closed: bool, high: float | None, high_closed: bool) -> str:
+    if high is None:
+        return f"{'>=' if low_closed else '>'} {low:g}"
+    return f"in {'[' if low_closed else '('}{low:g}, {high:g}{']' if high_closed else ')'}"

@@ -1,0 +1,322 @@
+"""Tests for request validation, the prompt-length check and the proto conversion."""
+
+import math
+
+import pytest
+
+from gateway.convert import from_proto
+from gateway.validation import GenerationRequest, Limits, check_prompt_length, validate
+from rpcserver.errors import InvalidArgument
+from vllm_v0.gateway.v1 import gateway_pb2
+
+LIMITS = Limits(max_context=4096)
+
+
+def rejects(req: GenerationRequest, *words: str, limits: Limits = LIMITS) -> str:
+    """Asserts validate() raises InvalidArgument whose message has every word."""
+    with pytest.raises(InvalidArgument) as info:
+        validate(req, limits)
+    message = str(info.value)
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+    return message
+
+
+def prompt(**fields) -> GenerationRequest:
+    return GenerationRequest(prompt="Hello", **fields)
+
+
+# --- Limits ---------------------------------------------------------------------------
+
+
+def test_limits_resolve_defaults_from_max_context():
+    limits = Limits(max_context=100)
+    assert limits.max_prompt_tokens == 99
+    assert limits.max_tokens_limit == 100
+
+
+def test_limits_keep_explicit_values():
+    limits = Limits(max_context=100, max_prompt_tokens=50, max_tokens_limit=20)
+    assert (limits.max_prompt_tokens, limits.max_tokens_limit) == (50, 20)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_context": 1},
+        {"max_context": 100, "max_prompt_tokens": 100},
+        {"max_context": 100, "max_prompt_tokens": 0},
+        {"max_context": 100, "max_tokens_limit": 101},
+        {"max_context": 100, "max_tokens_limit": 0},
+    ],
+)
+def test_limits_reject_impossible_configs(fields):
+    with pytest.raises(ValueError):
+        Limits(**fields)
+
+
+# --- valid requests -------------------------------------------------------------------
+
+
+def test_minimal_prompt_passes():
+    validate(prompt(), LIMITS)
+
+
+def test_minimal_chat_passes():
+    validate(GenerationRequest(messages=[("user", "hi")]), LIMITS)
+
+
+def test_every_field_at_its_edges_passes():
+    validate(
+        GenerationRequest(
+            messages=[("system", "s"), ("user", "u"), ("assistant", "a"), ("tool", "t")],
+            enable_thinking=False,
+            max_tokens=LIMITS.max_tokens_limit,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=-1,
+            min_p=1.0,
+            repetition_penalty=1e-3,
+            presence_penalty=-2.0,
+            frequency_penalty=2.0,
+            seed=2**64 - 1,
+            stop=["x" * 128] * 8,
+            stop_token_ids=[0, 151645],
+            ignore_eos=True,
+            logprobs=20,
+            skip_special_tokens=False,
+            request_id="abc",
+        ),
+        LIMITS,
+    )
+    validate(prompt(max_tokens=1, top_k=0, min_p=0.0, logprobs=0, seed=0, top_p=1e-6), LIMITS)
+
+
+# --- prompt and messages --------------------------------------------------------------
+
+
+def test_neither_prompt_nor_messages():
+    rejects(GenerationRequest(), "prompt", "messages")
+
+
+def test_both_prompt_and_messages():
+    rejects(GenerationRequest(prompt="a", messages=[("user", "b")]), "exactly one", "prompt")
+
+
+def test_empty_prompt():
+    rejects(GenerationRequest(prompt=""), "prompt", "empty")
+
+
+def test_whitespace_prompt_is_not_empty():
+    validate(GenerationRequest(prompt=" "), LIMITS)
+
+
+def test_prompt_too_many_chars():
+    limits = Limits(max_context=4096, max_prompt_chars=10)
+    validate(GenerationRequest(prompt="x" * 10), limits)
+    rejects(GenerationRequest(prompt="x" * 11), "prompt", "11", "10", limits=limits)
+
+
+def test_chat_content_counts_against_prompt_chars():
+    limits = Limits(max_context=4096, max_prompt_chars=10)
+    req = GenerationRequest(messages=[("user", "x" * 6), ("user", "y" * 6)])
+    rejects(req, "messages", "12", limits=limits)
+
+
+def test_empty_messages():
+    rejects(GenerationRequest(messages=[]), "messages", "empty")
+
+
+@pytest.mark.parametrize("role", ["", "User", "bot", "function"])
+def test_unknown_role(role):
+    req = GenerationRequest(messages=[("user", "a"), (role, "b")])
+    rejects(req, "messages[1].role", repr(role), "system")
+
+
+def test_too_many_messages():
+    limits = Limits(max_context=4096, max_messages=3)
+    validate(GenerationRequest(messages=[("user", "a")] * 3), limits)
+    rejects(GenerationRequest(messages=[("user", "a")] * 4), "messages", "4", "3", limits=limits)
+
+
+# --- sampling -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, value, expected_range",
+    [
+        ("temperature", -0.1, ">= 0"),
+        ("top_p", 0.0, "(0, 1]"),
+        ("top_p", 1.01, "(0, 1]"),
+        ("top_p", -1.0, "(0, 1]"),
+        ("min_p", -0.01, "[0, 1]"),
+        ("min_p", 1.5, "[0, 1]"),
+        ("repetition_penalty", 0.0, "> 0"),
+        ("repetition_penalty", -1.0, "> 0"),
+        ("presence_penalty", -2.5, "[-2, 2]"),
+        ("presence_penalty", 2.01, "[-2, 2]"),
+        ("frequency_penalty", -3.0, "[-2, 2]"),
+        ("frequency_penalty", 2.5, "[-2, 2]"),
+    ],
+)
+def test_float_out_of_range(name, value, expected_range):
+    rejects(prompt(**{name: value}), name, expected_range, f"{value:g}")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"],
+)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_floats(name, value):
+    rejects(prompt(**{name: value}), name, "finite")
+
+
+def test_top_k_below_minus_one():
+    rejects(prompt(top_k=-2), "top_k", "-1", "-2")
+
+
+def test_seed_out_of_range():
+    rejects(prompt(seed=-1), "seed", "-1")
+    rejects(prompt(seed=2**64), "seed")
+
+
+# --- max_tokens, stops, logprobs ------------------------------------------------------
+
+
+def test_max_tokens_zero():
+    rejects(prompt(max_tokens=0), "max_tokens", "[1, 4096]", "0")
+
+
+def test_max_tokens_above_limit():
+    limits = Limits(max_context=4096, max_tokens_limit=1000)
+    validate(prompt(max_tokens=1000), limits)
+    rejects(prompt(max_tokens=1001), "max_tokens", "1000", "1001", limits=limits)
+
+
+def test_too_many_stop_strings():
+    rejects(prompt(stop=["a"] * 9), "stop", "9", "8")
+
+
+def test_empty_stop_string():
+    rejects(prompt(stop=["ok", ""]), "stop[1]", "empty")
+
+
+def test_stop_string_too_long():
+    rejects(prompt(stop=["x" * 129]), "stop[0]", "129", "128")
+
+
+def test_negative_stop_token_id():
+    rejects(prompt(stop_token_ids=[3, -1]), "stop_token_ids[1]", "-1")
+
+
+def test_logprobs_above_limit():
+    rejects(prompt(logprobs=21), "logprobs", "20", "21")
+    rejects(prompt(logprobs=-1), "logprobs")
+
+
+# --- check_prompt_length --------------------------------------------------------------
+
+SMALL = Limits(max_context=100)
+
+
+def test_empty_tokenization():
+    with pytest.raises(InvalidArgument, match="empty"):
+        check_prompt_length(0, None, SMALL)
+
+
+def test_prompt_longer_than_allowed():
+    with pytest.raises(InvalidArgument, match=r"prompt is 100 tokens; at most 99"):
+        check_prompt_length(100, None, SMALL)
+    limits = Limits(max_context=100, max_prompt_tokens=50)
+    assert check_prompt_length(50, 1, limits) == 1
+    with pytest.raises(InvalidArgument, match="at most 50"):
+        check_prompt_length(51, 1, limits)
+
+
+def test_prompt_plus_max_tokens_over_context():
+    with pytest.raises(InvalidArgument) as info:
+        check_prompt_length(60, 50, SMALL)
+    assert str(info.value) == (
+        "prompt (60 tokens) + max_tokens (50) exceeds the model's context of 100 tokens; "
+        "lower max_tokens to at most 40"
+    )
+
+
+def test_prompt_plus_max_tokens_exactly_fills_context():
+    assert check_prompt_length(60, 40, SMALL) == 40
+
+
+def test_unset_max_tokens_fills_the_context():
+    assert check_prompt_length(60, None, SMALL) == 40
+    assert check_prompt_length(99, None, SMALL) == 1
+
+
+def test_unset_max_tokens_is_capped_by_the_limit():
+    limits = Limits(max_context=100, max_tokens_limit=10)
+    assert check_prompt_length(60, None, limits) == 10
+    assert check_prompt_length(95, None, limits) == 5
+
+
+# --- from_proto -----------------------------------------------------------------------
+
+
+def test_from_proto_leaves_unset_optionals_none():
+    req = from_proto(gateway_pb2.GenerateRequest(prompt="hi"))
+    assert req == GenerationRequest(prompt="hi")
+    assert req.skip_special_tokens is True
+
+
+def test_from_proto_keeps_explicit_zeros():
+    msg = gateway_pb2.GenerateRequest(
+        prompt="hi",
+        temperature=0.0,
+        top_k=0,
+        seed=0,
+        logprobs=0,
+        presence_penalty=0.0,
+        enable_thinking=False,
+        skip_special_tokens=False,
+    )
+    req = from_proto(msg)
+    assert (req.temperature, req.top_k, req.seed, req.logprobs) == (0.0, 0, 0, 0)
+    assert req.presence_penalty == 0.0
+    assert req.enable_thinking is False
+    assert req.skip_special_tokens is False
+    assert req.top_p is None and req.max_tokens is None
+
+
+def test_from_proto_copies_everything():
+    msg = gateway_pb2.GenerateRequest(
+        messages=[
+            gateway_pb2.ChatMessage(role="system", content="be brief"),
+            gateway_pb2.ChatMessage(role="user", content="hi"),
+        ],
+        max_tokens=7,
+        top_p=0.5,
+        min_p=0.25,
+        repetition_penalty=1.5,
+        frequency_penalty=-1.0,
+        stop=["a", "b"],
+        stop_token_ids=[5],
+        ignore_eos=True,
+        request_id="r1",
+    )
+    req = from_proto(msg)
+    assert req.prompt is None
+    assert req.messages == [("system", "be brief"), ("user", "hi")]
+    # These values are exact in float32, so they survive the proto's float fields.
+    assert (req.max_tokens, req.top_p, req.min_p) == (7, 0.5, 0.25)
+    assert (req.repetition_penalty, req.frequency_penalty) == (1.5, -1.0)
+    assert (req.stop, req.stop_token_ids) == (["a", "b"], [5])
+    assert (req.ignore_eos, req.request_id) == (True, "r1")
+    validate(req, LIMITS)
+
+
+def test_from_proto_empty_request_is_an_empty_prompt():
+    rejects(from_proto(gateway_pb2.GenerateRequest()), "prompt", "empty")
+
+
+def test_from_proto_nan_reaches_validation():
+    req = from_proto(gateway_pb2.GenerateRequest(prompt="x", temperature=math.nan))
+    rejects(req, "temperature", "finite")
