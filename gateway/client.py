@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C outside the stream (connecting, printing the summary): no traceback.
+        return 130
 
 
 if __name__ == "__main__":
