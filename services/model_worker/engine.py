@@ -1,0 +1,172 @@
+"""The engine: load a checkpoint, accept requests, and advance every live sequence one step at a time."""
+from __future__ import annotations
+
+import logging
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from rpcserver.errors import InvalidArgument
+from services.model_worker.block_manager import BlockManager
+from services.model_worker.config import GenerationDefaults, Qwen3Config
+from services.model_worker.kv_cache import KVCache
+from services.model_worker.loader import load_model, resolve_device, resolve_dtype
+from services.model_worker.model_runner import ModelRunner
+from services.model_worker.sampler import Sampler
+from services.model_worker.sampling_params import SamplingParams
+from services.model_worker.scheduler import Scheduler, SchedulerLimits
+from services.model_worker.sequence import FinishReason, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    # KV cache size: an explicit block count, else bytes on CPU, else a fraction of free GPU memory.
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 2 << 30
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    limits: SchedulerLimits = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.limits is None:
+            self.limits = SchedulerLimits()
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, checkpoint_dir: str | pathlib.Path, config: EngineConfig | None = None):
+        self.engine_config = config = config or EngineConfig()
+        self.checkpoint_dir = pathlib.Path(checkpoint_dir)
+        self.config = Qwen3Config.from_json(self.checkpoint_dir)
+        self.generation = GenerationDefaults.from_dir(self.checkpoint_dir)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.config, self.device)
+        self.model = load_model(self.checkpoint_dir, self.config, self.device, self.dtype)
+
+        num_blocks = config.num_blocks or self._blocks_from_budget()
+        self.kv_cache = KVCache(self.config, num_blocks, config.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.limits)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.sampler = Sampler()
+        self.max_model_len = min(self.config.max_position_embeddings, num_blocks * config.block_size,
+                                 config.max_model_len or self.config.max_position_embeddings)
+        self.eos_ids = frozenset(self.generation.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        log.info("KV cache: %d blocks of %d tokens (%.2f GB); max context %d tokens", num_blocks,
+                 config.block_size, num_blocks * KVCache.bytes_per_block(self.config, config.block_size, self.dtype) / 1e9,
+                 self.max_model_len)
+
+    def _blocks_from_budget(self) -> int:
+        per_block = KVCache.bytes_per_block(self.config, self.engine_config.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Leave the rest of the budget's headroom for activations and the sampler.
+            budget = free - (1 - self.engine_config.gpu_memory_utilization) * total
+        else:
+            budget = self.engine_config.kv_cache_bytes
+        return max(int(budget // per_block), 1)
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def make_params(self, overrides: dict) -> SamplingParams:
+        """Sampling parameters from a request's set fields, defaults from generation_config.json."""
+        params = SamplingParams.resolve(overrides, self.generation.sampling)
+        params.validate(self.config.vocab_size)
+        return params
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if request_id in self._seqs:
+            raise InvalidArgument(f"request id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise InvalidArgument("prompt_token_ids is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidArgument(f"prompt_token_ids holds ids outside the vocabulary [0, {self.config.vocab_size}): "
+                                  f"{bad[:5]}")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise InvalidArgument(f"the prompt has {len(prompt_ids)} tokens; this worker's context is "
+                                  f"{self.max_model_len} tokens, which leaves no room to generate")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidArgument(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                                  f"context of {self.max_model_len} tokens; lower max_tokens to at most {room}")
+        seq = Sequence(request_id, prompt_ids, params, max_tokens, self.eos_ids, self.device)
+        self.scheduler.add(seq)
+        self._seqs[request_id] = seq
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.abort(request_id)
+        seq.finish(FinishReason.ABORTED)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- stepping -----------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        seqs, logits = self.runner.run(batch)
+        outputs = []
+        if seqs:
+            sampled = self.sampler(
+                logits, [s.params for s in seqs],
+                [torch.tensor(s.prompt_ids, device=self.device) for s in seqs],
+                [torch.tensor(s.output_ids, dtype=torch.long, device=self.device) for s in seqs],
+                [s.generator for s in seqs])
+            for i, seq in enumerate(seqs):
+                seq.append(sampled.token_ids[i])
+                outputs.append(StepOutput(seq.request_id, sampled.token_ids[i], sampled.logprobs[i],
+                                          sampled.top_logprobs[i], seq.finish_reason, len(seq.prompt_ids)))
+        self.scheduler.finish_step(batch)
+        for seq in seqs:
+            if seq.is_finished:
+                self._seqs.pop(seq.request_id, None)
+        return outputs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion together; returns each one's generated ids (for tests and benchmarks)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{i}-{id(prompts)}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while any(rid in self._seqs for rid in ids):
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].append(out.token_id)
+        return [results[rid] for rid in ids]
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": self.block_manager.num_used,
+            "kv_blocks_free": self.block_manager.num_free,
+            "prefix_cache_hit_rate": self.block_manager.hit_rate,
+            "preemptions": self.scheduler.num_preemptions,
+        }

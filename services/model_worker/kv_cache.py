@@ -1,0 +1,28 @@
+"""The paged KV cache: one preallocated pool of fixed-size blocks per layer."""
+from __future__ import annotations
+
+import torch
+
+from services.model_worker.config import Qwen3Config
+
+
+class KVCache:
+    """Per layer a key and a value tensor of shape (num_blocks, block_size, num_kv_heads, head_dim).
+
+    One tensor pair per layer rather than one for all layers: compiled code then
+    updates a layer's cache in place instead of copying a shared buffer.
+    """
+
+    def __init__(self, config: Qwen3Config, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        # Zeros, not empty: padded attention reads unused slots, which must hold finite values.
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                       for _ in range(config.num_hidden_layers)]
+
+    @staticmethod
+    def bytes_per_block(config: Qwen3Config, block_size: int, dtype: torch.dtype) -> int:
+        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+        return per_token * block_size * torch.empty(0, dtype=dtype).element_size()

@@ -1,0 +1,200 @@
+"""Qwen3 (Qwen3ForCausalLM) built by hand: layer and parameter names follow the reference checkpoints."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.model_worker.attention import AttentionMetadata, paged_attention
+from services.model_worker.config import Qwen3Config
+
+# Checkpoint tensors that our fused parameters are made of: (checkpoint name part, our name part, shard).
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale in the model dtype, as the reference does.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary_inv_freq(config: Qwen3Config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale (1.0 without YaRN)."""
+    dim, base = config.head_dim, config.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return 1.0 / pos_freqs, 1.0
+    # YaRN (arXiv 2309.00071): interpolate low frequencies, keep high ones, blend in between.
+    factor = float(scaling["factor"])
+    original_max = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention_factor = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        # Not in the checkpoint: derived from the config, kept in float32 and cast per call.
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the tables on this module's device; the loader calls it after building on 'meta'."""
+        device = self.cos.device
+        if device.type == "meta":
+            return
+        inv_freq, scale = rotary_inv_freq(self.config)
+        positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, inv_freq.cpu()).to(device)
+        self.cos = freqs.cos() * scale
+        self.sin = freqs.sin() * scale
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # (T, 1, D/2)
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Half-split rotation ("rotate_half"), not interleaved pairs.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def shard_slice(self, shard: str) -> slice:
+        start = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard]
+        return slice(start, start + (self.q_size if shard == "q" else self.kv_size))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
+        q, k = rotary(positions, q, k)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def shard_slice(self, shard: int) -> slice:
+        return slice(shard * self.intermediate_size, (shard + 1) * self.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.self_attn = Qwen3Attention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, rotary, k_cache, v_cache, meta):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, k_cache, v_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, self.rotary_emb, k_cache, v_cache, meta)
+        return self.norm(hidden)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    packed_modules = PACKED_MODULES
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (T,) flat over the batch. Returns final hidden states (T, hidden)."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Callers pass only the rows whose next token is wanted: the vocab projection is the costliest matmul.
+        return self.lm_head(hidden)
