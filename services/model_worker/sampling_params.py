@@ -1,0 +1,140 @@
+"""Per-sequence sampling settings: request overrides over generation_config, and range checks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from rpcserver.errors import InvalidArgument
+
+GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
+MAX_SEED = 2**64 - 1
+
+# The generation_config.json keys that are sampling defaults; the file's other keys (eos_token_id,
+# max_length, ...) are the engine's business. transformers' own fallbacks (top_k=50, ...) are not
+# used: only values the file actually holds count.
+_GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 (anything below GREEDY_TEMPERATURE) means greedy
+    top_k: int = -1  # -1 or 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt + output tokens, as in transformers
+    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens only
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None  # None: none; N >= 0: the chosen token's plus the N best
+    max_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = tuple(self.stop_token_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @classmethod
+    def resolve(cls, overrides: dict, defaults: dict) -> SamplingParams:
+        """Fields in `overrides` (a None value counts as unset) win; the rest come from `defaults`
+        (a generation_config.json dict) where it holds them, else from the dataclass.
+
+        As in transformers, `do_sample: false` means greedy unless the request sets temperature.
+        A generation_config without do_sample is not taken as greedy: its temperature (or 1.0)
+        applies.
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise InvalidArgument(
+                f"unknown sampling parameter(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        values = {
+            name: defaults[name]
+            for name in _GENERATION_CONFIG_FIELDS
+            if defaults.get(name) is not None
+        }
+        if defaults.get("do_sample") is False:
+            values["temperature"] = 0.0
+        values.update({name: value for name, value in overrides.items() if value is not None})
+        for name in _FLOAT_FIELDS:
+            value = values.get(name)
+            # JSON writes 1.0 as 1; anything that is not a number is left for validate() to reject.
+            if isinstance(value, int) and not isinstance(value, bool):
+                values[name] = float(value)
+        return cls(**values)
+
+    def validate(self, vocab_size: int, max_logprobs: int = 20) -> None:
+        """Raises InvalidArgument naming the first bad field, its value and the allowed range."""
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidArgument(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise InvalidArgument(f"{name} must be a finite number, got {value}")
+        if self.temperature < 0:
+            raise InvalidArgument(
+                f"temperature must be >= 0 (0 means greedy), got {self.temperature:g}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p:g}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise InvalidArgument(f"top_k must be >= -1 (-1 or 0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p:g}")
+        if self.repetition_penalty <= 0:
+            raise InvalidArgument(
+                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty:g}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise InvalidArgument(f"{name} must be in [-2, 2], got {value:g}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if not 0 <= self.seed <= MAX_SEED:
+                raise InvalidArgument(f"seed must be in [0, 2**64 - 1], got {self.seed}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= max_logprobs:
+                raise InvalidArgument(
+                    f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}"
+                )
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for i, token_id in enumerate(self.stop_token_ids):
+            _check_int(f"stop_token_ids[{i}]", token_id)
+            if not 0 <= token_id < vocab_size:
+                raise InvalidArgument(
+                    f"stop_token_ids[{i}] must be in [0, {vocab_size - 1}] (the vocabulary), "
+                    f"got {token_id}"
+                )
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{name} must be an integer, got {value!r}")
