@@ -136,9 +136,9 @@ def stream(args: argparse.Namespace) -> int:
 
 def print_logprobs(logprobs: list[gateway_pb2.Logprobs]) -> None:
     for entry in logprobs:
-        top = "  ".join(f"{t.text!r}:{t.logprob:.3f}" for t in entry.top)
+        top = "  ".join(f"{t.token_id}:{t.logprob:.3f}" for t in entry.top)
         chosen = entry.chosen
-        print(f"{chosen.token_id:>8} {chosen.logprob:9.4f} {chosen.text!r:<16} {top}", file=sys.stderr)
+        print(f"{chosen.token_id:>8} {chosen.logprob:9.4f}  {top}", file=sys.stderr)
 
 
 def print_summary(last: gateway_pb2.GenerateResponse) -> None:

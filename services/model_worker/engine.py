@@ -81,7 +81,11 @@ class LLMEngine:
             budget = free - (1 - self.engine_config.gpu_memory_utilization) * total
         else:
             budget = self.engine_config.kv_cache_bytes
-        return max(int(budget // per_block), 1)
+        # Never more than every sequence at full length could use: small models need far less than the budget.
+        max_len = min(self.config.max_position_embeddings,
+                      self.engine_config.max_model_len or self.config.max_position_embeddings)
+        ceiling = self.engine_config.limits.max_num_seqs * -(-max_len // self.engine_config.block_size)
+        return max(min(int(budget // per_block), ceiling), 1)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -133,11 +137,13 @@ class LLMEngine:
         seqs, logits = self.runner.run(batch)
         outputs = []
         if seqs:
-            sampled = self.sampler(
-                logits, [s.params for s in seqs],
-                [torch.tensor(s.prompt_ids, device=self.device) for s in seqs],
-                [torch.tensor(s.output_ids, dtype=torch.long, device=self.device) for s in seqs],
-                [s.generator for s in seqs])
+            # Token histories matter only to penalties; skip building them for the common case.
+            none = torch.empty(0, dtype=torch.long, device=self.device)
+            history = [(torch.tensor(s.prompt_ids, device=self.device),
+                        torch.tensor(s.output_ids, dtype=torch.long, device=self.device))
+                       if s.params.has_penalties else (none, none) for s in seqs]
+            sampled = self.sampler(logits, [s.params for s in seqs], [h[0] for h in history],
+                                   [h[1] for h in history], [s.generator for s in seqs])
             for i, seq in enumerate(seqs):
                 seq.append(sampled.token_ids[i])
                 outputs.append(StepOutput(seq.request_id, sampled.token_ids[i], sampled.logprobs[i],

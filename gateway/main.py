@@ -1,0 +1,93 @@
+"""python -m gateway: the public GatewayService in front of the tokenizer service and the model worker."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import grpc
+
+from gateway.downstream import Downstreams, DownstreamTLS
+from gateway.servicer import GatewayServicer
+from rpcserver.config import ServerConfig, add_flag, add_server_flags
+from rpcserver.server import GrpcServer, setup_logging
+from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger("gateway")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.split(":", 1)[1])
+    add_server_flags(parser, default_port=50051)
+    add_flag(parser, "--tokenizer-addr", "localhost:50052", "address of the tokenizer service")
+    add_flag(parser, "--worker-addr", "localhost:50053", "address of the model worker")
+    add_flag(parser, "--model-name", "", "model name reported by GetInfo (default: the worker's --model)")
+    add_flag(parser, "--max-prompt-tokens", 0, "longest prompt accepted, in tokens (0: the context minus one)")
+    add_flag(parser, "--max-tokens-limit", 0, "largest max_tokens accepted (0: the context)")
+    add_flag(parser, "--max-stop-strings", 8, "most stop strings per request")
+    add_flag(parser, "--max-stop-string-chars", 128, "longest stop string, in characters")
+    add_flag(parser, "--max-logprobs", 20, "most top logprobs per token")
+    add_flag(parser, "--max-prompt-chars", 1_000_000, "longest prompt (or chat) text, in characters")
+    add_flag(parser, "--downstream-tls-ca", None, "CA bundle to verify the tokenizer and worker (TLS to them)")
+    add_flag(parser, "--downstream-tls-cert", None, "client certificate presented to them (mTLS)")
+    add_flag(parser, "--downstream-tls-key", None, "key of --downstream-tls-cert")
+    add_flag(parser, "--health-interval", 1.0, "seconds between checks of the downstream services")
+    return parser.parse_args(argv)
+
+
+def limits_overrides(args: argparse.Namespace) -> dict:
+    return dict(max_prompt_tokens=args.max_prompt_tokens or None, max_tokens_limit=args.max_tokens_limit or None,
+                max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
+                max_logprobs=args.max_logprobs, max_prompt_chars=args.max_prompt_chars)
+
+
+async def watch_downstreams(server: GrpcServer, downstreams: Downstreams, interval: float) -> None:
+    """Serve only while both services do; refetch their facts whenever they come back."""
+    serving = None
+    while True:
+        health = await downstreams.healthy()
+        ok = all(health.values())
+        if ok and not serving:
+            try:
+                await downstreams.refresh_info()
+            except grpc.aio.AioRpcError as e:
+                log.warning("downstreams are healthy but GetInfo failed: %s", e.code().name)
+                ok = False
+        if ok != serving:
+            await server.set_serving(ok)
+            if ok:
+                log.info("serving: tokenizer at %s and worker at %s are up (max context %d)",
+                         downstreams.addresses["tokenizer"], downstreams.addresses["worker"],
+                         downstreams.worker_info.max_context)
+            else:
+                down = [f"{n} at {downstreams.addresses[n]}" for n, up in health.items() if not up]
+                log.warning("not serving: waiting for %s", ", ".join(down) or "downstream info")
+            serving = ok
+        await asyncio.sleep(interval)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+    server = GrpcServer(ServerConfig.from_args(args), [name])
+    downstreams = Downstreams(args.tokenizer_addr, args.worker_addr,
+                              DownstreamTLS(args.downstream_tls_ca, args.downstream_tls_cert, args.downstream_tls_key))
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
+        GatewayServicer(downstreams, limits_overrides(args), args.model_name), server.server)
+    await server.start()
+    watcher = asyncio.create_task(watch_downstreams(server, downstreams, args.health_interval))
+
+    async def stop_watching() -> None:
+        watcher.cancel()
+        await downstreams.close()
+
+    await server.run_until_signal(on_stop=stop_watching)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

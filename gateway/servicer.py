@@ -1,0 +1,151 @@
+"""GatewayService: validate, tokenize, stream tokens from the worker, and stream text back."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import grpc
+
+from gateway.convert import from_proto
+from gateway.downstream import Downstreams
+from gateway.stop import StopStringMatcher
+from gateway.validation import GenerationRequest, Limits, check_prompt_length, validate
+from rpcserver.errors import Unavailable
+from rpcserver.status import grpc_errors
+from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from vllm_v0.tokenizer.v1 import tokenizer_pb2
+from vllm_v0.worker.v1 import worker_pb2
+
+log = logging.getLogger("gateway.requests")
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed")
+FINISH_REASONS = {worker_pb2.FINISH_REASON_EOS: gateway_pb2.FINISH_REASON_EOS,
+                  worker_pb2.FINISH_REASON_LENGTH: gateway_pb2.FINISH_REASON_LENGTH}
+
+
+class IncrementalText:
+    """Turns a stream of ids into text through the tokenizer service, never splitting a character.
+
+    Keeps the short window of ids the stateless DecodeIncremental call needs.
+    """
+
+    def __init__(self, downstreams: Downstreams, skip_special_tokens: bool, timeout):
+        self.downstreams = downstreams
+        self.skip_special_tokens = skip_special_tokens
+        self.timeout = timeout
+        self.window: list[int] = []
+        self.read_offset = 0
+
+    async def add(self, token_ids: list[int], final: bool = False) -> str:
+        self.window.extend(token_ids)
+        reply = await self.downstreams.tokenizer.DecodeIncremental(
+            tokenizer_pb2.DecodeIncrementalRequest(token_ids=self.window, read_offset=self.read_offset,
+                                                   skip_special_tokens=self.skip_special_tokens, final=final),
+            timeout=self.timeout())
+        del self.window[:reply.prefix_advance]
+        self.read_offset = reply.read_offset
+        return reply.text
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, downstreams: Downstreams, limits_overrides: dict, model_name: str):
+        self.downstreams = downstreams
+        self.limits_overrides = limits_overrides
+        self.model_name = model_name
+
+    def limits(self) -> Limits:
+        info = self.downstreams.worker_info
+        if info is None:
+            raise Unavailable("the model worker has not answered yet; retry shortly")
+        return Limits(max_context=info.max_context, **self.limits_overrides)
+
+    async def _encode(self, req: GenerationRequest, timeout) -> list[int]:
+        encode = tokenizer_pb2.EncodeRequest()
+        if req.messages is not None:
+            encode.messages.extend(tokenizer_pb2.ChatMessage(role=r, content=c) for r, c in req.messages)
+            if req.enable_thinking is not None:
+                encode.enable_thinking = req.enable_thinking
+        else:
+            encode.text = req.prompt
+        reply = await self.downstreams.tokenizer.Encode(encode, timeout=timeout())
+        return list(reply.token_ids)
+
+    @grpc_errors
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        arrival = time.perf_counter()
+        req = from_proto(request)
+        limits = self.limits()
+        validate(req, limits)
+        request_id = req.request_id or uuid.uuid4().hex
+        timeout = context.time_remaining  # deadlines pass down to every downstream call
+        prompt_ids = await self._encode(req, timeout)
+        max_tokens = check_prompt_length(len(prompt_ids), req.max_tokens, limits)
+
+        work = worker_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
+                                          stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
+        for name in SAMPLING_FIELDS:
+            if getattr(req, name) is not None:
+                setattr(work.sampling, name, getattr(req, name))
+        if req.logprobs is not None:
+            work.logprobs = req.logprobs
+
+        text = IncrementalText(self.downstreams, req.skip_special_tokens, timeout)
+        stops = StopStringMatcher(req.stop)
+        stream = self.downstreams.worker.Generate(work, timeout=timeout())
+        completion_tokens = 0
+        first_token_at = None
+        finish, stop_reason = gateway_pb2.FINISH_REASON_UNSPECIFIED, ""
+        status = "ok"
+        try:
+            async for step in stream:
+                completion_tokens += 1
+                first_token_at = first_token_at or time.perf_counter()
+                delta, matched = stops.feed(await text.add([step.token_id], final=bool(step.finish_reason)))
+                reply = gateway_pb2.GenerateResponse(text=delta, token_ids=[step.token_id])
+                if completion_tokens == 1:
+                    reply.request_id = request_id
+                if step.HasField("logprob"):
+                    reply.logprobs.append(_logprobs(step))
+                if matched is not None:
+                    finish, stop_reason = gateway_pb2.FINISH_REASON_STOP, matched
+                elif step.finish_reason:
+                    finish = FINISH_REASONS[step.finish_reason]
+                    if finish == gateway_pb2.FINISH_REASON_EOS:
+                        stop_reason = self.downstreams.token_text.get(step.token_id, str(step.token_id))
+                    reply.text += stops.flush()
+                if finish:
+                    reply.finish_reason = finish
+                    reply.stop_reason = stop_reason
+                    reply.request_id = request_id
+                    reply.usage.prompt_tokens = len(prompt_ids)
+                    reply.usage.completion_tokens = completion_tokens
+                    reply.time_to_first_token_s = first_token_at - arrival
+                    yield reply
+                    return
+                yield reply
+            raise Unavailable("the model worker ended the stream without a finish reason")
+        except BaseException as e:
+            status = type(e).__name__
+            raise
+        finally:
+            stream.cancel()  # no-op when finished; frees the worker's sequence on a stop string or cancel
+            log.info("request %s: %s, prompt %d tokens, completion %d tokens, ttft %s, total %.3f s", request_id,
+                     status, len(prompt_ids), completion_tokens,
+                     f"{first_token_at - arrival:.3f} s" if first_token_at else "-", time.perf_counter() - arrival)
+
+    @grpc_errors
+    async def GetInfo(self, request, context) -> gateway_pb2.GetInfoResponse:
+        limits = self.limits()
+        return gateway_pb2.GetInfoResponse(
+            model=self.model_name or self.downstreams.worker_info.model, max_context=limits.max_context,
+            max_prompt_tokens=limits.max_prompt_tokens, max_tokens_limit=limits.max_tokens_limit,
+            max_stop_strings=limits.max_stop_strings, max_stop_string_chars=limits.max_stop_string_chars,
+            max_logprobs=limits.max_logprobs)
+
+
+def _logprobs(step: worker_pb2.GenerateResponse) -> gateway_pb2.Logprobs:
+    return gateway_pb2.Logprobs(
+        chosen=gateway_pb2.TokenLogprob(token_id=step.token_id, logprob=step.logprob),
+        top=[gateway_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in step.top_logprobs])

@@ -1,0 +1,107 @@
+"""One grpc.aio server shape for every service: options, health, reflection, TLS and graceful stop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rpcserver.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        # Oversized requests are refused with RESOURCE_EXHAUSTED before they reach a handler.
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # Ping idle connections so a client that vanished without closing is noticed and its
+        # streams are cancelled, freeing what they hold.
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Accept client pings as often as every 5 s (gRPC's default minimum is 5 min).
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    if not config.tls_cert:
+        if config.tls_client_ca:
+            raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if not config.tls_key:
+        raise SystemExit("--tls-cert needs --tls-key")
+    return grpc.ssl_server_credentials(
+        [(_read(config.tls_key), _read(config.tls_cert))],
+        root_certificates=_read(config.tls_client_ca) if config.tls_client_ca else None,
+        require_client_auth=bool(config.tls_client_ca))
+
+
+class GrpcServer:
+    """A grpc.aio server with health and reflection; NOT_SERVING until `set_serving(True)`."""
+
+    def __init__(self, config: ServerConfig, service_names: Iterable[str],
+                 interceptors: Iterable[grpc.aio.ServerInterceptor] = ()):
+        self.config = config
+        self.service_names = list(service_names)
+        self.server = grpc.aio.server(options=server_options(config.max_message_bytes),
+                                      interceptors=list(interceptors))
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME], self.server)
+        self.port = 0
+        self.draining = False
+
+    async def start(self) -> int:
+        address = f"{self.config.host}:{self.config.port}"
+        credentials = server_credentials(self.config)
+        self.port = (self.server.add_secure_port(address, credentials) if credentials
+                     else self.server.add_insecure_port(address))
+        if not self.port:
+            raise SystemExit(f"cannot listen on {address}")
+        await self.set_serving(False)
+        await self.server.start()
+        log.info("listening on %s:%d (%s)", self.config.host, self.port, "TLS" if credentials else "plaintext")
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        serving = serving and not self.draining  # once stopping, never SERVING again
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def run_until_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING, refuse new calls, let in-flight ones finish."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        serving = asyncio.ensure_future(self.server.wait_for_termination())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([serving, stopping], return_when=asyncio.FIRST_COMPLETED)
+        log.info("stopping: draining in-flight calls for up to %.0f s", self.config.grace_period_s)
+        self.draining = True
+        await self.set_serving(False)
+        await self.server.stop(self.config.grace_period_s)
+        if on_stop is not None:
+            await on_stop()
+        stopping.cancel()
+        log.info("stopped")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

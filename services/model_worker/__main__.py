@@ -1,0 +1,3 @@
+from services.model_worker.main import main
+
+main()

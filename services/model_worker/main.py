@@ -1,0 +1,79 @@
+"""python -m services.model_worker: load a Qwen3 checkpoint and serve ModelWorkerService."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from rpcserver.config import ServerConfig, add_flag, add_server_flags
+from rpcserver.model_path import resolve_model
+from rpcserver.server import GrpcServer, setup_logging
+from services.model_worker.async_engine import AsyncEngine
+from services.model_worker.config import ConfigError
+from services.model_worker.engine import EngineConfig, LLMEngine
+from services.model_worker.loader import LoadError
+from services.model_worker.scheduler import SchedulerLimits
+from services.model_worker.servicer import ModelWorkerServicer
+from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("model_worker")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m services.model_worker", description=__doc__.split(":", 1)[1])
+    add_server_flags(parser, default_port=50053)
+    add_flag(parser, "--model", "demo-model", "checkpoint directory, or a hub id such as Qwen/Qwen3-0.6B")
+    add_flag(parser, "--device", "auto", "auto (cuda if present, else cpu), cpu, cuda or cuda:N")
+    add_flag(parser, "--dtype", "auto", "auto, bfloat16, float16 or float32 (auto: the checkpoint's on GPU, "
+             "bfloat16 on a CPU that supports it)")
+    add_flag(parser, "--block-size", 16, "tokens per KV cache block")
+    add_flag(parser, "--kv-cache-bytes", 2 << 30, "KV cache size on CPU, in bytes")
+    add_flag(parser, "--gpu-memory-utilization", 0.85, "fraction of GPU memory for weights plus KV cache")
+    add_flag(parser, "--max-model-len", 0, "cap on prompt + completion tokens (0: the model's own limit)")
+    add_flag(parser, "--max-num-seqs", 64, "most sequences decoded together in one step")
+    add_flag(parser, "--max-num-batched-tokens", 2048, "most tokens computed in one step (prefill chunk size)")
+    add_flag(parser, "--max-waiting", 256, "most queued requests; beyond it requests get RESOURCE_EXHAUSTED")
+    add_flag(parser, "--prefix-caching", True, "reuse cached KV blocks of shared prompt prefixes")
+    return parser.parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        device=args.device, dtype=args.dtype, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len or None,
+        enable_prefix_caching=args.prefix_caching,
+        limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting))
+
+
+async def serve(args: argparse.Namespace) -> None:
+    name = worker_pb2.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
+    server = GrpcServer(ServerConfig.from_args(args), [name])
+    servicer = ModelWorkerServicer(args.model)
+    worker_pb2_grpc.add_ModelWorkerServiceServicer_to_server(servicer, server.server)
+    await server.start()  # health answers NOT_SERVING while the weights load
+    checkpoint = resolve_model(args.model)
+    engine = await asyncio.to_thread(LLMEngine, checkpoint, engine_config(args))
+    log.info("serving %s on %s as %s (max context %d tokens)", checkpoint, engine.device,
+             str(engine.dtype).removeprefix("torch."), engine.max_model_len)
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    servicer.engine = async_engine
+    await server.set_serving(True)
+
+    async def stop_engine() -> None:
+        await asyncio.to_thread(async_engine.stop)
+
+    await server.run_until_signal(on_stop=stop_engine)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except (ConfigError, LoadError) as e:
+        raise SystemExit(f"cannot serve {args.model}: {e}") from None
+
+
+if __name__ == "__main__":
+    main()

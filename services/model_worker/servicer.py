@@ -1,0 +1,73 @@
+"""ModelWorkerService: requests to engine calls and engine outputs to stream messages."""
+from __future__ import annotations
+
+import uuid
+
+from rpcserver.errors import Unavailable
+from rpcserver.status import grpc_errors
+from services.model_worker.async_engine import AsyncEngine
+from services.model_worker.engine import StepOutput
+from services.model_worker.sampling_params import SamplingParams
+from services.model_worker.sequence import FinishReason
+from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed")
+FINISH_REASONS = {None: worker_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.EOS: worker_pb2.FINISH_REASON_EOS,
+                  FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH}
+
+
+class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
+    def __init__(self, model_name: str, engine: AsyncEngine | None = None):
+        # Registered before the server starts; the engine arrives once the weights have loaded.
+        self._engine = engine
+        self.model_name = model_name
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise Unavailable("the model is still loading; retry shortly")
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    def _params(self, request: worker_pb2.GenerateRequest) -> SamplingParams:
+        overrides = {f: getattr(request.sampling, f) for f in SAMPLING_FIELDS if request.sampling.HasField(f)}
+        if request.HasField("max_tokens"):
+            overrides["max_tokens"] = request.max_tokens
+        if request.HasField("logprobs"):
+            overrides["logprobs"] = request.logprobs
+        overrides["stop_token_ids"] = tuple(request.stop_token_ids)
+        overrides["ignore_eos"] = request.ignore_eos
+        return self.engine.engine.make_params(overrides)
+
+    @grpc_errors
+    async def Generate(self, request: worker_pb2.GenerateRequest, context):
+        params = self._params(request)
+        request_id = request.request_id or uuid.uuid4().hex
+        first = True
+        async for out in self.engine.generate(request_id, list(request.prompt_token_ids), params):
+            yield _to_proto(out, first)
+            first = False
+
+    @grpc_errors
+    async def GetInfo(self, request, context) -> worker_pb2.GetInfoResponse:
+        engine = self.engine.engine
+        stats = engine.stats()
+        return worker_pb2.GetInfoResponse(
+            model=self.model_name, dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
+            max_context=engine.max_model_len, vocab_size=engine.config.vocab_size,
+            eos_token_ids=sorted(engine.eos_ids), running=stats["running"], waiting=stats["waiting"],
+            kv_blocks_used=stats["kv_blocks_used"], kv_blocks_free=stats["kv_blocks_free"],
+            block_size=engine.kv_cache.block_size, prefix_cache_hit_rate=stats["prefix_cache_hit_rate"])
+
+
+def _to_proto(out: StepOutput, first: bool) -> worker_pb2.GenerateResponse:
+    msg = worker_pb2.GenerateResponse(token_id=out.token_id, finish_reason=FINISH_REASONS[out.finish_reason],
+                                      prompt_tokens=out.prompt_tokens if first else 0)
+    if out.logprob is not None:
+        msg.logprob = out.logprob
+        msg.top_logprobs.extend(worker_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in out.top_logprobs)
+    return msg

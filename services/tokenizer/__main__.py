@@ -1,0 +1,3 @@
+from services.tokenizer.main import main
+
+main()

@@ -1,0 +1,51 @@
+"""python -m services.tokenizer: serve a checkpoint's tokenizer and chat template as TokenizerService."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+from rpcserver.config import ServerConfig, add_flag, add_server_flags
+from rpcserver.model_path import resolve_model
+from rpcserver.server import GrpcServer, setup_logging
+from services.tokenizer.core import TokenizerCore
+from services.tokenizer.servicer import TokenizerServicer
+from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+log = logging.getLogger("tokenizer")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m services.tokenizer", description=__doc__.split(":", 1)[1])
+    add_server_flags(parser, default_port=50052)
+    add_flag(parser, "--model", "demo-model", "checkpoint directory (tokenizer.json, tokenizer_config.json, "
+             "generation_config.json), or a hub id such as Qwen/Qwen3-0.6B")
+    return parser.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    name = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+    server = GrpcServer(ServerConfig.from_args(args), [name])
+    servicer = TokenizerServicer()
+    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server.server)
+    await server.start()  # health answers NOT_SERVING while the tokenizer loads
+    start = time.perf_counter()
+    checkpoint = resolve_model(args.model)
+    core = await asyncio.to_thread(TokenizerCore.from_dir, checkpoint)
+    log.info("loaded tokenizer from %s in %.1f s: %d ids, eos %s, chat template: %s", checkpoint,
+             time.perf_counter() - start, core.info.vocab_size, core.info.eos_token_ids,
+             "yes" if core.info.has_chat_template else "no")
+    servicer.core = core
+    await server.set_serving(True)
+    await server.run_until_signal()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()
