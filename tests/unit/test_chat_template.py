@@ -1,0 +1,113 @@
+"""Chat rendering against transformers' apply_chat_template on the same template and messages."""
+
+import json
+from datetime import datetime
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from services.tokenizer.chat_template import ChatTemplate
+
+SYSTEM = {"role": "system", "content": "You are a terse assistant."}
+USER = {"role": "user", "content": "What is 2+2?"}
+ANSWER = {"role": "assistant", "content": "4."}
+THOUGHTFUL_ANSWER = {"role": "assistant", "content": "<think>\nAdd two and two.\n</think>\n\n4."}
+FOLLOW_UP = {"role": "user", "content": "And 3+3? Reply in {{ jinja }} and <b>tags</b> — ünïcode 中文 🤗"}
+CALL = {
+    "role": "assistant",
+    "content": "<think>\nI should look it up.\n</think>\n\n<tool_call>\n{\"name\": \"calc\"}\n</tool_call>",
+}
+REASONED = {"role": "assistant", "content": "ok", "reasoning_content": "hm"}
+RESULT = {"role": "tool", "content": "{\"result\": 6}"}
+SECOND_RESULT = {"role": "tool", "content": "done"}
+
+CONVERSATIONS = {
+    "single user": [USER],
+    "system and user": [SYSTEM, USER],
+    "multi-turn": [SYSTEM, USER, ANSWER, FOLLOW_UP],
+    "past think block is dropped": [USER, THOUGHTFUL_ANSWER, FOLLOW_UP],
+    "think block of the current turn is kept": [USER, CALL, RESULT, SECOND_RESULT],
+    "tool results then an answer": [SYSTEM, FOLLOW_UP, CALL, RESULT, THOUGHTFUL_ANSWER],
+    "reasoning_content field": [USER, {"role": "assistant", "content": "4.", "reasoning_content": "easy"}, FOLLOW_UP],
+    "reasoning_content in the current turn": [USER, REASONED, RESULT],
+    "trailing assistant": [USER, THOUGHTFUL_ANSWER],
+    "later system message": [USER, ANSWER, SYSTEM, FOLLOW_UP],
+}
+
+
+@pytest.fixture(scope="module")
+def reference(demo_tokenizer_dir):
+    config = json.loads((demo_tokenizer_dir / "tokenizer_config.json").read_text())
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(demo_tokenizer_dir / "tokenizer.json"),
+        chat_template=config["chat_template"],
+        eos_token=config["eos_token"],
+        pad_token=config["pad_token"],
+    )
+
+
+def reference_render(reference, messages, add_generation_prompt, enable_thinking):
+    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    return reference.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+    )
+
+
+@pytest.mark.parametrize("enable_thinking", [None, False, True])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_render_matches_transformers(demo_tokenizer, reference, name, add_generation_prompt, enable_thinking):
+    messages = CONVERSATIONS[name]
+    ours = demo_tokenizer.render_chat(messages, add_generation_prompt, enable_thinking)
+    assert ours == reference_render(reference, messages, add_generation_prompt, enable_thinking)
+
+
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_encode_chat_matches_transformers_ids(demo_tokenizer, reference, name):
+    messages = CONVERSATIONS[name]
+    ids, rendered = demo_tokenizer.encode_chat(messages, enable_thinking=False)
+    expected = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, enable_thinking=False)
+    assert ids == list(expected["input_ids"])
+    assert rendered == reference_render(reference, messages, True, False)
+
+
+def test_qwen3_layout(demo_tokenizer):
+    assert demo_tokenizer.render_chat([SYSTEM, USER], enable_thinking=False) == (
+        "<|im_start|>system\nYou are a terse assistant.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    thinking = demo_tokenizer.render_chat([USER])
+    assert thinking.endswith("<|im_start|>assistant\n")
+    assert demo_tokenizer.render_chat([USER], enable_thinking=True) == thinking
+
+
+def test_past_reasoning_is_stripped_and_current_kept(demo_tokenizer):
+    past = demo_tokenizer.render_chat([USER, THOUGHTFUL_ANSWER, FOLLOW_UP])
+    assert "<think>" not in past and "<|im_start|>assistant\n4.<|im_end|>" in past
+    current = demo_tokenizer.render_chat([USER, CALL, RESULT], add_generation_prompt=False)
+    assert "<think>\nI should look it up.\n</think>\n\n<tool_call>" in current
+    assert current.endswith("<|im_start|>user\n<tool_response>\n{\"result\": 6}\n</tool_response><|im_end|>\n")
+
+
+def test_chat_special_tokens_become_their_ids(demo_tokenizer):
+    ids, _ = demo_tokenizer.encode_chat([USER], enable_thinking=False)
+    assert ids[0] == 151644 and ids.count(151645) == 1
+    assert 151667 in ids and 151668 in ids
+
+
+HELPERS_TEMPLATE = (
+    "{{ messages | tojson }}|{{ messages[0] | tojson(indent=2) }}|{{ eos_token }}|{{ pad_token }}"
+    "|{{ bos_token is defined }}|{{ enable_thinking is defined }}|{{ strftime_now('%Y') }}"
+    "{% for m in messages %}{% if loop.index0 > 0 %}{% break %}{% endif %}|{{ m.role }}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("extra", [{}, {"enable_thinking": False}])
+def test_helpers_match_transformers(demo_tokenizer_dir, reference, extra):
+    config = json.loads((demo_tokenizer_dir / "tokenizer_config.json").read_text())
+    messages = [{"role": "user", "content": "<tag> & \"quotes\" — 中文"}, ANSWER]
+    ours = ChatTemplate(HELPERS_TEMPLATE, config).render(messages, **extra)
+    expected = reference.apply_chat_template(messages, chat_template=HELPERS_TEMPLATE, tokenize=False, **extra)
+    assert ours == expected
+    assert "中文" in ours and "<tag>" in ours and str(datetime.now().year) in ours
