@@ -1,0 +1,61 @@
+"""Fixtures: a tiny random Qwen3 with the real Qwen3 vocabulary, the three services, and the reference."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from demo.vocab import write_tokenizer_files
+from tests.checkpoints import make_checkpoint
+from tests.integration.stack import make_stack
+from vllm_v0.gateway.v1 import gateway_pb2_grpc
+from vllm_v0.worker.v1 import worker_pb2_grpc
+
+QWEN3_EOS = (151645, 151643)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-tiny-real-vocab")
+    write_tokenizer_files(path)
+    make_checkpoint(path, vocab_size=151936, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, eos_token_id=QWEN3_EOS)
+    return path
+
+
+@pytest.fixture(scope="session")
+def reference(checkpoint):
+    """transformers' model and tokenizer on the same files: the independent reference."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+
+    def greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=list(QWEN3_EOS), pad_token_id=151643)
+        return out[0, len(prompt_ids):].tolist()
+
+    return greedy, tokenizer
+
+
+@pytest.fixture(scope="session")
+def stack(checkpoint, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    stack = make_stack(str(checkpoint), str(logs), worker_flags=["--max-waiting", "64"])
+    stack.start()
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture()
+def gateway(stack):
+    with grpc.insecure_channel(stack.gateway.address) as channel:
+        yield gateway_pb2_grpc.GatewayServiceStub(channel)
+
+
+@pytest.fixture()
+def worker(stack):
+    with grpc.insecure_channel(stack.worker.address) as channel:
+        yield worker_pb2_grpc.ModelWorkerServiceStub(channel)

@@ -1,0 +1,106 @@
+"""Start the three real services as subprocesses, the way the README does, and wait on their health."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout: float = 120.0, credentials: grpc.ChannelCredentials | None = None,
+                 want=health_pb2.HealthCheckResponse.SERVING) -> None:
+    deadline = time.monotonic() + timeout
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == want:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} did not reach {health_pb2.HealthCheckResponse.ServingStatus.Name(want)} "
+                       f"in {timeout} s")
+
+
+@dataclass
+class Service:
+    name: str
+    args: list[str]
+    port: int
+    log_path: str
+    process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen([sys.executable, "-m", *self.args, "--port", str(self.port)], cwd=ROOT,
+                                        stdout=log, stderr=subprocess.STDOUT, env={**os.environ,
+                                                                                   "PYTHONUNBUFFERED": "1"})
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int | None:
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else None
+        self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+@dataclass
+class Stack:
+    tokenizer: Service
+    worker: Service
+    gateway: Service
+    extra: list[Service] = field(default_factory=list)
+
+    @property
+    def services(self) -> list[Service]:
+        return [self.tokenizer, self.worker, self.gateway]
+
+    def start(self, timeout: float = 180) -> None:
+        for service in self.services:
+            service.start()
+        for service in self.services:
+            wait_serving(service.address, timeout)
+
+    def stop(self) -> None:
+        for service in reversed(self.services):
+            service.stop()
+
+
+def make_stack(checkpoint: str, log_dir: str, worker_flags=(), gateway_flags=(), tokenizer_flags=(),
+               common_flags=()) -> Stack:
+    tok_port, worker_port, gw_port = free_port(), free_port(), free_port()
+    tokenizer = Service("tokenizer", ["services.tokenizer", "--model", checkpoint, *common_flags, *tokenizer_flags],
+                        tok_port, f"{log_dir}/tokenizer.log")
+    worker = Service("worker", ["services.model_worker", "--model", checkpoint, "--dtype", "float32",
+                                *common_flags, *worker_flags], worker_port, f"{log_dir}/worker.log")
+    gateway = Service("gateway", ["gateway", "--tokenizer-addr", f"127.0.0.1:{tok_port}",
+                                  "--worker-addr", f"127.0.0.1:{worker_port}", *common_flags, *gateway_flags],
+                      gw_port, f"{log_dir}/gateway.log")
+    return Stack(tokenizer, worker, gateway)
