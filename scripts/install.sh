@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv and install the pinned dependencies (add --dev for tests and benchmarks).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+requirements=requirements.txt
+[ "${1:-}" = "--dev" ] && requirements=requirements-dev.txt
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -r "$requirements"

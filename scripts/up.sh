@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Install, start the tokenizer service, model worker and gateway on localhost, and stream one completion.
+#
+#   scripts/up.sh                               # random-weight demo checkpoint (built on first run)
+#   scripts/up.sh --model /path/to/Qwen3-0.6B   # a real checkpoint directory (or a hub id)
+#   scripts/up.sh --model Qwen/Qwen3-0.6B "Why is the sky blue?"
+#
+# The services keep running until Ctrl-C. Logs go to .run/*.log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+model=""
+if [ "${1:-}" = "--model" ]; then model=$2; shift 2; fi
+prompt=${1:-"Give me a short introduction to large language models."}
+
+scripts/install.sh
+PY=.venv/bin/python
+mkdir -p .run
+if [ -z "$model" ]; then
+  model=demo-model
+  if [ ! -f "$model/model.safetensors" ]; then
+    "$PY" -m demo.checkpoint --out "$model" --preset tiny
+  fi
+  echo "Using the demo checkpoint in $model: its weights are RANDOM, so the text is gibberish."
+fi
+
+TOKENIZER_PORT=${VLLM_V0_TOKENIZER_PORT:-50052}
+WORKER_PORT=${VLLM_V0_WORKER_PORT:-50053}
+GATEWAY_PORT=${VLLM_V0_GATEWAY_PORT:-50051}
+pids=()
+stop() { kill -TERM "${pids[@]}" 2>/dev/null || true; wait "${pids[@]}" 2>/dev/null || true; }
+trap stop EXIT
+trap 'exit 130' INT TERM
+
+"$PY" -m services.tokenizer --model "$model" --port "$TOKENIZER_PORT" >.run/tokenizer.log 2>&1 & pids+=($!)
+"$PY" -m services.model_worker --model "$model" --port "$WORKER_PORT" >.run/worker.log 2>&1 & pids+=($!)
+"$PY" -m gateway --port "$GATEWAY_PORT" --tokenizer-addr "localhost:$TOKENIZER_PORT" \
+  --worker-addr "localhost:$WORKER_PORT" >.run/gateway.log 2>&1 & pids+=($!)
+
+echo "Waiting for the services (logs in .run/) ..."
+for port in "$TOKENIZER_PORT" "$WORKER_PORT" "$GATEWAY_PORT"; do
+  until "$PY" -m rpcserver.healthcheck --addr "localhost:$port" --timeout 1 >/dev/null 2>&1; do
+    for pid in "${pids[@]}"; do
+      kill -0 "$pid" 2>/dev/null || { echo "a service exited; see .run/*.log" >&2; tail -n 20 .run/*.log >&2; exit 1; }
+    done
+    sleep 1
+  done
+done
+echo "Gateway serving on localhost:$GATEWAY_PORT. Streaming a completion:"
+echo
+"$PY" -m gateway.client --addr "localhost:$GATEWAY_PORT" --max-tokens 64 "$prompt"
+echo
+echo "The services keep running: try 'python -m gateway.client --chat \"Hi\"' or grpcurl (see README). Ctrl-C stops them."
+wait
