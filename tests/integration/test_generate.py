@@ -1,6 +1,7 @@
 """The real services across processes, driven as a client would, against transformers' greedy output."""
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 import time
@@ -195,3 +196,25 @@ def test_client_cli_streams_and_summarises(stack):
     assert result.returncode == 0, result.stderr
     assert "length" in result.stderr.lower() or "eos" in result.stderr.lower()
     assert "completion_tokens" in result.stderr.replace(" ", "_") or "completion" in result.stderr
+
+
+def test_grpcurl_examples_from_the_readme(stack):
+    """The README's grpcurl commands, run as written (reflection only, no .proto files)."""
+    import json
+    import shutil
+
+    grpcurl = shutil.which("grpcurl") or str(pathlib.Path(sys.executable).parent / "grpcurl")
+    address = stack.gateway.address
+
+    def run(*args: str) -> str:
+        result = subprocess.run([grpcurl, "-plaintext", *args], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    assert "vllm_v0.gateway.v1.GatewayService" in run(address, "list")
+    assert "rpc Generate" in run(address, "describe", "vllm_v0.gateway.v1.GatewayService")
+    body = json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    out = run("-d", body, address, "vllm_v0.gateway.v1.GatewayService/Generate")
+    messages = [json.loads(m) for m in out.replace("}\n{", "}\x00{").split("\x00")]
+    assert messages[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+    assert messages[-1]["usage"]["completion_tokens"] == 4
