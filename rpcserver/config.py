@@ -36,11 +36,14 @@ class ServerConfig:
     tls_key: str | None
     tls_client_ca: str | None
     log_level: str
+    keepalive_time_s: float = 20.0
+    keepalive_timeout_s: float = 10.0
+    metrics_port: int = 0  # 0: no /metrics endpoint
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
         return cls(args.host, args.port, args.grace_period, args.max_message_bytes, args.tls_cert, args.tls_key,
-                   args.tls_client_ca, args.log_level)
+                   args.tls_client_ca, args.log_level, metrics_port=args.metrics_port)
 
 
 def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -51,4 +54,9 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None
     add_flag(parser, "--tls-cert", None, "PEM certificate chain: serve TLS instead of plaintext")
     add_flag(parser, "--tls-key", None, "PEM private key for --tls-cert")
     add_flag(parser, "--tls-client-ca", None, "PEM CA bundle: require clients to present a certificate it signed (mTLS)")
+    add_flag(parser, "--keepalive-time", 20.0, "seconds between pings to each client connection, to notice "
+             "clients that vanished without closing")
+    add_flag(parser, "--keepalive-timeout", 10.0, "seconds a ping may go unanswered before the connection and "
+             "its streams are dropped")
     add_flag(parser, "--log-level", "INFO", "logging level")
+    add_flag(parser, "--metrics-port", 0, "serve Prometheus metrics over HTTP at --host:PORT/metrics (0: off)")

@@ -11,22 +11,25 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rpcserver.config import ServerConfig
+from rpcserver.metrics import MetricsInterceptor, start_metrics_server
 
 log = logging.getLogger(__name__)
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    max_message_bytes = config.max_message_bytes
     return [
         # Oversized requests are refused with RESOURCE_EXHAUSTED before they reach a handler.
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         # Ping idle connections so a client that vanished without closing is noticed and its
         # streams are cancelled, freeing what they hold.
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
-        # Accept client pings as often as every 5 s (gRPC's default minimum is 5 min).
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        # Accept client pings as often as every second (gRPC's default minimum is 5 min), so
+        # clients such as the gateway can watch their connections closely.
+        ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
         ("grpc.http2.max_pings_without_data", 0),
     ]
 
@@ -38,8 +41,8 @@ def _read(path: str) -> bytes:
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     if not config.tls_cert:
-        if config.tls_client_ca:
-            raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
+        if config.tls_client_ca or config.tls_key:
+            raise SystemExit("--tls-client-ca and --tls-key need --tls-cert")
         return None
     if not config.tls_key:
         raise SystemExit("--tls-cert needs --tls-key")
@@ -56,8 +59,10 @@ class GrpcServer:
                  interceptors: Iterable[grpc.aio.ServerInterceptor] = ()):
         self.config = config
         self.service_names = list(service_names)
-        self.server = grpc.aio.server(options=server_options(config.max_message_bytes),
-                                      interceptors=list(interceptors))
+        # Metrics outermost, so calls the others refuse (UNAUTHENTICATED) are counted too.
+        metrics = [MetricsInterceptor()] if config.metrics_port else []
+        self.server = grpc.aio.server(options=server_options(config),
+                                      interceptors=[*metrics, *interceptors])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -74,6 +79,7 @@ class GrpcServer:
         if not self.port:
             raise SystemExit(f"cannot listen on {address}")
         await self.set_serving(False)
+        start_metrics_server(self.config.host, self.config.metrics_port)
         await self.server.start()
         log.info("listening on %s:%d (%s)", self.config.host, self.port, "TLS" if credentials else "plaintext")
         return self.port
