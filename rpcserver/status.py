@@ -1,6 +1,7 @@
 """Map the cores' errors to gRPC status codes, in one place for every servicer."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -8,6 +9,7 @@ import logging
 import grpc
 
 from rpcserver.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from rpcserver.handlers import MalformedRequest
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,19 @@ def status_for(error: ServiceError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def code_for(error: BaseException | None, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """The status a call that ended with `error` (None: returned normally) sends, for logs and metrics."""
+    if error is None or isinstance(error, grpc.aio.AbortError):
+        return context.code() or grpc.StatusCode.OK
+    if isinstance(error, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code()
+    if isinstance(error, ServiceError):
+        return status_for(error)
+    return grpc.StatusCode.INTERNAL
+
+
 async def _abort(context: grpc.aio.ServicerContext, error: Exception) -> None:
     if isinstance(error, grpc.aio.AioRpcError):
         # A downstream call failed: pass its status on (UNAVAILABLE, RESOURCE_EXHAUSTED, ...).
@@ -35,11 +50,19 @@ async def _abort(context: grpc.aio.ServicerContext, error: Exception) -> None:
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
 
 
+async def _reject_malformed(context: grpc.aio.ServicerContext, request: MalformedRequest) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the request is not a valid {request.type_name} message ({request.error}); "
+                        "string fields must be valid UTF-8")
+
+
 def grpc_errors(method):
     """Decorate a servicer method (unary or server-streaming) so core errors become status codes."""
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
         async def stream(self, request, context):
+            if isinstance(request, MalformedRequest):
+                await _reject_malformed(context, request)
             try:
                 async for item in method(self, request, context):
                     yield item
@@ -51,6 +74,8 @@ def grpc_errors(method):
 
     @functools.wraps(method)
     async def unary(self, request, context):
+        if isinstance(request, MalformedRequest):
+            await _reject_malformed(context, request)
         try:
             return await method(self, request, context)
         except grpc.aio.AbortError:

@@ -8,4 +8,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 requirements=requirements.txt
 [ "${1:-}" = "--dev" ] && requirements=requirements-dev.txt
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -r "$requirements"
+.venv/bin/python -m pip install -qq --disable-pip-version-check -r "$requirements"
