@@ -35,6 +35,8 @@ PRESETS = {
     },
 }
 
+DEMO_MARKER = "vllm_v0_demo_checkpoint"
+
 README = """# Demo Qwen3 checkpoint ({preset}) with RANDOM weights
 
 The weights in `model.safetensors` are RANDOM (seed {seed}, {dtype}): the model's output is gibberish.
@@ -93,6 +95,8 @@ def build_demo_checkpoint(
     out_dir = Path(out_dir)
     write_tokenizer_files(out_dir)
     config = qwen3_config(preset, dtype, tie_word_embeddings)
+    # Read by the services so their logs say so too; transformers ignores unknown keys.
+    config[DEMO_MARKER] = "RANDOM weights: the output is gibberish"
     write_json(out_dir / "config.json", config)
     write_random_weights(out_dir / "model.safetensors", config, dtype, seed)
     (out_dir / "README.md").write_text(README.format(preset=preset, dtype=dtype, seed=seed), encoding="utf-8")
