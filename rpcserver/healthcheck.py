@@ -15,16 +15,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
     parser.add_argument("--tls-ca", metavar="FILE", help="root certificate: connect over TLS")
+    parser.add_argument("--tls-cert", metavar="FILE", help="client certificate, for a server that requires one (mTLS)")
+    parser.add_argument("--tls-key", metavar="FILE", help="key of --tls-cert")
     return parser.parse_args(argv)
 
 
-def check(addr: str, service: str, timeout: float, tls_ca: str | None = None) -> str:
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def check(addr: str, service: str, timeout: float, tls_ca: str | None = None, tls_cert: str | None = None,
+          tls_key: str | None = None) -> str:
     """The server's status name for `service`, e.g. "SERVING"; raises grpc.RpcError."""
-    if tls_ca is None:
+    if tls_ca is None and tls_cert is None:
         channel = grpc.insecure_channel(addr)
     else:
-        with open(tls_ca, "rb") as f:
-            channel = grpc.secure_channel(addr, grpc.ssl_channel_credentials(f.read()))
+        credentials = grpc.ssl_channel_credentials(_read(tls_ca), _read(tls_key), _read(tls_cert))
+        channel = grpc.secure_channel(addr, credentials)
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -34,7 +44,7 @@ def check(addr: str, service: str, timeout: float, tls_ca: str | None = None) ->
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        status = check(args.addr, args.service, args.timeout, args.tls_ca)
+        status = check(args.addr, args.service, args.timeout, args.tls_ca, args.tls_cert, args.tls_key)
     except grpc.RpcError as err:
         print(f"unhealthy: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
