@@ -43,7 +43,8 @@ class ServerConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
         return cls(args.host, args.port, args.grace_period, args.max_message_bytes, args.tls_cert, args.tls_key,
-                   args.tls_client_ca, args.log_level, metrics_port=args.metrics_port)
+                   args.tls_client_ca, args.log_level, keepalive_time_s=args.keepalive_time,
+                   keepalive_timeout_s=args.keepalive_timeout, metrics_port=args.metrics_port)
 
 
 def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
