@@ -40,6 +40,8 @@ def _read(path: str | None) -> bytes | None:
 
 
 def open_channel(address: str, tls: DownstreamTLS) -> grpc.aio.Channel:
+    if bool(tls.cert) != bool(tls.key):
+        raise SystemExit("--downstream-tls-cert and --downstream-tls-key go together")
     if not tls.ca and not tls.cert:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     credentials = grpc.ssl_channel_credentials(_read(tls.ca), _read(tls.key), _read(tls.cert))

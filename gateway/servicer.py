@@ -1,23 +1,20 @@
 """GatewayService: validate, tokenize, stream tokens from the worker, and stream text back."""
 from __future__ import annotations
 
-import logging
-import time
 import uuid
 
 import grpc
 
 from gateway.convert import from_proto
 from gateway.downstream import Downstreams
+from gateway.metrics import RequestRecord
 from gateway.stop import StopStringMatcher
 from gateway.validation import GenerationRequest, Limits, check_prompt_length, validate
 from rpcserver.errors import Unavailable
-from rpcserver.status import grpc_errors
+from rpcserver.status import code_for, grpc_errors
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 from vllm_v0.worker.v1 import worker_pb2
-
-log = logging.getLogger("gateway.requests")
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed")
@@ -50,10 +47,11 @@ class IncrementalText:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, downstreams: Downstreams, limits_overrides: dict, model_name: str):
+    def __init__(self, downstreams: Downstreams, limits_overrides: dict, model_name: str, log_prompts: bool = False):
         self.downstreams = downstreams
         self.limits_overrides = limits_overrides
         self.model_name = model_name
+        self.log_prompts = log_prompts  # prompts are user data: off the logs unless asked for
 
     def limits(self) -> Limits:
         info = self.downstreams.worker_info
@@ -74,13 +72,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     @grpc_errors
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        arrival = time.perf_counter()
+        prompt = (request.prompt or [(m.role, m.content) for m in request.messages]) if self.log_prompts else None
+        record = RequestRecord(request.request_id or uuid.uuid4().hex, prompt)
+        error = None
+        try:
+            async for reply in self._generate(request, context, record):
+                yield reply
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            record.done(code_for(error, context))  # every call, refused ones too: one log line each
+
+    async def _generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                        record: RequestRecord):
         req = from_proto(request)
         limits = self.limits()
         validate(req, limits)
-        request_id = req.request_id or uuid.uuid4().hex
+        request_id = record.request_id
         timeout = context.time_remaining  # deadlines pass down to every downstream call
         prompt_ids = await self._encode(req, timeout)
+        record.prompt_tokens = len(prompt_ids)
         max_tokens = check_prompt_length(len(prompt_ids), req.max_tokens, limits)
 
         work = worker_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
@@ -94,17 +106,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         text = IncrementalText(self.downstreams, req.skip_special_tokens, timeout)
         stops = StopStringMatcher(req.stop)
         stream = self.downstreams.worker.Generate(work, timeout=timeout())
-        completion_tokens = 0
-        first_token_at = None
         finish, stop_reason = gateway_pb2.FINISH_REASON_UNSPECIFIED, ""
-        status = "ok"
         try:
             async for step in stream:
-                completion_tokens += 1
-                first_token_at = first_token_at or time.perf_counter()
+                record.add_token()
                 delta, matched = stops.feed(await text.add([step.token_id], final=bool(step.finish_reason)))
                 reply = gateway_pb2.GenerateResponse(text=delta, token_ids=[step.token_id])
-                if completion_tokens == 1:
+                if record.completion_tokens == 1:
                     reply.request_id = request_id
                 if step.HasField("logprob"):
                     reply.logprobs.append(_logprobs(step))
@@ -120,20 +128,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     reply.stop_reason = stop_reason
                     reply.request_id = request_id
                     reply.usage.prompt_tokens = len(prompt_ids)
-                    reply.usage.completion_tokens = completion_tokens
-                    reply.time_to_first_token_s = first_token_at - arrival
+                    reply.usage.completion_tokens = record.completion_tokens
+                    reply.time_to_first_token_s = record.ttft
+                    record.finish_reason = gateway_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
                     yield reply
                     return
                 yield reply
             raise Unavailable("the model worker ended the stream without a finish reason")
-        except BaseException as e:
-            status = type(e).__name__
-            raise
         finally:
             stream.cancel()  # no-op when finished; frees the worker's sequence on a stop string or cancel
-            log.info("request %s: %s, prompt %d tokens, completion %d tokens, ttft %s, total %.3f s", request_id,
-                     status, len(prompt_ids), completion_tokens,
-                     f"{first_token_at - arrival:.3f} s" if first_token_at else "-", time.perf_counter() - arrival)
 
     @grpc_errors
     async def GetInfo(self, request, context) -> gateway_pb2.GetInfoResponse:
