@@ -9,6 +9,7 @@ import grpc
 
 from gateway.downstream import Downstreams, DownstreamTLS
 from gateway.servicer import GatewayServicer
+from rpcserver.auth import add_auth_flags, auth_interceptors
 from rpcserver.config import ServerConfig, add_flag, add_server_flags
 from rpcserver.server import GrpcServer, setup_logging
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -32,6 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--downstream-tls-cert", None, "client certificate presented to them (mTLS)")
     add_flag(parser, "--downstream-tls-key", None, "key of --downstream-tls-cert")
     add_flag(parser, "--health-interval", 1.0, "seconds between checks of the downstream services")
+    add_flag(parser, "--log-prompts", False, "add each request's prompt text to its log line (off: prompts are "
+             "user data)")
+    add_auth_flags(parser)
     return parser.parse_args(argv)
 
 
@@ -68,11 +72,11 @@ async def watch_downstreams(server: GrpcServer, downstreams: Downstreams, interv
 
 async def serve(args: argparse.Namespace) -> None:
     name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
-    server = GrpcServer(ServerConfig.from_args(args), [name])
+    server = GrpcServer(ServerConfig.from_args(args), [name], interceptors=auth_interceptors(args))
     downstreams = Downstreams(args.tokenizer_addr, args.worker_addr,
                               DownstreamTLS(args.downstream_tls_ca, args.downstream_tls_cert, args.downstream_tls_key))
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-        GatewayServicer(downstreams, limits_overrides(args), args.model_name), server.server)
+        GatewayServicer(downstreams, limits_overrides(args), args.model_name, args.log_prompts), server.server)
     await server.start()
     watcher = asyncio.create_task(watch_downstreams(server, downstreams, args.health_interval))
 

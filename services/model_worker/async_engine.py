@@ -6,7 +6,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from rpcserver.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
 from services.model_worker.engine import LLMEngine, StepOutput
@@ -23,8 +23,9 @@ class AsyncEngine:
     queues without ever blocking the loop, so a slow reader cannot delay anyone's step.
     """
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, on_step: Callable[[float, int], None] | None = None):
         self.engine = engine
+        self.on_step = on_step  # called on the loop thread with each step's seconds and tokens sampled
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopped = False
@@ -113,6 +114,8 @@ class AsyncEngine:
                 start = time.perf_counter()
                 outputs = self.engine.step()
                 self.steps += 1
+                if self.on_step is not None:
+                    self.on_step(time.perf_counter() - start, len(outputs))
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("step %d: %d tokens in %.1f ms", self.steps, len(outputs),
                               (time.perf_counter() - start) * 1e3)

@@ -5,6 +5,8 @@ import argparse
 import asyncio
 import logging
 
+from prometheus_client import REGISTRY
+
 from rpcserver.config import ServerConfig, add_flag, add_server_flags
 from rpcserver.model_path import resolve_model
 from rpcserver.server import GrpcServer, setup_logging
@@ -12,6 +14,7 @@ from services.model_worker.async_engine import AsyncEngine
 from services.model_worker.config import ConfigError
 from services.model_worker.engine import EngineConfig, LLMEngine
 from services.model_worker.loader import LoadError
+from services.model_worker.metrics import EngineCollector, observe_step
 from services.model_worker.scheduler import SchedulerLimits
 from services.model_worker.servicer import ModelWorkerServicer
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -55,7 +58,8 @@ async def serve(args: argparse.Namespace) -> None:
     engine = await asyncio.to_thread(LLMEngine, checkpoint, engine_config(args))
     log.info("serving %s on %s as %s (max context %d tokens)", checkpoint, engine.device,
              str(engine.dtype).removeprefix("torch."), engine.max_model_len)
-    async_engine = AsyncEngine(engine)
+    REGISTRY.register(EngineCollector(engine))
+    async_engine = AsyncEngine(engine, on_step=observe_step)
     async_engine.start()
     servicer.engine = async_engine
     await server.set_serving(True)

@@ -1,0 +1,48 @@
+"""The worker's Prometheus metrics: engine state read at scrape time, and per-step timings."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from services.model_worker.engine import LLMEngine
+
+STEP_SECONDS = Histogram("vllm_v0_worker_step_duration_seconds", "one engine step: schedule, forward, sample",
+                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+GENERATED_TOKENS = Counter("vllm_v0_worker_generated_tokens", "tokens sampled, over all sequences")
+
+
+def observe_step(seconds: float, num_tokens: int) -> None:
+    """AsyncEngine's on_step hook; runs on the engine-loop thread (prometheus_client is thread-safe)."""
+    STEP_SECONDS.observe(seconds)
+    GENERATED_TOKENS.inc(num_tokens)
+
+
+class EngineCollector:
+    """Reads the engine's counters when /metrics is scraped, so the step loop does no extra work.
+
+    It reads from the HTTP server's thread without a lock: each value is a single length or int,
+    and a scrape that sees one step's state mixed with the next's is still a fair sample.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats()
+        blocks = self.engine.block_manager
+        yield GaugeMetricFamily("vllm_v0_worker_waiting_requests", "requests queued, not yet running",
+                                value=stats["waiting"])
+        yield GaugeMetricFamily("vllm_v0_worker_running_sequences", "sequences in the running batch",
+                                value=stats["running"])
+        yield GaugeMetricFamily("vllm_v0_worker_kv_blocks_used", "KV cache blocks held by live sequences (cached "
+                                "but unreferenced blocks count as free)", value=stats["kv_blocks_used"])
+        yield GaugeMetricFamily("vllm_v0_worker_kv_blocks_total", "KV cache blocks in all",
+                                value=stats["kv_blocks_used"] + stats["kv_blocks_free"])
+        yield CounterMetricFamily("vllm_v0_worker_prefix_cache_queried_tokens", "prompt tokens looked up in the "
+                                  "prefix cache", value=blocks.prefix_queries)
+        yield CounterMetricFamily("vllm_v0_worker_prefix_cache_hit_tokens", "prompt tokens found in the prefix "
+                                  "cache, whose K/V was reused", value=blocks.prefix_hits)
+        yield GaugeMetricFamily("vllm_v0_worker_prefix_cache_hit_ratio", "hit tokens / queried tokens since start",
+                                value=stats["prefix_cache_hit_rate"])
+        yield CounterMetricFamily("vllm_v0_worker_preemptions", "sequences preempted for lack of KV blocks",
+                                  value=stats["preemptions"])
