@@ -107,6 +107,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         stops = StopStringMatcher(req.stop)
         stream = self.downstreams.worker.Generate(work, timeout=timeout())
         finish, stop_reason = gateway_pb2.FINISH_REASON_UNSPECIFIED, ""
+        worker_finished = False
         try:
             async for step in stream:
                 record.add_token()
@@ -132,11 +133,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     reply.time_to_first_token_s = record.ttft
                     record.finish_reason = gateway_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
                     yield reply
-                    return
+                    if matched is not None:
+                        return  # the worker is still generating: the cancel below stops it
+                    # Read the worker's stream to its end, so its call completes OK rather than cancelled.
+                    worker_finished = True
+                    continue
                 yield reply
-            raise Unavailable("the model worker ended the stream without a finish reason")
+            if not worker_finished:
+                raise Unavailable("the model worker ended the stream without a finish reason")
         finally:
-            stream.cancel()  # no-op when finished; frees the worker's sequence on a stop string or cancel
+            if not worker_finished:
+                stream.cancel()  # frees the worker's sequence on a stop string, an error or a client cancel
 
     @grpc_errors
     async def GetInfo(self, request, context) -> gateway_pb2.GetInfoResponse:

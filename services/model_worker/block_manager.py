@@ -1,14 +1,22 @@
 """Block allocation for the paged KV cache, with reference counts and prefix caching."""
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from services.model_worker.sequence import Sequence
 
 
-def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chain hash of a full block: equal hashes mean equal prefixes (tokens are still checked on a hit)."""
-    return hash((parent, token_ids))
+def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """Chain hash of a full block: equal hashes mean equal prefixes (tokens are still checked on a hit).
+
+    SHA-256, not Python's hash(): hash() of ints is predictable, so a client could craft a prompt
+    whose blocks collide with another client's prefix and be served (or poison) its cached K/V.
+    """
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class Block:
@@ -17,7 +25,7 @@ class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
+        self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
 
 
@@ -27,8 +35,8 @@ class BlockManager:
     A full block whose K/V have been computed is registered under the hash of (its parent's
     hash, its tokens), so a later sequence with the same prefix reuses it instead of
     recomputing it. A block nobody holds keeps its contents and hash while it sits in the
-    free list; free blocks are reused least recently freed first, which evicts the coldest
-    cached prefixes.
+    free list. Free blocks that hold no cached prefix are reused first, then cached ones least
+    recently freed first, which evicts the coldest prefixes.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -36,7 +44,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0     # of which found in the cache
 
@@ -74,37 +82,48 @@ class BlockManager:
             del self.free[block.block_id]
         block.ref_count += 1
 
-    def _lookup(self, parent: int | None, tokens: tuple[int, ...]) -> tuple[int, Block | None]:
-        h = block_hash(parent, tokens)
-        block_id = self.cached.get(h)
-        if block_id is None or self.blocks[block_id].token_ids != tokens:
-            return h, None
-        return h, self.blocks[block_id]
+    def _is_cached(self, block: Block) -> bool:
+        return block.hash is not None and self.cached.get(block.hash) == block.block_id
+
+    def _chain_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Hashes of the sequence's first num_blocks full blocks, kept on it (tokens are only ever appended)."""
+        hashes, tokens, size = seq.block_hashes, seq.token_ids, self.block_size
+        for i in range(len(hashes), num_blocks):
+            hashes.append(block_hash(hashes[i - 1] if i else None, tuple(tokens[i * size:(i + 1) * size])))
+        return hashes
+
+    def _prefix_hits(self, seq: Sequence) -> list[Block]:
+        """Cached blocks holding the sequence's leading full blocks, stopping at the first miss."""
+        if not self.enable_prefix_caching:
+            return []
+        # The block with the last token is always computed: its logits give the next token.
+        hashes = self._chain_hashes(seq, (len(seq) - 1) // self.block_size)
+        tokens, size, hits = seq.token_ids, self.block_size, []
+        for i, h in enumerate(hashes):
+            block_id = self.cached.get(h)
+            # Check the tokens too: a hash match alone is not proof of equal contents.
+            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens[i * size:(i + 1) * size]):
+                break
+            hits.append(self.blocks[block_id])
+        return hits
 
     def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
-        # Conservative: prefix hits on blocks others hold would need fewer free blocks.
-        return self.blocks_needed(len(seq)) + reserve <= self.num_free
+        """Whether a waiting sequence fits with `reserve` blocks to spare; hits on blocks others hold cost nothing."""
+        held = sum(1 for block in self._prefix_hits(seq) if block.ref_count > 0)
+        return self.blocks_needed(len(seq)) - held + reserve <= self.num_free
 
     def allocate(self, seq: Sequence) -> None:
         """Give a waiting sequence blocks for all its tokens, reusing cached full blocks of its prefix."""
         assert not seq.block_table
-        tokens = seq.token_ids
-        parent: int | None = None
-        hitting = self.enable_prefix_caching
-        for i in range(self.blocks_needed(len(tokens))):
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            # The last token is always computed: its logits give the next token.
-            if hitting and (i + 1) * self.block_size < len(tokens):
-                parent, block = self._lookup(parent, chunk)
-                if block is not None:
-                    self._share(block)
-                    seq.block_table.append(block.block_id)
-                    seq.num_cached_tokens += self.block_size
-                    continue
-            hitting = False
+        hits = self._prefix_hits(seq)
+        for block in hits:  # before taking free blocks, which could evict a hit sitting in the free list
+            self._share(block)
+            seq.block_table.append(block.block_id)
+        while len(seq.block_table) < self.blocks_needed(len(seq)):
             seq.block_table.append(self._take_free().block_id)
-        seq.num_hashed_blocks = seq.num_cached_tokens // self.block_size
-        self.prefix_queries += len(tokens)
+        seq.num_hashed_blocks = len(hits)
+        seq.num_cached_tokens = len(hits) * self.block_size
+        self.prefix_queries += len(seq)
         self.prefix_hits += seq.num_cached_tokens
 
     def can_grow(self, seq: Sequence) -> bool:
@@ -121,23 +140,26 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = min(seq.num_cached_tokens, len(seq)) // self.block_size
-        tokens = seq.token_ids
+        if full <= seq.num_hashed_blocks:
+            return
+        hashes, tokens, size = self._chain_hashes(seq, full), seq.token_ids, self.block_size
         for i in range(seq.num_hashed_blocks, full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
-                parent = self.blocks[seq.block_table[i - 1]].hash if i else None
-                chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-                block.hash, block.token_ids = block_hash(parent, chunk), chunk
+                block.hash, block.token_ids = hashes[i], tuple(tokens[i * size:(i + 1) * size])
                 self.cached.setdefault(block.hash, block.block_id)
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+        seq.num_hashed_blocks = full
 
     def free_blocks(self, seq: Sequence) -> None:
-        # Release the tail first: it goes to the LRU end earlier, so it is evicted before the shared prefix.
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
+                # Released tail first, so a prefix's tail is evicted before its shared head.
                 self.free[block_id] = None
+                if not self._is_cached(block):
+                    # Nothing a later prompt could reuse: hand it out before any cached block.
+                    self.free.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_cached_tokens = 0
         seq.num_hashed_blocks = 0

@@ -37,7 +37,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--max-num-batched-tokens", 2048, "most tokens computed in one step (prefill chunk size)")
     add_flag(parser, "--max-waiting", 256, "most queued requests; beyond it requests get RESOURCE_EXHAUSTED")
     add_flag(parser, "--prefix-caching", True, "reuse cached KV blocks of shared prompt prefixes")
-    return parser.parse_args(argv)
+    add_flag(parser, "--stats-interval", 10.0, "seconds between log lines on load, KV cache and throughput "
+             "while busy (0: none)")
+    args = parser.parse_args(argv)
+    try:
+        engine_config(args)  # the scheduler limits check themselves
+    except ValueError as e:
+        parser.error(str(e))
+    return args
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -59,7 +66,7 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("serving %s on %s as %s (max context %d tokens)", checkpoint, engine.device,
              str(engine.dtype).removeprefix("torch."), engine.max_model_len)
     REGISTRY.register(EngineCollector(engine))
-    async_engine = AsyncEngine(engine, on_step=observe_step)
+    async_engine = AsyncEngine(engine, on_step=observe_step, stats_interval_s=args.stats_interval)
     async_engine.start()
     servicer.engine = async_engine
     await server.set_serving(True)

@@ -15,6 +15,15 @@ class SchedulerLimits:
     max_num_batched_tokens: int = 2048  # tokens in one step: bounds how long a prefill chunk stalls decoding
     max_waiting: int = 256              # queued requests before new ones are refused
 
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        # Otherwise a step could not give every running sequence its token.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs})")
+
 
 @dataclass
 class ScheduledBatch:
@@ -40,6 +49,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_computed_tokens = 0  # prompt and output tokens run through the model, for throughput logs
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.limits.max_waiting:
@@ -106,6 +116,7 @@ class Scheduler:
         """Account for the computed tokens; release finished sequences."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_cached_tokens += n
+            self.num_computed_tokens += n
             self.block_manager.commit(seq)
         for seq in batch.seqs:
             if seq.is_finished and seq in self.running:

@@ -29,6 +29,8 @@ class Sequence:
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
+        # Prompt then output, kept as one list: the runner and block manager slice it every step.
+        self.token_ids: list[int] = list(prompt_ids)
         self.params = params
         self.max_tokens = max_tokens
         # Ids that end this sequence: the checkpoint's eos (unless ignored) plus the request's own.
@@ -40,6 +42,8 @@ class Sequence:
         self.num_cached_tokens = 0
         # Leading blocks already registered for prefix caching (kept by the block manager).
         self.num_hashed_blocks = 0
+        # Chain hashes of its leading full blocks, computed once by the block manager.
+        self.block_hashes: list[bytes] = []
         self.arrival = next(_arrival)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -47,12 +51,8 @@ class Sequence:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed)
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
     def __len__(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
 
     @property
     def num_uncached_tokens(self) -> int:
@@ -64,6 +64,7 @@ class Sequence:
 
     def append(self, token_id: int) -> None:
         self.output_ids.append(token_id)
+        self.token_ids.append(token_id)
         if token_id in self.stop_ids:
             self.finish(FinishReason.EOS)
         elif len(self.output_ids) >= self.max_tokens:
