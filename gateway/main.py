@@ -11,8 +11,9 @@ from gateway.downstream import Downstreams, DownstreamTLS
 from gateway.servicer import GatewayServicer
 from rpcserver.auth import add_auth_flags, auth_interceptors
 from rpcserver.config import ServerConfig, add_flag, add_server_flags
+from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
-from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from vllm_v0.gateway.v1 import gateway_pb2
 
 log = logging.getLogger("gateway")
 
@@ -71,12 +72,12 @@ async def watch_downstreams(server: GrpcServer, downstreams: Downstreams, interv
 
 
 async def serve(args: argparse.Namespace) -> None:
-    name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
-    server = GrpcServer(ServerConfig.from_args(args), [name], interceptors=auth_interceptors(args))
+    service = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"]
+    server = GrpcServer(ServerConfig.from_args(args), [service.full_name], interceptors=auth_interceptors(args))
     downstreams = Downstreams(args.tokenizer_addr, args.worker_addr,
                               DownstreamTLS(args.downstream_tls_ca, args.downstream_tls_cert, args.downstream_tls_key))
-    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-        GatewayServicer(downstreams, limits_overrides(args), args.model_name, args.log_prompts), server.server)
+    add_servicer(server.server, service,
+                 GatewayServicer(downstreams, limits_overrides(args), args.model_name, args.log_prompts))
     await server.start()
     watcher = asyncio.create_task(watch_downstreams(server, downstreams, args.health_interval))
 

@@ -8,10 +8,11 @@ import time
 
 from rpcserver.config import ServerConfig, add_flag, add_server_flags
 from rpcserver.model_path import resolve_model
+from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
 from services.tokenizer.core import TokenizerCore
 from services.tokenizer.servicer import TokenizerServicer
-from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from vllm_v0.tokenizer.v1 import tokenizer_pb2
 
 log = logging.getLogger("tokenizer")
 
@@ -25,10 +26,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    name = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
-    server = GrpcServer(ServerConfig.from_args(args), [name])
+    service = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"]
+    server = GrpcServer(ServerConfig.from_args(args), [service.full_name])
     servicer = TokenizerServicer()
-    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server.server)
+    add_servicer(server.server, service, servicer)
     await server.start()  # health answers NOT_SERVING while the tokenizer loads
     start = time.perf_counter()
     checkpoint = resolve_model(args.model)
