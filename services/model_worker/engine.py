@@ -1,6 +1,7 @@
 """The engine: load a checkpoint, accept requests, and advance every live sequence one step at a time."""
 from __future__ import annotations
 
+import json
 import logging
 import pathlib
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from services.model_worker.config import GenerationDefaults, Qwen3Config
 from services.model_worker.kv_cache import KVCache
 from services.model_worker.loader import load_model, resolve_device, resolve_dtype
 from services.model_worker.model_runner import ModelRunner
+from services.model_worker.optimize import pack_linears, packing_supported
 from services.model_worker.sampler import Sampler
 from services.model_worker.sampling_params import SamplingParams
 from services.model_worker.scheduler import Scheduler, SchedulerLimits
@@ -32,6 +34,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # Weights pre-packed for oneDNN at load time (same numerics, faster CPU matmuls).
+    # None: on for CPU, off elsewhere.
+    pack_weights: bool | None = None
+    # Also pack the vocab projection; when tied to the embedding this keeps a second copy of it.
+    pack_lm_head: bool = True
     limits: SchedulerLimits = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -55,9 +62,15 @@ class LLMEngine:
         self.checkpoint_dir = pathlib.Path(checkpoint_dir)
         self.config = Qwen3Config.from_json(self.checkpoint_dir)
         self.generation = GenerationDefaults.from_dir(self.checkpoint_dir)
+        # The offline demo checkpoint (demo/checkpoint.py) marks its config: its weights are random.
+        self.is_demo_checkpoint = "vllm_v0_demo_checkpoint" in json.loads(
+            (self.checkpoint_dir / "config.json").read_text())
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.config, self.device)
         self.model = load_model(self.checkpoint_dir, self.config, self.device, self.dtype)
+        pack = config.pack_weights if config.pack_weights is not None else self.device.type == "cpu"
+        if pack and packing_supported(self.device, self.dtype):
+            pack_linears(self.model, include_lm_head=config.pack_lm_head)
 
         num_blocks = config.num_blocks or self._blocks_from_budget()
         self.kv_cache = KVCache(self.config, num_blocks, config.block_size, self.dtype, self.device)
