@@ -8,6 +8,18 @@ import torch.nn.functional as F
 
 
 @dataclass
+class SequencePlan:
+    """How one sequence of the flat batch attends."""
+
+    query_start: int  # its first token's row in the flat batch
+    query_len: int
+    # Where its keys are read from: None = only this step's new tokens (a prompt's first chunk),
+    # a slice = one stretch of the pool (no copy), a tensor = its slots gathered in order.
+    keys: slice | torch.Tensor | None
+    mask: torch.Tensor | None  # (Lq, Lk) True where a query may attend a key; None = attend all
+
+
+@dataclass
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what each one may attend to.
 
@@ -16,69 +28,84 @@ class AttentionMetadata:
     """
 
     slot_mapping: torch.Tensor  # (T,) flat cache slot written by each new token
-    kv_slots: torch.Tensor      # (B, Lk) flat cache slots of each sequence's context, padded
-    query_index: torch.Tensor | None  # (B, Lq) flat token of each padded query row; None if every q_len is 1
-    output_index: torch.Tensor | None  # (T,) row of each token in the padded (B * Lq) output
-    mask: torch.Tensor | None   # (B, 1, Lq, Lk) True where a query may attend a key; None = attend all
+    plans: list[SequencePlan]   # (B,) in batch order
 
     @classmethod
     def build(cls, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
               block_size: int, device: torch.device) -> "AttentionMetadata":
         """context_lens count each sequence's tokens after this step (cached + new)."""
-        batch = len(block_tables)
-        max_kv = max(context_lens)
-        max_q = max(query_lens)
-        kv_slots = torch.zeros(batch, max_kv, dtype=torch.long)
-        slot_mapping = []
-        for b, (table, kv_len, q_len) in enumerate(zip(block_tables, context_lens, query_lens)):
-            positions = torch.arange(kv_len)
-            slots = torch.tensor(table, dtype=torch.long)[positions // block_size] * block_size \
-                + positions % block_size
-            kv_slots[b, :kv_len] = slots
-            slot_mapping.append(slots[kv_len - q_len:])
-        slot_mapping_t = torch.cat(slot_mapping)
+        slots: list[int] = []
+        plans = []
+        for table, kv_len, q_len in zip(block_tables, context_lens, query_lens):
+            start = kv_len - q_len
+            plans.append(_plan(table, kv_len, q_len, len(slots), block_size, device))
+            if q_len == 1:  # a decode step: skip building a range
+                slots.append(table[start // block_size] * block_size + start % block_size)
+            else:
+                slots.extend(_slots(table, start, kv_len, block_size).tolist())
+        return cls(torch.tensor(slots, device=device), plans)
 
-        kv_lens = torch.tensor(context_lens)
-        q_lens = torch.tensor(query_lens)
-        key_pos = torch.arange(max_kv)
-        if max_q == 1:
-            query_index = output_index = None
-            # A single query per sequence sees its whole context; only padding is masked.
-            mask = (key_pos[None, :] < kv_lens[:, None])[:, None, None, :]
-            if bool(mask.all()):
-                mask = None
-        else:
-            starts = torch.cumsum(q_lens, 0) - q_lens
-            rows = torch.arange(max_q)
-            valid_q = rows[None, :] < q_lens[:, None]                      # (B, Lq)
-            query_index = torch.where(valid_q, starts[:, None] + rows[None, :], 0)
-            output_index = (torch.arange(batch)[:, None] * max_q + rows[None, :])[valid_q]
-            query_pos = kv_lens[:, None] - q_lens[:, None] + rows[None, :]  # (B, Lq) position in its sequence
-            mask = key_pos[None, None, :] <= query_pos[:, :, None]         # causal, also hides padding keys
-            # Padding query rows would have nothing to attend (NaN); let them see key 0 and drop them later.
-            mask |= (~valid_q)[:, :, None] & (key_pos == 0)[None, None, :]
-            mask = mask[:, None]
-        to = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return cls(to(slot_mapping_t), to(kv_slots), to(query_index), to(output_index), to(mask))
+
+def _slots(table: list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
+    """The cache slots of positions start..stop-1 of a sequence with this block table."""
+    positions = torch.arange(start, stop)
+    return torch.tensor(table)[positions // block_size] * block_size + positions % block_size
+
+
+def _plan(table: list[int], kv_len: int, q_len: int, query_start: int, block_size: int,
+          device: torch.device) -> SequencePlan:
+    if kv_len == q_len:
+        # Nothing cached before this step: attend over the new keys themselves, causally.
+        return SequencePlan(query_start, q_len, None, None)
+    if q_len == 1:
+        # A single query attends its whole context, so key order does not matter, only the set:
+        # blocks forming one run of ids (in any order) are read in place.
+        low, high = min(table), max(table)
+        if high - low + 1 == len(table):
+            fill = kv_len - (len(table) - 1) * block_size  # tokens in the last block
+            last = table[-1]
+            if last == high:  # every block before the stretch's end is full
+                return SequencePlan(query_start, 1, slice(low * block_size, high * block_size + fill), None)
+            mask = torch.ones(1, len(table) * block_size, dtype=torch.bool)
+            mask[0, (last - low) * block_size + fill:(last - low + 1) * block_size] = False
+            return SequencePlan(query_start, 1, slice(low * block_size, (high + 1) * block_size),
+                                mask.to(device))
+        return SequencePlan(query_start, 1, _slots(table, 0, kv_len, block_size).to(device), None)
+    # A later chunk of a prompt (or a prefix-cache hit): its context in order, causal mask.
+    query_pos = torch.arange(kv_len - q_len, kv_len)
+    mask = torch.arange(kv_len)[None, :] <= query_pos[:, None]
+    return SequencePlan(query_start, q_len, _slots(table, 0, kv_len, block_size).to(device), mask.to(device))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: (T, H, D); k, v: (T, Hkv, D); caches: (num_blocks, block_size, Hkv, D). Returns (T, H, D)."""
+    """q: (T, H, D); k, v: (T, Hkv, D); caches: (Hkv, slots, D). Returns (T, H, D)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    k_flat.index_copy_(0, meta.slot_mapping, k)
-    v_flat.index_copy_(0, meta.slot_mapping, v)
+    num_kv_heads = k.shape[1]
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
-    keys = k_flat[meta.kv_slots].transpose(1, 2)    # (B, Hkv, Lk, D)
-    values = v_flat[meta.kv_slots].transpose(1, 2)
-    if meta.query_index is None:
-        queries = q[:, None].transpose(1, 2)       # (B, H, 1, D)
-    else:
-        queries = q[meta.query_index].transpose(1, 2)  # (B, H, Lq, D)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=scale,
-                                         enable_gqa=keys.shape[1] != num_heads)
-    out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # (B * Lq, H, D)
-    return out if meta.output_index is None else out[meta.output_index]
+    outs = []
+    for plan in meta.plans:
+        rows = slice(plan.query_start, plan.query_start + plan.query_len)
+        if plan.keys is None:
+            queries = q[rows].transpose(0, 1)[None]                   # (1, H, Lq, D)
+            out = F.scaled_dot_product_attention(
+                queries, k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
+                is_causal=plan.query_len > 1, scale=scale, enable_gqa=num_kv_heads != num_heads)
+            outs.append(out[0].transpose(0, 1))
+            continue
+        keys = k_cache[:, plan.keys][None]                            # (1, Hkv, Lk, D)
+        values = v_cache[:, plan.keys][None]
+        if plan.query_len == 1:
+            # The query heads sharing a KV head become that head's query rows: one kernel call
+            # per KV head, which runs far faster than the grouped-query path for one token.
+            queries = q[rows].view(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask, scale=scale)
+            outs.append(out.view(1, num_heads, head_dim))
+            continue
+        out = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values, attn_mask=plan.mask,
+                                             scale=scale, enable_gqa=num_kv_heads != num_heads)
+        outs.append(out[0].transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

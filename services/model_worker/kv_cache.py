@@ -7,18 +7,20 @@ from services.model_worker.config import Qwen3Config
 
 
 class KVCache:
-    """Per layer a key and a value tensor of shape (num_blocks, block_size, num_kv_heads, head_dim).
+    """Per layer a key and a value tensor of shape (num_kv_heads, num_blocks * block_size, head_dim).
 
-    One tensor pair per layer rather than one for all layers: compiled code then
-    updates a layer's cache in place instead of copying a shared buffer.
+    Slot s of block b is column b * block_size + s. Head-major, so that one head's keys over a run
+    of consecutive blocks are one contiguous stretch that attention reads in place. One tensor
+    pair per layer rather than one for all layers: compiled code then updates a layer's cache
+    in place instead of copying a shared buffer.
     """
 
     def __init__(self, config: Qwen3Config, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        # Zeros, not empty: padded attention reads unused slots, which must hold finite values.
+        shape = (config.num_key_value_heads, num_blocks * block_size, config.head_dim)
+        # Zeros, not empty: attention reads masked slots too (weighted 0), which must hold finite values.
         self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(config.num_hidden_layers)]
 
