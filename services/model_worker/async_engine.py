@@ -37,6 +37,9 @@ class AsyncEngine:
         self._pending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.steps = 0
+        # Tokens computed for requests whose caller had already gone: the price of aborting only
+        # at step boundaries, which should stay at a step or two per cancelled stream.
+        self.tokens_after_cancel = 0
         self.stats_interval_s = stats_interval_s  # <= 0: no periodic stats line
         self._window = _StatsWindow(time.monotonic())
 
@@ -89,9 +92,12 @@ class AsyncEngine:
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, out = stream
-            loop.call_soon_threadsafe(out.put_nowait, item)
+        if stream is None:
+            if isinstance(item, StepOutput):
+                self.tokens_after_cancel += 1
+            return
+        loop, out = stream
+        loop.call_soon_threadsafe(out.put_nowait, item)
 
     def _apply_commands(self) -> None:
         while True:

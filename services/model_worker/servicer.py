@@ -61,7 +61,8 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
             max_context=engine.max_model_len, vocab_size=engine.config.vocab_size,
             eos_token_ids=sorted(engine.eos_ids), running=stats["running"], waiting=stats["waiting"],
             kv_blocks_used=stats["kv_blocks_used"], kv_blocks_free=stats["kv_blocks_free"],
-            block_size=engine.kv_cache.block_size, prefix_cache_hit_rate=stats["prefix_cache_hit_rate"])
+            block_size=engine.kv_cache.block_size, prefix_cache_hit_rate=stats["prefix_cache_hit_rate"],
+            tokens_after_cancel=self.engine.tokens_after_cancel)
 
 
 def _to_proto(out: StepOutput, first: bool) -> worker_pb2.GenerateResponse:
