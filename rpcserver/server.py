@@ -26,6 +26,9 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
         # streams are cancelled, freeing what they hold.
         ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
+        # The wait for a ping's ack is its own setting, a minute by default; without it a frozen
+        # client (its process stopped, its sockets open) keeps its streams for that minute.
+        ("grpc.http2.ping_timeout_ms", int(config.keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         # Accept client pings as often as every second (gRPC's default minimum is 5 min), so
         # clients such as the gateway can watch their connections closely.
