@@ -17,6 +17,9 @@ CHANNEL_OPTIONS = [
     # Notice a dead peer within seconds even while a stream is idle, so callers fail fast.
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    # The wait for a ping's ack is a separate setting (a minute by default); match it, so a
+    # hung (not crashed) service is noticed in seconds too.
+    ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     # Reconnect quickly after a downstream restart instead of backing off for minutes.
     ("grpc.initial_reconnect_backoff_ms", 200),

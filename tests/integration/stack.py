@@ -83,10 +83,26 @@ class Stack:
         return [self.tokenizer, self.worker, self.gateway]
 
     def start(self, timeout: float = 180) -> None:
+        """Start every service and wait until each is SERVING; on failure stop them all and show the logs."""
         for service in self.services:
             service.start()
-        for service in self.services:
-            wait_serving(service.address, timeout)
+        deadline = time.monotonic() + timeout
+        try:
+            for service in self.services:
+                while True:
+                    if service.process.poll() is not None:
+                        raise RuntimeError(f"{service.name} exited with {service.process.returncode}:\n"
+                                           f"{service.log()[-3000:]}")
+                    try:
+                        wait_serving(service.address, timeout=2)
+                        break
+                    except TimeoutError:
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"{service.name} not serving after {timeout} s:\n"
+                                               f"{service.log()[-3000:]}") from None
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         for service in reversed(self.services):
