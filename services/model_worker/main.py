@@ -9,6 +9,7 @@ from prometheus_client import REGISTRY
 
 from rpcserver.config import ServerConfig, add_flag, add_server_flags
 from rpcserver.model_path import resolve_model
+from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
 from services.model_worker.async_engine import AsyncEngine
 from services.model_worker.config import ConfigError
@@ -17,7 +18,7 @@ from services.model_worker.loader import LoadError
 from services.model_worker.metrics import EngineCollector, observe_step
 from services.model_worker.scheduler import SchedulerLimits
 from services.model_worker.servicer import ModelWorkerServicer
-from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
+from vllm_v0.worker.v1 import worker_pb2
 
 log = logging.getLogger("model_worker")
 
@@ -56,15 +57,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    name = worker_pb2.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
-    server = GrpcServer(ServerConfig.from_args(args), [name])
+    service = worker_pb2.DESCRIPTOR.services_by_name["ModelWorkerService"]
+    server = GrpcServer(ServerConfig.from_args(args), [service.full_name])
     servicer = ModelWorkerServicer(args.model)
-    worker_pb2_grpc.add_ModelWorkerServiceServicer_to_server(servicer, server.server)
+    add_servicer(server.server, service, servicer)
     await server.start()  # health answers NOT_SERVING while the weights load
     checkpoint = resolve_model(args.model)
     engine = await asyncio.to_thread(LLMEngine, checkpoint, engine_config(args))
     log.info("serving %s on %s as %s (max context %d tokens)", checkpoint, engine.device,
              str(engine.dtype).removeprefix("torch."), engine.max_model_len)
+    if engine.is_demo_checkpoint:
+        log.warning("%s is the demo checkpoint: its weights are RANDOM, so generated text is gibberish", checkpoint)
     REGISTRY.register(EngineCollector(engine))
     async_engine = AsyncEngine(engine, on_step=observe_step, stats_interval_s=args.stats_interval)
     async_engine.start()
