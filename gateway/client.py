@@ -6,21 +6,11 @@ import sys
 
 import grpc
 
+from gateway.convert import SAMPLING_FIELDS
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 # Flags copied into the request only when given, so the server's defaults apply otherwise.
-_OPTIONAL_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "logprobs",
-)
+_OPTIONAL_FIELDS = ("max_tokens", *SAMPLING_FIELDS, "logprobs")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

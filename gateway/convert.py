@@ -3,20 +3,11 @@
 from gateway.validation import GenerationRequest
 from vllm_v0.gateway.v1 import gateway_pb2
 
+# The request's sampling knobs: each one, when unset, takes the checkpoint's default.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed")
 # proto3 `optional` scalars: HasField tells "unset" from a zero the client chose.
-_OPTIONAL_FIELDS = (
-    "enable_thinking",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "logprobs",
-)
+_OPTIONAL_FIELDS = ("enable_thinking", "max_tokens", *SAMPLING_FIELDS, "logprobs")
 
 
 def from_proto(msg: gateway_pb2.GenerateRequest) -> GenerationRequest:

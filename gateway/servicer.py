@@ -5,7 +5,7 @@ import uuid
 
 import grpc
 
-from gateway.convert import from_proto
+from gateway.convert import SAMPLING_FIELDS, from_proto
 from gateway.downstream import Downstreams
 from gateway.metrics import RequestRecord
 from gateway.stop import StopStringMatcher
@@ -16,8 +16,6 @@ from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 from vllm_v0.worker.v1 import worker_pb2
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed")
 FINISH_REASONS = {worker_pb2.FINISH_REASON_EOS: gateway_pb2.FINISH_REASON_EOS,
                   worker_pb2.FINISH_REASON_LENGTH: gateway_pb2.FINISH_REASON_LENGTH}
 
