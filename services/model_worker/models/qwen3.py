@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and scale in the model dtype, as the reference does; the fused
-        # kernel gives the reference's x * rsqrt(mean(x^2) + eps) bit for bit, in one op instead of five.
+        # kernel gives the reference's x * rsqrt(mean(x^2) + eps) bit for bit, in one call instead of five.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
@@ -91,20 +91,26 @@ class RotaryEmbedding(nn.Module):
         self.sin = freqs.sin() * scale
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin at the tokens' positions, (T, 1, D/2) each: looked up once per step for all layers."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        """(cos, cos) and (-sin, sin) at the tokens' positions, (T, 1, D) each, for _rotate.
+
+        Looked up once per step and shared by all layers.
+        """
+        cos = self.cos[positions].to(dtype)[:, None, :]  # (T, 1, D/2)
+        sin = self.sin[positions].to(dtype)[:, None, :]
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = rope
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    cos, signed_sin = rope
+    return _rotate(q, cos, signed_sin), _rotate(k, cos, signed_sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Half-split rotation ("rotate_half"), not interleaved pairs.
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # Half-split rotation ("rotate_half"), not interleaved pairs: (x1 cos - x2 sin, x2 cos + x1 sin),
+    # with the sign folded into the table so it takes four ops, rounding exactly as written out.
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin
 
 
 class Qwen3Attention(nn.Module):
