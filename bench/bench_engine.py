@@ -1,0 +1,319 @@
+"""Engine benchmark: our LLMEngine against transformers' generate and a no-cache loop, one sequence at a time.
+
+On a random checkpoint with Qwen3-0.6B's exact config (bf16 weights, run in each dtype asked for),
+interleaved in one run (ours, transformers, naive, ours, transformers, ...) on the same prompts:
+  - prefill time (time to the first token) and decode tokens/s (after the first token) for a
+    128-token prompt and 64 greedy new tokens;
+  - our decode time per token at a 2048-token context against a 64-token one (16 new tokens each).
+Medians with min-max ranges; the last line printed is one JSON object with every figure and ratio.
+
+The naive loop calls transformers' model on the whole sequence at every step (use_cache=False)
+and takes the argmax of the last position's logits (logits_to_keep=1).
+
+    python -m bench.bench_engine                     # full run, bf16 and fp32 (~10 minutes on 2 cores)
+    python -m bench.bench_engine --dtypes bfloat16   # bf16 only
+    python -m bench.bench_engine --quick             # a smoke check on a tiny checkpoint
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from demo.checkpoint import build_demo_checkpoint, qwen3_config  # noqa: E402
+from services.model_worker.engine import EngineConfig, LLMEngine  # noqa: E402
+from services.model_worker.sampling_params import SamplingParams  # noqa: E402
+
+DEFAULT_CHECKPOINT = ROOT / ".cache" / "bench-qwen3-0.6b"
+# From the issue: decode speed over transformers', prefill time over transformers', ctx 2048 over ctx 64.
+TARGETS = {"decode_speedup_vs_transformers": 2.0, "prefill_time_vs_transformers": 0.8,
+           "ctx2048_vs_ctx64_time_per_token": 1.25}
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+
+
+@dataclass
+class Run:
+    """One generation: when the first token came, and the time between the first and the last."""
+
+    ttft: float
+    decode_time: float
+    tokens: list[int]
+
+    @property
+    def decode_tps(self) -> float:
+        return (len(self.tokens) - 1) / self.decode_time
+
+    @property
+    def time_per_token(self) -> float:
+        return self.decode_time / (len(self.tokens) - 1)
+
+
+@dataclass
+class Series:
+    values: list[float] = field(default_factory=list)
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    def summary(self) -> dict:
+        return {"median": self.median, "min": min(self.values), "max": max(self.values), "n": len(self.values)}
+
+    def text(self, fmt: str) -> str:
+        return f"{format(self.median, fmt)} ({format(min(self.values), fmt)}-{format(max(self.values), fmt)})"
+
+
+def ensure_checkpoint(path: pathlib.Path, preset: str) -> pathlib.Path:
+    """Reuse the cached random checkpoint if its shapes are the preset's, else write it."""
+    config_file = path / "config.json"
+    wanted = qwen3_config(preset, "bfloat16")
+    if config_file.exists() and (path / "model.safetensors").exists():
+        have = json.loads(config_file.read_text())
+        if all(have.get(k) == wanted[k] for k in SHAPE_KEYS):
+            return path
+    print(f"writing a random {preset} checkpoint (bf16) to {path} ...", file=sys.stderr)
+    return build_demo_checkpoint(path, preset=preset, dtype="bfloat16", seed=0)
+
+
+def random_prompt(length: int, vocab: int, generator: torch.Generator) -> list[int]:
+    return torch.randint(0, vocab, (length,), generator=generator).tolist()
+
+
+def run_ours(engine: LLMEngine, prompt: list[int], new_tokens: int) -> Run:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    request_id = f"bench-{time.monotonic_ns()}"
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, params)
+    tokens, stamps = [], []
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id == request_id:
+                tokens.append(out.token_id)
+                stamps.append(time.perf_counter())
+    return Run(stamps[0] - start, stamps[-1] - stamps[0], tokens)
+
+
+class _Stamps:
+    """A stopping criterion that never stops: transformers calls it once per generated token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def run_transformers(model, prompt: list[int], new_tokens: int) -> Run:
+    from transformers import StoppingCriteriaList
+
+    stamps = _Stamps()
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0,
+                             stopping_criteria=StoppingCriteriaList([stamps]))
+    tokens = out[0, len(prompt):].tolist()
+    return Run(stamps.times[0] - start, stamps.times[-1] - stamps.times[0], tokens)
+
+
+def run_naive(model, prompt: list[int], new_tokens: int) -> Run:
+    ids = torch.tensor([prompt])
+    stamps = []
+    with torch.inference_mode():
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            logits = model(ids, use_cache=False, logits_to_keep=1).logits[0, -1]
+            ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
+            stamps.append(time.perf_counter())
+    return Run(stamps[0] - start, stamps[-1] - stamps[0], ids[0, len(prompt):].tolist())
+
+
+def agreeing_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def bench_dtype(checkpoint: pathlib.Path, dtype: str, args: argparse.Namespace, vocab: int) -> dict:
+    from transformers import Qwen3ForCausalLM
+
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    repeats = args.repeats if dtype == "bfloat16" else args.fp32_repeats
+    generator = torch.Generator().manual_seed(1234)
+
+    start = time.perf_counter()
+    engine = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype=dtype))
+    ours_load = time.perf_counter() - start
+    start = time.perf_counter()
+    reference = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype).eval()
+    transformers_load = time.perf_counter() - start
+
+    # Warm both up (first-call allocations, oneDNN kernel creation) on a throwaway prompt.
+    warm = random_prompt(args.prompt_len, vocab, generator)
+    run_ours(engine, warm, 4)
+    run_transformers(reference, warm, 4)
+    run_naive(reference, warm, 2)
+
+    series = {name: Series() for name in (
+        "ours_prefill_s", "ours_decode_tps", "transformers_prefill_s", "transformers_decode_tps",
+        "naive_prefill_s", "naive_decode_tps", "ours_ms_per_token_ctx_short", "ours_ms_per_token_ctx_long")}
+    agreement = []
+    for r in range(repeats):
+        prompt = random_prompt(args.prompt_len, vocab, generator)
+        ours = run_ours(engine, prompt, args.new_tokens)
+        theirs = run_transformers(reference, prompt, args.new_tokens)
+        series["ours_prefill_s"].add(ours.ttft)
+        series["ours_decode_tps"].add(ours.decode_tps)
+        series["transformers_prefill_s"].add(theirs.ttft)
+        series["transformers_decode_tps"].add(theirs.decode_tps)
+        agreement.append(agreeing_prefix(ours.tokens, theirs.tokens))
+        if r < args.naive_repeats:
+            naive = run_naive(reference, prompt, args.new_tokens)
+            series["naive_prefill_s"].add(naive.ttft)
+            series["naive_decode_tps"].add(naive.decode_tps)
+        print(f"  {dtype} repeat {r + 1}/{repeats}: ours {ours.decode_tps:.2f} tok/s, ttft {ours.ttft:.3f} s; "
+              f"transformers {theirs.decode_tps:.2f} tok/s, ttft {theirs.ttft:.3f} s", file=sys.stderr)
+    del reference
+    gc.collect()
+
+    for r in range(args.context_repeats):
+        short = run_ours(engine, random_prompt(args.short_context, vocab, generator), args.context_new_tokens)
+        long = run_ours(engine, random_prompt(args.long_context, vocab, generator), args.context_new_tokens)
+        series["ours_ms_per_token_ctx_short"].add(short.time_per_token * 1e3)
+        series["ours_ms_per_token_ctx_long"].add(long.time_per_token * 1e3)
+        print(f"  {dtype} context repeat {r + 1}/{args.context_repeats}: {short.time_per_token * 1e3:.1f} ms/token "
+              f"at {args.short_context}, {long.time_per_token * 1e3:.1f} ms/token at {args.long_context}",
+              file=sys.stderr)
+    del engine
+    gc.collect()
+
+    med = {name: s.median for name, s in series.items()}
+    return {
+        "figures": {name: s.summary() for name, s in series.items()},
+        "ratios": {
+            "decode_speedup_vs_transformers": med["ours_decode_tps"] / med["transformers_decode_tps"],
+            "prefill_time_vs_transformers": med["ours_prefill_s"] / med["transformers_prefill_s"],
+            "decode_speedup_vs_naive": med["ours_decode_tps"] / med["naive_decode_tps"],
+            "prefill_time_vs_naive": med["ours_prefill_s"] / med["naive_prefill_s"],
+            "ctx2048_vs_ctx64_time_per_token": med["ours_ms_per_token_ctx_long"] / med["ours_ms_per_token_ctx_short"],
+        },
+        "greedy_tokens_agreeing_with_transformers": agreement,
+        "load_s": {"ours": ours_load, "transformers": transformers_load},
+        "repeats": repeats,
+        "_series": series,
+    }
+
+
+def print_table(results: dict, args: argparse.Namespace) -> None:
+    print(f"\nprompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, 1 sequence, "
+          f"{torch.get_num_threads()} threads; median (min-max)")
+    for dtype, res in results.items():
+        s, ratios = res["_series"], res["ratios"]
+        print(f"\n[{dtype}] {res['repeats']} repeats ({args.naive_repeats} naive), "
+              f"{args.context_repeats} context repeats")
+        print(f"  {'':14s}{'decode tok/s':>26s}{'prefill s':>26s}")
+        for who in ("ours", "transformers", "naive"):
+            print(f"  {who:14s}{s[who + '_decode_tps'].text('.2f'):>26s}{s[who + '_prefill_s'].text('.3f'):>26s}")
+        print(f"  ours ms/token at context {args.short_context}: {s['ours_ms_per_token_ctx_short'].text('.1f')}, "
+              f"at {args.long_context}: {s['ours_ms_per_token_ctx_long'].text('.1f')}")
+        print(f"  greedy tokens agreeing with transformers (per repeat): "
+              f"{res['greedy_tokens_agreeing_with_transformers']} of {args.new_tokens}")
+        for name, value in ratios.items():
+            target = TARGETS.get(name)
+            verdict = ""
+            if target is not None:
+                met = value >= target if name.startswith("decode") else value <= target
+                verdict = f"  target {'>=' if name.startswith('decode') else '<='} {target}: {'met' if met else 'MISSED'}"
+            print(f"  {name:36s}{value:8.2f}{verdict}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint-dir", type=pathlib.Path, default=DEFAULT_CHECKPOINT,
+                   help="where the random checkpoint is cached (written on first use)")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated: bfloat16, float32")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats in bf16")
+    p.add_argument("--fp32-repeats", type=int, default=3, help="interleaved repeats in fp32")
+    p.add_argument("--naive-repeats", type=int, default=1, help="of those, how many also run the naive loop")
+    p.add_argument("--context-repeats", type=int, default=3, help="short/long context pairs per dtype")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--short-context", type=int, default=64)
+    p.add_argument("--long-context", type=int, default=2048)
+    p.add_argument("--context-new-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="a tiny checkpoint and short runs: checks the script works")
+    args = p.parse_args(argv)
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for dtype in args.dtypes:
+        if dtype not in ("bfloat16", "float32"):
+            p.error(f"unknown dtype {dtype!r}")
+    if args.quick:
+        args.repeats = args.fp32_repeats = args.naive_repeats = args.context_repeats = 1
+        args.prompt_len, args.new_tokens, args.short_context, args.long_context = 16, 8, 8, 64
+        args.context_new_tokens = 4
+    return args
+
+
+def cpu_name() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    # Other work on a shared machine skews every figure; the load averages say how much there was.
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        preset = "tiny" if args.quick else "qwen3-0.6b"
+        checkpoint = ensure_checkpoint(pathlib.Path(tmp) / "tiny" if args.quick else args.checkpoint_dir, preset)
+        vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+        results = {dtype: bench_dtype(checkpoint, dtype, args, vocab) for dtype in args.dtypes}
+    print_table(results, args)
+    print(f"\nload average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; "
+          f"after: {', '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
+    report = {
+        "benchmark": "bench_engine",
+        "checkpoint": "random, Qwen3-0.6B config" if not args.quick else "random, tiny config (--quick)",
+        "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+                    "torch": torch.__version__, "load_average_before": load_before,
+                    "load_average_after": os.getloadavg()},
+        "settings": {k: getattr(args, k) for k in (
+            "prompt_len", "new_tokens", "short_context", "long_context", "context_new_tokens", "naive_repeats",
+            "context_repeats")},
+        "targets": TARGETS,
+        "results": {dtype: {k: v for k, v in res.items() if not k.startswith("_")} for dtype, res in results.items()},
+        "wall_s": time.perf_counter() - started,
+    }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
