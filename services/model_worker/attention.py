@@ -59,7 +59,9 @@ def _plan(table: list[int], kv_len: int, q_len: int, query_start: int, block_siz
         return SequencePlan(query_start, q_len, None, None)
     if q_len == 1:
         # A single query attends its whole context, so key order does not matter, only the set:
-        # blocks forming one run of ids (in any order) are read in place.
+        # blocks forming one run of ids (in any order) are read in place. A prompt chunk of one
+        # token may hold blocks past its context; they are not part of it.
+        table = table[:-(-kv_len // block_size)]
         low, high = min(table), max(table)
         if high - low + 1 == len(table):
             fill = kv_len - (len(table) - 1) * block_size  # tokens in the last block

@@ -29,6 +29,8 @@ CASES = {
     "decode_run_ending_high": ([21, 20, 22], 10, 1),  # any order, last block at the stretch's end
     "decode_scattered": ([30, 7, 41], 9, 1),
     "decode_block_boundary": ([50, 51, 52], 9, 1),
+    "one_token_chunk_of_a_longer_prompt": ([33, 34, 35], 5, 1),       # blocks past the context
+    "one_token_chunk_descending": ([47, 46, 45], 5, 1),
     "later_chunk": ([40, 42, 44], 12, 5),
     "later_chunk_contiguous": ([60, 61, 62], 10, 3),
 }
