@@ -19,6 +19,9 @@ def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
     return digest.digest()
 
 
+SPARE, ROOM = b"\x01", b"\x02"
+
+
 class Block:
     __slots__ = ("block_id", "ref_count", "hash", "token_ids")
 
@@ -37,6 +40,11 @@ class BlockManager:
     recomputing it. A block nobody holds keeps its contents and hash while it sits in the
     free list. Free blocks that hold no cached prefix are reused first, then cached ones least
     recently freed first, which evicts the coldest prefixes.
+
+    Where the pool allows, a sequence's blocks form one run of ids with room after it for the
+    rest of its tokens (max_tokens), which later steps fill: attention reads such a sequence's
+    keys in place instead of gathering them. The room is only a preference; it is free for
+    anyone once no run is left.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -45,6 +53,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
+        # Per block: SPARE (free, holds no cached prefix), ROOM (the same, kept for a sequence to grow into), or 0.
+        self.spare = bytearray(SPARE * num_blocks)
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0     # of which found in the cache
 
@@ -67,8 +77,13 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _take_free(self) -> Block:
-        block_id, _ = self.free.popitem(last=False)
+    def _take(self, block_id: int | None = None) -> Block:
+        """A free block for one sequence: this one, else the next in eviction order."""
+        if block_id is None:
+            block_id, _ = self.free.popitem(last=False)
+        else:
+            del self.free[block_id]
+        self.spare[block_id] = 0
         block = self.blocks[block_id]
         if block.hash is not None:  # evict the cached prefix it held
             if self.cached.get(block.hash) == block_id:
@@ -76,6 +91,24 @@ class BlockManager:
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block
+
+    def _append_blocks(self, seq: Sequence, count: int) -> None:
+        """Add count fresh blocks to the sequence's table, extending its run of ids where possible."""
+        table = seq.block_table
+        while count and table and table[-1] + 1 < self.num_blocks and self.spare[table[-1] + 1]:
+            table.append(self._take(table[-1] + 1).block_id)
+            count -= 1
+        if not count:
+            return
+        # A new run, with room for every token the sequence may reach if some stretch is that long.
+        future = self.blocks_needed(len(seq.prompt_ids) + seq.max_tokens) - len(table)
+        for length in (future, count) if future > count else (count,):
+            start = self.spare.find(SPARE * length)
+            if start >= 0:
+                table.extend(self._take(i).block_id for i in range(start, start + count))
+                self.spare[start + count:start + length] = ROOM * (length - count)
+                return
+        table.extend(self._take().block_id for _ in range(count))
 
     def _share(self, block: Block) -> None:
         if block.ref_count == 0:
@@ -119,8 +152,7 @@ class BlockManager:
         for block in hits:  # before taking free blocks, which could evict a hit sitting in the free list
             self._share(block)
             seq.block_table.append(block.block_id)
-        while len(seq.block_table) < self.blocks_needed(len(seq)):
-            seq.block_table.append(self._take_free().block_id)
+        self._append_blocks(seq, self.blocks_needed(len(seq)) - len(seq.block_table))
         seq.num_hashed_blocks = len(hits)
         seq.num_cached_tokens = len(hits) * self.block_size
         self.prefix_queries += len(seq)
@@ -132,8 +164,7 @@ class BlockManager:
 
     def grow(self, seq: Sequence) -> None:
         """Give the sequence blocks for all its tokens: a new one each time it crosses a block boundary."""
-        while self.blocks_needed(len(seq)) > len(seq.block_table):
-            seq.block_table.append(self._take_free().block_id)
+        self._append_blocks(seq, self.blocks_needed(len(seq)) - len(seq.block_table))
 
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's full blocks whose K/V are now computed, for later prefix hits."""
@@ -151,6 +182,12 @@ class BlockManager:
         seq.num_hashed_blocks = full
 
     def free_blocks(self, seq: Sequence) -> None:
+        if seq.block_table:
+            # Give back the room kept after its run.
+            end = seq.block_table[-1] + 1
+            while end < self.num_blocks and self.spare[end] == ROOM[0]:
+                self.spare[end] = SPARE[0]
+                end += 1
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -160,6 +197,7 @@ class BlockManager:
                 if not self._is_cached(block):
                     # Nothing a later prompt could reuse: hand it out before any cached block.
                     self.free.move_to_end(block_id, last=False)
+                    self.spare[block_id] = SPARE[0]
         seq.block_table = []
         seq.num_cached_tokens = 0
         seq.num_hashed_blocks = 0

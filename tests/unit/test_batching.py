@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 
 import pytest
 
@@ -193,3 +194,30 @@ def test_async_engine_streams_refuses_beyond_the_queue_and_logs_stats(checkpoint
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
     lines = [r.getMessage() for r in caplog.records if "tokens/s generated" in r.getMessage()]
     assert lines and "KV blocks" in lines[0] and "prefix cache hit rate" in lines[0]
+
+
+def test_cancelled_stream_frees_its_blocks_at_the_next_step(checkpoint):
+    engine = make_engine(checkpoint)
+    async_engine = AsyncEngine(engine)
+
+    async def take_three() -> list[int]:
+        stream = async_engine.generate("cancelled", list(range(40)), greedy(200))
+        got = []
+        async for out in stream:
+            got.append(out.token_id)
+            if len(got) == 3:
+                break
+        await stream.aclose()  # what grpc.aio does to the servicer's iterator when the caller goes
+        return got
+
+    async_engine.start()
+    try:
+        assert len(asyncio.run(take_three())) == 3
+        deadline = time.monotonic() + 30
+        while engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        async_engine.stop()
+    assert not engine.has_work()
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert async_engine.steps < 200

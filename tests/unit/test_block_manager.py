@@ -37,6 +37,8 @@ def check_ref_counts(bm: BlockManager, live: list[Sequence]) -> None:
     assert set(bm.free) == {i for i, n in enumerate(held) if n == 0}
     for h, block_id in bm.cached.items():
         assert bm.blocks[block_id].hash == h
+    # Exactly the free blocks holding no cached prefix may be placed in new runs.
+    assert [bool(x) for x in bm.spare] == [b.ref_count == 0 and not bm._is_cached(b) for b in bm.blocks]
 
 
 # -- allocation ---------------------------------------------------------------------------------------
@@ -324,6 +326,26 @@ def test_preemption_frees_the_newest_and_recomputes_it():
     assert new.output_ids == expected_output([4, 5, 6], 9)
     assert bm.num_free == bm.num_blocks
     check_ref_counts(bm, [])
+
+
+def test_sequences_decoding_together_keep_one_run_of_blocks_each():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(bm, SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64))
+    runner = FakeRunner(bm)
+    for i in range(4):
+        scheduler.add(make_seq([i + 1] * (3 + 5 * i), max_tokens=10 + 3 * i, name=f"s{i}"))
+    grown = set()
+    while scheduler.has_work():
+        batch = scheduler.schedule()
+        runner.run(batch)
+        scheduler.finish_step(batch)
+        for seq in scheduler.running:
+            first = seq.block_table[0]
+            assert seq.block_table == list(range(first, first + len(seq.block_table))), seq
+            if len(seq.block_table) > bm.blocks_needed(len(seq.prompt_ids)):
+                grown.add(seq.request_id)
+        check_ref_counts(bm, scheduler.running)
+    assert len(grown) == 4  # each crossed into blocks it did not start with, and stayed one run
 
 
 def test_waiting_queue_limit():
