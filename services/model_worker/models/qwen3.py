@@ -27,9 +27,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and scale in the model dtype, as the reference does; the fused
-        # kernel gives the reference's x * rsqrt(mean(x^2) + eps) bit for bit, in one call instead of five.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise the last dim in float32 and scale in the model dtype, as the reference does.
+
+    F.rms_norm gives the reference's x * rsqrt(mean(x^2) + eps) bit for bit, in one call instead
+    of five. weight: (D,), or one row per position of the dims before it.
+    """
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 def rotary_inv_freq(config: Qwen3Config) -> tuple[torch.Tensor, float]:
@@ -100,15 +107,13 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x: (T, heads, D). Half-split rotation ("rotate_half"), not interleaved pairs.
+
+    (x1 cos - x2 sin, x2 cos + x1 sin) with the sign folded into the table: four ops, rounding
+    exactly as written out.
+    """
     cos, signed_sin = rope
-    return _rotate(q, cos, signed_sin), _rotate(k, cos, signed_sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    # Half-split rotation ("rotate_half"), not interleaved pairs: (x1 cos - x2 sin, x2 cos + x1 sin),
-    # with the sign folded into the table so it takes four ops, rounding exactly as written out.
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin
 
@@ -134,10 +139,13 @@ class Qwen3Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
-        q, k = apply_rotary(q, k, rope)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # The q and k heads are normalised and rotated as one tensor (T, H + Hkv, D): the norm is
+        # per head anyway, each with q_norm's or k_norm's weight; half the ops of doing them apart.
+        weight = torch.cat((self.q_norm.weight.expand(self.num_heads, -1),
+                            self.k_norm.weight.expand(self.num_kv_heads, -1)))
+        qk = rms_norm(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), weight, self.q_norm.eps)
+        q, k = apply_rotary(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
