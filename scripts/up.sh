@@ -50,5 +50,5 @@ echo "Gateway serving on localhost:$GATEWAY_PORT. Streaming a completion:"
 echo
 "$PY" -m gateway.client --addr "localhost:$GATEWAY_PORT" --max-tokens 64 "$prompt"
 echo
-echo "The services keep running: try 'python -m gateway.client --chat \"Hi\"' or grpcurl (see README). Ctrl-C stops them."
+echo "The services keep running: try '.venv/bin/python -m gateway.client --chat Hi' or grpcurl (see README). Ctrl-C stops them."
 wait
