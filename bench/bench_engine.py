@@ -10,7 +10,7 @@ Medians with min-max ranges; the last line printed is one JSON object with every
 The naive loop calls transformers' model on the whole sequence at every step (use_cache=False)
 and takes the argmax of the last position's logits (logits_to_keep=1).
 
-    python -m bench.bench_engine                     # full run, bf16 and fp32 (~10 minutes on 2 cores)
+    python -m bench.bench_engine                     # full run, bf16 and fp32 (~6 minutes on 2 idle cores)
     python -m bench.bench_engine --dtypes bfloat16   # bf16 only
     python -m bench.bench_engine --quick             # a smoke check on a tiny checkpoint
 """
