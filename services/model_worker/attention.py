@@ -1,113 +1,215 @@
-"""Attention over a paged KV cache for a flat batch of tokens from several sequences."""
+"""Attention over a paged KV cache for a flat batch of tokens from several sequences.
+
+The runner describes a step once, as a few tensors (AttentionMetadata), and every layer's
+attention reads them: no per-sequence Python inside the forward, and a fixed number of kernel
+calls per layer whatever the batch size. A backend (chosen once, by the runner, for the device
+and dtype) does the arithmetic; each one is checked against a float64 reference in the tests.
+"""
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from services.model_worker.kernels import cpu_attention
+
+log = logging.getLogger(__name__)
+
 
 @dataclass
-class SequencePlan:
-    """How one sequence of the flat batch attends."""
+class PrefillLayout:
+    """The sequences with more than one new token, padded to (P, Lq) queries against (P, Lk) keys.
 
-    query_start: int  # its first token's row in the flat batch
-    query_len: int
-    # Where its keys are read from: None = only this step's new tokens (a prompt's first chunk),
-    # a slice = one stretch of the pool (no copy), a tensor = its slots gathered in order.
-    keys: slice | torch.Tensor | None
-    mask: torch.Tensor | None  # (Lq, Lk) True where a query may attend a key; None = attend all
+    One SDPA call computes them all. Padding rows and keys are masked; padding query rows attend
+    to key 0 only, so they stay finite and are dropped from the output.
+    """
+
+    query_rows: torch.Tensor        # (P, Lq) row of q for each padded query (padding repeats a real row)
+    key_slots: torch.Tensor | None  # (P * Lk,) cache slot of each padded key; None: keys are this step's own
+    mask: torch.Tensor | None       # (P, 1, Lq, Lk) True where a query may attend; None: plain causal
+    out_rows: torch.Tensor          # (Tp,) padded query index (p * Lq + i) of each real prefill row, in batch order
+    rows: torch.Tensor              # (Tp,) their rows in the flat batch
 
 
 @dataclass
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what each one may attend to.
 
-    Built once per step by the runner and shared by every layer. The flat batch
-    holds T tokens from B sequences, sequence b's tokens contiguous.
+    The flat batch holds T tokens from B sequences, sequence b's tokens contiguous. Built once
+    per step by the runner and shared by every layer, in the layout varlen and paged kernels take.
     """
 
-    slot_mapping: torch.Tensor  # (T,) flat cache slot written by each new token
-    plans: list[SequencePlan]   # (B,) in batch order
+    slot_mapping: torch.Tensor     # (T,) int64: cache slot written by each new token
+    query_start_loc: torch.Tensor  # (B + 1,) int32: cu_seqlens of the queries
+    context_lens: torch.Tensor     # (B,) int32: tokens in each sequence's context after this step
+    block_tables: torch.Tensor     # (B, max_blocks) int32, padded with block 0
+    block_size: int
+    max_query_len: int
+    max_context_len: int
+    backend: "AttentionBackend"
 
     @classmethod
     def build(cls, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
-              block_size: int, device: torch.device) -> "AttentionMetadata":
+              block_size: int, device: torch.device, backend: "AttentionBackend | None" = None
+              ) -> "AttentionMetadata":
         """context_lens count each sequence's tokens after this step (cached + new)."""
-        slots: list[int] = []
-        plans = []
-        for table, kv_len, q_len in zip(block_tables, context_lens, query_lens):
-            start = kv_len - q_len
-            plans.append(_plan(table, kv_len, q_len, len(slots), block_size, device))
-            if q_len == 1:  # a decode step: skip building a range
-                slots.append(table[start // block_size] * block_size + start % block_size)
-            else:
-                slots.extend(_slots(table, start, kv_len, block_size).tolist())
-        return cls(torch.tensor(slots, device=device), plans)
+        max_blocks = max(-(-n // block_size) for n in context_lens)
+        table = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
+        for b, (blocks, n) in enumerate(zip(block_tables, context_lens)):
+            used = -(-n // block_size)  # a sequence may hold blocks past its context (room to grow)
+            table[b, :used] = torch.tensor(blocks[:used], dtype=torch.int32)
+        context = torch.tensor(context_lens, dtype=torch.int32)
+        q_lens = torch.tensor(query_lens, dtype=torch.int32)
+        query_start = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=query_start[1:])
+        # Each new token's position, then its slot through its sequence's block table.
+        seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+        positions = (context - q_lens)[seq_of_row] + (torch.arange(int(query_start[-1])) - query_start[seq_of_row])
+        slots = table[seq_of_row, positions // block_size].long() * block_size + positions % block_size
+        return cls(slots.to(device), query_start.to(device), context.to(device), table.to(device), block_size,
+                   max(query_lens), max(context_lens), backend or default_backend(device))
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @functools.cached_property
+    def query_lens(self) -> torch.Tensor:
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @functools.cached_property
+    def decode_seqs(self) -> torch.Tensor | None:
+        """Sequences with one new token (decodes, one-token prompt chunks); None: every sequence."""
+        if self.max_query_len == 1:
+            return None
+        return torch.nonzero(self.query_lens == 1).flatten()
+
+    @functools.cached_property
+    def prefill(self) -> PrefillLayout | None:
+        """The layout of sequences with several new tokens, computed on first use (once a step)."""
+        seqs = torch.nonzero(self.query_lens > 1).flatten()
+        if seqs.numel() == 0:
+            return None
+        q_lens, context = self.query_lens[seqs], self.context_lens[seqs]
+        starts = self.query_start_loc[seqs]
+        max_q, max_k = int(q_lens.max()), int(context.max())
+        i = torch.arange(max_q, device=seqs.device)
+        valid = i[None, :] < q_lens[:, None]                                   # (P, Lq)
+        query_rows = starts[:, None] + torch.minimum(i[None, :], q_lens[:, None] - 1)
+        out_rows = torch.nonzero(valid.flatten()).flatten()
+        rows = query_rows.flatten()[out_rows]
+        fresh = bool((context == q_lens).all())  # nothing cached: the keys are this step's own tokens
+        if fresh and seqs.numel() == 1:
+            return PrefillLayout(query_rows, None, None, out_rows, rows)
+        j = torch.arange(max_k, device=seqs.device)
+        query_pos = (context - q_lens)[:, None] + i[None, :]                   # (P, Lq)
+        mask = (j[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]
+        mask[:, :, 0] = True  # padding queries see key 0: finite, and discarded
+        key_slots = None
+        if not fresh:
+            key_slots = _slots(self.block_tables[seqs], max_k, self.block_size).flatten()
+        return PrefillLayout(query_rows, key_slots, mask[:, None], out_rows, rows)
 
 
-def _slots(table: list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
-    """The cache slots of positions start..stop-1 of a sequence with this block table."""
-    positions = torch.arange(start, stop)
-    return torch.tensor(table)[positions // block_size] * block_size + positions % block_size
+class AttentionBackend:
+    """Computes attention for one layer of a step, given q and this step's k, v (already in the cache)."""
+
+    name = "base"
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
+               block_tables: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+        """q: (N, H, D), one query per sequence at its last position. Returns (N, H, D)."""
+        raise NotImplementedError
 
 
-def _plan(table: list[int], kv_len: int, q_len: int, query_start: int, block_size: int,
-          device: torch.device) -> SequencePlan:
-    if kv_len == q_len:
-        # Nothing cached before this step: attend over the new keys themselves, causally.
-        return SequencePlan(query_start, q_len, None, None)
-    if q_len == 1:
-        # A single query attends its whole context, so key order does not matter, only the set:
-        # blocks forming one run of ids (in any order) are read in place. A prompt chunk of one
-        # token may hold blocks past its context; they are not part of it.
-        table = table[:-(-kv_len // block_size)]
-        low, high = min(table), max(table)
-        if high - low + 1 == len(table):
-            fill = kv_len - (len(table) - 1) * block_size  # tokens in the last block
-            last = table[-1]
-            if last == high:  # every block before the stretch's end is full
-                return SequencePlan(query_start, 1, slice(low * block_size, high * block_size + fill), None)
-            mask = torch.ones(1, len(table) * block_size, dtype=torch.bool)
-            mask[0, (last - low) * block_size + fill:(last - low + 1) * block_size] = False
-            return SequencePlan(query_start, 1, slice(low * block_size, (high + 1) * block_size),
-                                mask.to(device))
-        return SequencePlan(query_start, 1, _slots(table, 0, kv_len, block_size).to(device), None)
-    # A later chunk of a prompt (or a prefix-cache hit): its context in order, causal mask.
-    query_pos = torch.arange(kv_len - q_len, kv_len)
-    mask = torch.arange(kv_len)[None, :] <= query_pos[:, None]
-    return SequencePlan(query_start, q_len, _slots(table, 0, kv_len, block_size).to(device), mask.to(device))
+class TorchAttention(AttentionBackend):
+    """Plain PyTorch for every device: decodes are padded prefills of one query (SDPA over gathered keys)."""
+
+    name = "torch"
+
+    def decode(self, q, k_cache, v_cache, context_lens, block_tables, block_size, scale):
+        n, max_k = context_lens.shape[0], int(context_lens.max())
+        slots = _slots(block_tables, max_k, block_size).flatten()
+        j = torch.arange(max_k, device=q.device)
+        mask = (j[None, :] < context_lens[:, None])[:, None, None, :]        # (N, 1, 1, Lk)
+        keys = _gather(k_cache, slots, n)
+        values = _gather(v_cache, slots, n)
+        num_kv_heads = k_cache.shape[0]
+        queries = q.reshape(n, num_kv_heads, q.shape[1] // num_kv_heads, q.shape[2])
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+        return out.reshape(n, q.shape[1], q.shape[2])
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+class CpuPagedAttention(TorchAttention):
+    """Decodes through the C kernel, which reads keys in place through the block tables."""
+
+    name = "cpu-paged"
+
+    def __init__(self, library):
+        self.library = library
+
+    def decode(self, q, k_cache, v_cache, context_lens, block_tables, block_size, scale):
+        if not cpu_attention.supports(q.dtype):
+            return super().decode(q, k_cache, v_cache, context_lens, block_tables, block_size, scale)
+        return cpu_attention.paged_decode_attention(self.library, q, k_cache, v_cache, context_lens, block_tables,
+                                                    block_size, scale)
+
+
+def _slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """(N, length) cache slots of positions 0..length-1 of each sequence (past a table's end: its last block)."""
+    j = torch.arange(length, device=block_tables.device)
+    blocks = torch.clamp(j // block_size, max=block_tables.shape[1] - 1)
+    return block_tables.long()[:, blocks] * block_size + j % block_size
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor, batch: int) -> torch.Tensor:
+    """(Hkv, slots, D) cache rows at the given slots, as (batch, Hkv, slots / batch, D)."""
+    rows = cache.index_select(1, slots)
+    return rows.view(cache.shape[0], batch, -1, cache.shape[2]).transpose(0, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def default_backend(device: torch.device) -> AttentionBackend:
+    """The fastest backend that runs here: the C kernel on CPU (for float32 and bfloat16), else PyTorch."""
+    if device.type == "cpu":
+        library = cpu_attention.load()
+        if library is not None:
+            return CpuPagedAttention(library)
+    return TorchAttention()
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: (T, H, D); k, v: (T, Hkv, D); caches: (Hkv, slots, D). Returns (T, H, D)."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[1]
+    """q: (T, H, D); k, v: (T, Hkv, D); caches: (Hkv, slots, D). Writes k, v to the cache; returns (T, H, D)."""
     k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if meta.max_query_len == 1:  # a pure decode step, the common case
+        return meta.backend.decode(q, k_cache, v_cache, meta.context_lens, meta.block_tables, meta.block_size, scale)
+    out = torch.empty_like(q)
+    decodes = meta.decode_seqs
+    if decodes.numel():
+        rows = meta.query_start_loc[decodes].long()
+        out[rows] = meta.backend.decode(q[rows], k_cache, v_cache, meta.context_lens[decodes],
+                                        meta.block_tables[decodes], meta.block_size, scale)
+    out[meta.prefill.rows] = _prefill(q, k, v, k_cache, v_cache, meta.prefill, scale)
+    return out
 
-    outs = []
-    for plan in meta.plans:
-        rows = slice(plan.query_start, plan.query_start + plan.query_len)
-        if plan.keys is None:
-            queries = q[rows].transpose(0, 1)[None]                   # (1, H, Lq, D)
-            out = F.scaled_dot_product_attention(
-                queries, k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
-                is_causal=plan.query_len > 1, scale=scale, enable_gqa=num_kv_heads != num_heads)
-            outs.append(out[0].transpose(0, 1))
-            continue
-        keys = k_cache[:, plan.keys][None]                            # (1, Hkv, Lk, D)
-        values = v_cache[:, plan.keys][None]
-        if plan.query_len == 1:
-            # The query heads sharing a KV head become that head's query rows: one kernel call
-            # per KV head, which runs far faster than the grouped-query path for one token.
-            queries = q[rows].view(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask, scale=scale)
-            outs.append(out.view(1, num_heads, head_dim))
-            continue
-        out = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values, attn_mask=plan.mask,
-                                             scale=scale, enable_gqa=num_kv_heads != num_heads)
-        outs.append(out[0].transpose(0, 1))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+def _prefill(q, k, v, k_cache, v_cache, layout: PrefillLayout, scale: float) -> torch.Tensor:
+    """The prefill rows' attention, in batch order: one SDPA call over the padded layout."""
+    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    batch, max_q = layout.query_rows.shape
+    queries = q[layout.query_rows].transpose(1, 2)                             # (P, H, Lq, D)
+    if layout.key_slots is None:
+        keys = k[layout.query_rows].transpose(1, 2)                            # (P, Hkv, Lq, D)
+        values = v[layout.query_rows].transpose(1, 2)
+    else:
+        keys = _gather(k_cache, layout.key_slots, batch)
+        values = _gather(v_cache, layout.key_slots, batch)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=layout.mask,
+                                         is_causal=layout.mask is None, scale=scale,
+                                         enable_gqa=num_kv_heads != num_heads)  # (P, H, Lq, D)
+    return out.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)[layout.out_rows]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from services.model_worker.attention import AttentionMetadata
+from services.model_worker.attention import AttentionBackend, AttentionMetadata, default_backend
 from services.model_worker.kv_cache import KVCache
 from services.model_worker.models.qwen3 import Qwen3ForCausalLM
 from services.model_worker.scheduler import ScheduledBatch
@@ -11,10 +11,12 @@ from services.model_worker.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, kv_cache: KVCache, device: torch.device):
+    def __init__(self, model: Qwen3ForCausalLM, kv_cache: KVCache, device: torch.device,
+                 attention: AttentionBackend | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.attention = attention or default_backend(device)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
@@ -32,7 +34,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
         meta = AttentionMetadata.build([s.block_table for s in batch.seqs], context_lens, batch.num_tokens,
-                                       self.kv_cache.block_size, self.device)
+                                       self.kv_cache.block_size, self.device, self.attention)
         hidden = self.model(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
                             self.kv_cache.layers, meta)
         if not sample_seqs:

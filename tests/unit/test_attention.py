@@ -1,56 +1,92 @@
-"""Paged attention against plain causal attention over each sequence's keys, for every way the cache is read."""
+"""Batched paged attention (both backends) against a float64 reference, over random mixes of step kinds."""
+import random
+
 import pytest
 import torch
+import torch.nn.functional as F
 
-from services.model_worker.attention import AttentionMetadata, paged_attention
+from services.model_worker import attention
+from services.model_worker.attention import (AttentionMetadata, CpuPagedAttention, TorchAttention,
+                                             paged_attention)
+from services.model_worker.kernels import cpu_attention
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
-NUM_BLOCKS = 64
+HEAD_DIM = 16
+NUM_BLOCKS = 160
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    library = cpu_attention.load()
+    assert library is not None, "the C kernel must build here (gcc is part of the test machine)"
+    return library
+
+
+@pytest.fixture(scope="module", params=["torch", "cpu-paged"])
+def backend(request, kernel):
+    return TorchAttention() if request.param == "torch" else CpuPagedAttention(kernel)
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_pos: int) -> torch.Tensor:
-    """q: (Lq, H, D) at positions first_pos..; keys, values: (L, Hkv, D) at positions 0..L-1."""
-    group = HEADS // KV_HEADS
+    """q: (Lq, H, D) at positions first_pos..; keys, values: (L, Hkv, D) at 0..L-1. float64, causal."""
+    group = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, 1).double(), values.repeat_interleave(group, 1).double()
     out = []
     for i in range(q.shape[0]):
         visible = first_pos + i + 1
         scores = torch.einsum("hd,lhd->hl", q[i].double(), keys[:visible]) * HEAD_DIM ** -0.5
         out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values[:visible]))
-    return torch.stack(out).float()
+    return torch.stack(out)
 
 
-# (block table, context length after the step, new tokens this step); no two share a block.
-CASES = {
-    "prompt": ([24, 25, 26], 11, 11),
-    "one_token_prompt": ([9], 1, 1),
-    "decode_ascending_run": ([3, 4, 5], 11, 1),
-    "decode_descending_run": ([12, 11, 10], 10, 1),   # the last block's unfilled slots sit mid-stretch
-    "decode_run_ending_high": ([21, 20, 22], 10, 1),  # any order, last block at the stretch's end
-    "decode_scattered": ([30, 7, 41], 9, 1),
-    "decode_block_boundary": ([50, 51, 52], 9, 1),
-    "one_token_chunk_of_a_longer_prompt": ([33, 34, 35], 5, 1),       # blocks past the context
-    "one_token_chunk_descending": ([47, 46, 45], 5, 1),
-    "later_chunk": ([40, 42, 44], 12, 5),
-    "later_chunk_contiguous": ([60, 61, 62], 10, 3),
-}
+def random_step(rng: random.Random, block_size: int, scattered: bool, num_seqs: int, kinds: list[str]):
+    """(block table, context length after the step, new tokens) per sequence, no two sharing a block.
+
+    Kinds: a prompt's first chunk, a later chunk (or a prefix-cache hit: cached whole blocks),
+    a decode, a one-token prompt, a one-token chunk of a longer prompt.
+    """
+    free = list(range(NUM_BLOCKS))
+    if scattered:
+        rng.shuffle(free)
+    cases = []
+    for _ in range(num_seqs):
+        kind = rng.choice(kinds)
+        if kind == "prompt":
+            q_len = rng.randrange(2, 70)
+            context = q_len
+        elif kind == "chunk":
+            q_len, context = rng.randrange(2, 40), rng.randrange(1, 90)
+            context += q_len
+        elif kind == "prefix_hit":
+            q_len = rng.randrange(2, 30)
+            context = rng.randrange(1, 5) * block_size + q_len
+        elif kind == "decode":
+            q_len, context = 1, rng.randrange(2, 150)
+        elif kind == "one_token_prompt":
+            q_len = context = 1
+        else:  # one-token chunk
+            q_len, context = 1, rng.randrange(2, 60)
+        room = rng.randrange(0, 3)  # blocks held past the context, as the block manager keeps room to grow
+        count = -(-context // block_size) + room
+        table = [free.pop() if scattered else free.pop(0) for _ in range(count)]
+        cases.append((table, context, q_len))
+    return cases
 
 
-def run_batch(cases: list[tuple[list[int], int, int]], seed: int = 0):
+def run(backend, cases, block_size: int, heads: int, kv_heads: int, dtype=torch.float32, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(KV_HEADS, NUM_BLOCKS * BLOCK, HEAD_DIM, generator=gen)  # stale data everywhere
-    v_cache = torch.randn(KV_HEADS, NUM_BLOCKS * BLOCK, HEAD_DIM, generator=gen)
+    k_cache = torch.randn(kv_heads, NUM_BLOCKS * block_size, HEAD_DIM, generator=gen).to(dtype)  # stale data
+    v_cache = torch.randn(kv_heads, NUM_BLOCKS * block_size, HEAD_DIM, generator=gen).to(dtype)
     seqs = []
-    for table, kv_len, q_len in cases:
-        keys = torch.randn(kv_len, KV_HEADS, HEAD_DIM, generator=gen)
-        values = torch.randn(kv_len, KV_HEADS, HEAD_DIM, generator=gen)
-        q = torch.randn(q_len, HEADS, HEAD_DIM, generator=gen)
-        for pos in range(kv_len - q_len):  # what earlier steps wrote
-            slot = table[pos // BLOCK] * BLOCK + pos % BLOCK
+    for table, context, q_len in cases:
+        keys = torch.randn(context, kv_heads, HEAD_DIM, generator=gen).to(dtype)
+        values = torch.randn(context, kv_heads, HEAD_DIM, generator=gen).to(dtype)
+        q = torch.randn(q_len, heads, HEAD_DIM, generator=gen).to(dtype)
+        for pos in range(context - q_len):  # what earlier steps wrote
+            slot = table[pos // block_size] * block_size + pos % block_size
             k_cache[:, slot], v_cache[:, slot] = keys[pos], values[pos]
         seqs.append((q, keys, values))
-    meta = AttentionMetadata.build([c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases], BLOCK,
-                                   torch.device("cpu"))
+    meta = AttentionMetadata.build([c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases],
+                                   block_size, torch.device("cpu"), backend)
     q = torch.cat([s[0] for s in seqs])
     new_k = torch.cat([k[c[1] - c[2]:] for (_, k, _), c in zip(seqs, cases)])
     new_v = torch.cat([v[c[1] - c[2]:] for (_, _, v), c in zip(seqs, cases)])
@@ -59,30 +95,109 @@ def run_batch(cases: list[tuple[list[int], int, int]], seed: int = 0):
     return out, expected, k_cache, v_cache, seqs
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_each_layout_matches_plain_attention(case):
-    out, expected, *_ = run_batch([CASES[case]])
+MIXES = {
+    "decode": ["decode"],
+    "prefill": ["prompt"],
+    "chunked_prefill": ["chunk", "one_token_chunk"],
+    "prefix_hits": ["prefix_hit"],
+    "everything": ["prompt", "chunk", "prefix_hit", "decode", "one_token_prompt", "one_token_chunk"],
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("scattered", [False, True], ids=["contiguous", "scattered"])
+def test_batched_attention_matches_float64_reference(backend, mix, group, block_size, scattered):
+    rng = random.Random(f"{mix}-{group}-{block_size}-{scattered}")
+    kv_heads = 2 if group < 8 else 1
+    cases = random_step(rng, block_size, scattered, rng.randrange(1, 7), MIXES[mix])
+    out, expected, *_ = run(backend, cases, block_size, kv_heads * group, kv_heads)
     assert out.shape == expected.shape
-    assert (out - expected).abs().max().item() <= 1e-5
+    assert (out.double() - expected).abs().max().item() <= 1e-5
 
 
-def test_mixed_batch_matches_plain_attention():
-    out, expected, *_ = run_batch(list(CASES.values()))
-    assert (out - expected).abs().max().item() <= 1e-5
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_bfloat16_within_its_rounding(backend, group):
+    """bf16 in and out: the result is the float64 attention of the bf16 inputs, rounded once more."""
+    rng = random.Random(group)
+    cases = random_step(rng, 16, True, 8, MIXES["everything"])
+    out, expected, *_ = run(backend, cases, 16, 2 * group, 2, torch.bfloat16)
+    # Outputs are averages of N(0, 1) values: |x| < 4, so one bf16 rounding is within 2^-8 * 4.
+    assert (out.double() - expected).abs().max().item() <= 2 ** -8 * 4 + 1e-3
 
 
-def test_new_tokens_are_written_to_their_slots():
-    table, kv_len, q_len = CASES["later_chunk"]
-    _, _, k_cache, v_cache, [(_, keys, values)] = run_batch([(table, kv_len, q_len)])
-    for pos in range(kv_len):
-        slot = table[pos // BLOCK] * BLOCK + pos % BLOCK
-        assert torch.equal(k_cache[:, slot], keys[pos]) and torch.equal(v_cache[:, slot], values[pos])
+def test_new_tokens_are_written_to_their_slots(backend):
+    cases = random_step(random.Random(7), 8, True, 5, MIXES["everything"])
+    _, _, k_cache, v_cache, seqs = run(backend, cases, 8, 4, 2)
+    for (table, context, _), (_, keys, values) in zip(cases, seqs):
+        for pos in range(context):
+            slot = table[pos // 8] * 8 + pos % 8
+            assert torch.equal(k_cache[:, slot], keys[pos]) and torch.equal(v_cache[:, slot], values[pos])
 
 
-def test_contiguous_blocks_are_read_in_place():
-    meta = AttentionMetadata.build([[3, 4, 5], [12, 11, 10], [30, 7, 41]], [11, 10, 9], [1, 1, 1], BLOCK,
-                                   torch.device("cpu"))
-    ascending, descending, scattered = meta.plans
-    assert ascending.keys == slice(12, 23) and ascending.mask is None
-    assert descending.keys == slice(40, 52) and descending.mask is not None
-    assert isinstance(scattered.keys, torch.Tensor)
+def test_a_sequence_gets_the_same_result_alone_and_in_any_batch(kernel):
+    """The kernel's arithmetic for a sequence never depends on its neighbours: bit for bit."""
+    backend = CpuPagedAttention(kernel)
+    cases = random_step(random.Random(3), 16, True, 12, ["decode"])
+    together, *_ = run(backend, cases, 16, 8, 2)
+    for i, case in enumerate(cases):
+        # The same inputs alone: run() draws them in order, so replay the ones before it and drop them.
+        alone, *_ = run(backend, cases[:i + 1], 16, 8, 2)
+        assert torch.equal(alone[-1], together[i])
+
+
+def test_metadata_layout():
+    meta = AttentionMetadata.build([[7, 3, 9], [4], [12, 13]], [9, 2, 5], [1, 2, 5], 4, torch.device("cpu"),
+                                   TorchAttention())
+    assert meta.slot_mapping.tolist() == [9 * 4 + 0, 4 * 4 + 0, 4 * 4 + 1, 48, 49, 50, 51, 52]
+    assert meta.query_start_loc.tolist() == [0, 1, 3, 8]
+    assert meta.context_lens.tolist() == [9, 2, 5]
+    assert meta.block_tables.tolist() == [[7, 3, 9], [4, 0, 0], [12, 13, 0]]
+    assert (meta.max_query_len, meta.max_context_len) == (5, 9)
+    assert meta.decode_seqs.tolist() == [0]
+    assert meta.prefill.rows.tolist() == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_kernel_calls_per_layer_do_not_grow_with_the_batch(kernel, monkeypatch):
+    calls = {"sdpa": 0, "decode": 0}
+    sdpa = F.scaled_dot_product_attention
+
+    def counting_sdpa(*args, **kwargs):
+        calls["sdpa"] += 1
+        return sdpa(*args, **kwargs)
+
+    backend = CpuPagedAttention(kernel)
+    decode = backend.decode
+
+    def counting_decode(*args, **kwargs):
+        calls["decode"] += 1
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting_sdpa)
+    monkeypatch.setattr(backend, "decode", counting_decode)
+    for num_seqs in (1, 16, 64):
+        for kinds in (["decode"], ["prompt", "chunk", "decode"]):
+            calls.update(sdpa=0, decode=0)
+            # One block each, so that 64 fit in the pool: (context, new tokens) per kind.
+            shapes = {"decode": (5, 1), "prompt": (3, 3), "chunk": (6, 2)}
+            cases = [([b], *shapes[kinds[b % len(kinds)]]) for b in range(num_seqs)]
+            run(backend, cases, 8, 4, 2)
+            assert calls["sdpa"] <= 1 and calls["decode"] <= 1, (num_seqs, kinds, calls)
+
+
+def test_without_a_compiler_the_worker_falls_back_to_pytorch(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("VLLM_V0_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        cpu_attention.build()
+    assert cpu_attention.load() is None
+    assert "using the PyTorch path" in caplog.text
+
+
+def test_a_kernel_build_is_cached_by_source_and_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_V0_CACHE", str(tmp_path))
+    first = cpu_attention.build()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_attention.build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert first.parent == tmp_path / "kernels"

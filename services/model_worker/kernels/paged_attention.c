@@ -1,0 +1,254 @@
+/* Decode attention over a paged KV cache on the CPU: one call per layer for the whole batch.
+ *
+ * Sequence b has one query row (its newest token, at position context_lens[b] - 1), which attends
+ * to all context_lens[b] positions; position p of b sits in cache slot
+ * block_tables[b][p / block_size] * block_size + p % block_size. The cache is head-major,
+ * (num_kv_heads, num_slots, head_dim), so a block's keys for one head are contiguous.
+ *
+ * A work item is one (sequence, KV head) pair: the query heads that share a KV head read each
+ * key and value once, straight from the cache (nothing is gathered or padded), with a running
+ * (online) softmax in float32. Each item's arithmetic depends only on its own query and context,
+ * so a sequence gets the same result whatever else is in the batch.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#define LANES 16
+#else
+#define LANES 1
+#endif
+
+#define KEY_CHUNK 64 /* keys scored before each softmax update: their scores stay in L1 */
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16; /* bf16 is the top half of a float32 */
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float load1(const void *row, int is_bf16, int i) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+#ifdef __AVX512F__
+static inline __m512 load16(const void *row, int is_bf16, int i) {
+    if (!is_bf16) return _mm512_loadu_ps((const float *)row + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* e^x for x <= 0 (scores minus their maximum), to about 2 ulp: 2^(x log2 e) split into an
+ * integer power, applied exactly with scalef, and a polynomial on the remainder. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f)); /* below this e^x is 0 in float32 */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    void *out;
+    const int32_t *context_lens, *block_tables;
+    int64_t num_slots;
+    int num_heads, num_kv_heads, head_dim, block_size, max_blocks, is_bf16;
+    float scale;
+} Args;
+
+typedef struct {
+    float *q, *acc, *scores;  /* (group, head_dim), (group, head_dim), (group, KEY_CHUNK) */
+    const char **keys;        /* the chunk's key rows, then its value rows */
+} Scratch;
+
+/* scores[r][j] = q[r] . key[j] for the chunk's n keys, and acc[r] += sum_j p[r][j] * value[j].
+ * G, the query heads per KV head, is a constant in each specialisation below, so the loops over
+ * rows unroll and every key or value slice is converted once for all G rows. */
+static inline __attribute__((always_inline)) void score_chunk_g(const Args *a, const Scratch *w, const int G,
+                                                                int n) {
+    const int D = a->head_dim, vec_end = D / LANES * LANES;
+    for (int j = 0; j < n; j++) {
+        const void *key = w->keys[j];
+        float s[G];
+        for (int r = 0; r < G; r++) s[r] = 0.0f;
+        int d = 0;
+#ifdef __AVX512F__
+        __m512 acc[G];
+        for (int r = 0; r < G; r++) acc[r] = _mm512_setzero_ps();
+        for (; d < vec_end; d += 16) {
+            const __m512 k = load16(key, a->is_bf16, d);
+            for (int r = 0; r < G; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w->q + (size_t)r * D + d), k, acc[r]);
+        }
+        for (int r = 0; r < G; r++) s[r] = _mm512_reduce_add_ps(acc[r]);
+#endif
+        for (; d < D; d++) {
+            const float k = load1(key, a->is_bf16, d);
+            for (int r = 0; r < G; r++) s[r] += w->q[(size_t)r * D + d] * k;
+        }
+        for (int r = 0; r < G; r++) w->scores[(size_t)r * KEY_CHUNK + j] = s[r];
+    }
+}
+
+static inline __attribute__((always_inline)) void accumulate_values_g(const Args *a, const Scratch *w,
+                                                                      const int G, int n) {
+    const int D = a->head_dim, vec_end = D / LANES * LANES;
+    const char **values = w->keys + KEY_CHUNK;
+    int d = 0;
+#ifdef __AVX512F__
+    for (; d < vec_end; d += 16) {
+        __m512 sum[G];
+        for (int r = 0; r < G; r++) sum[r] = _mm512_loadu_ps(w->acc + (size_t)r * D + d);
+        for (int j = 0; j < n; j++) {
+            const __m512 v = load16(values[j], a->is_bf16, d);
+            for (int r = 0; r < G; r++)
+                sum[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->scores[(size_t)r * KEY_CHUNK + j]), v, sum[r]);
+        }
+        for (int r = 0; r < G; r++) _mm512_storeu_ps(w->acc + (size_t)r * D + d, sum[r]);
+    }
+#endif
+    for (; d < D; d++)
+        for (int j = 0; j < n; j++) {
+            const float v = load1(values[j], a->is_bf16, d);
+            for (int r = 0; r < G; r++) w->acc[(size_t)r * D + d] += w->scores[(size_t)r * KEY_CHUNK + j] * v;
+        }
+}
+
+/* The group sizes of real checkpoints get unrolled code; others run the same code one row at a time. */
+#define FOR_GROUP(fn, a, w, group, n)                                                                    \
+    switch (group) {                                                                                     \
+    case 1: fn(a, w, 1, n); break;                                                                       \
+    case 2: fn(a, w, 2, n); break;                                                                       \
+    case 4: fn(a, w, 4, n); break;                                                                       \
+    case 8: fn(a, w, 8, n); break;                                                                       \
+    default:                                                                                             \
+        for (int r = 0; r < (group); r++) {                                                              \
+            Scratch row = {(w)->q + (size_t)r * (a)->head_dim, (w)->acc + (size_t)r * (a)->head_dim,    \
+                           (w)->scores + (size_t)r * KEY_CHUNK, (w)->keys};                              \
+            fn(a, &row, 1, n);                                                                           \
+        }                                                                                                \
+    }
+
+/* Turn row r's n scores into exp(score - running max), rescaling what came before if the max rose. */
+static void softmax_update(const Args *a, const Scratch *w, int r, int n, float *max, float *sum) {
+    float *s = w->scores + (size_t)r * KEY_CHUNK;
+    float chunk_max = -INFINITY;
+    for (int j = 0; j < n; j++) chunk_max = s[j] > chunk_max ? s[j] : chunk_max;
+    const float new_max = chunk_max > *max ? chunk_max : *max;
+    const float correction = expf(*max - new_max); /* 0 on the first chunk: *max is -inf */
+    int j = 0;
+    float chunk_sum = 0.0f;
+#ifdef __AVX512F__
+    __m512 m = _mm512_set1_ps(new_max), total = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+        _mm512_storeu_ps(s + j, e);
+        total = _mm512_add_ps(total, e);
+    }
+    chunk_sum = _mm512_reduce_add_ps(total);
+#endif
+    for (; j < n; j++) {
+        s[j] = expf(s[j] - new_max);
+        chunk_sum += s[j];
+    }
+    *sum = *sum * correction + chunk_sum;
+    *max = new_max;
+    if (correction != 1.0f) {
+        float *acc = w->acc + (size_t)r * a->head_dim;
+        for (int d = 0; d < a->head_dim; d++) acc[d] *= correction;
+    }
+}
+
+static void attend(const Args *a, Scratch *w, int b, int kvh) {
+    const int D = a->head_dim, group = a->num_heads / a->num_kv_heads, ctx = a->context_lens[b];
+    const int32_t *table = a->block_tables + (int64_t)b * a->max_blocks;
+    const size_t elem = a->is_bf16 ? 2 : 4, row_bytes = elem * (size_t)D;
+    const char *k_head = (const char *)a->k_cache + (size_t)kvh * a->num_slots * row_bytes;
+    const char *v_head = (const char *)a->v_cache + (size_t)kvh * a->num_slots * row_bytes;
+    float max[64], sum[64];
+
+    for (int r = 0; r < group; r++) {
+        const char *row = (const char *)a->q + ((size_t)b * a->num_heads + (size_t)kvh * group + r) * row_bytes;
+        for (int d = 0; d < D; d++) w->q[(size_t)r * D + d] = load1(row, a->is_bf16, d) * a->scale;
+        memset(w->acc + (size_t)r * D, 0, (size_t)D * 4);
+        max[r] = -INFINITY;
+        sum[r] = 0.0f;
+    }
+    for (int k0 = 0; k0 < ctx; k0 += KEY_CHUNK) {
+        const int n = ctx - k0 < KEY_CHUNK ? ctx - k0 : KEY_CHUNK;
+        for (int j = 0; j < n; j++) {
+            const int pos = k0 + j;
+            const size_t slot = (size_t)table[pos / a->block_size] * a->block_size + pos % a->block_size;
+            w->keys[j] = k_head + slot * row_bytes;
+            w->keys[KEY_CHUNK + j] = v_head + slot * row_bytes;
+        }
+        FOR_GROUP(score_chunk_g, a, w, group, n);
+        for (int r = 0; r < group; r++) softmax_update(a, w, r, n, &max[r], &sum[r]);
+        FOR_GROUP(accumulate_values_g, a, w, group, n);
+    }
+    for (int r = 0; r < group; r++) {
+        const size_t row = ((size_t)b * a->num_heads + (size_t)kvh * group + r) * D;
+        const float inv = 1.0f / sum[r], *acc = w->acc + (size_t)r * D;
+        for (int d = 0; d < D; d++) {
+            if (a->is_bf16) ((uint16_t *)a->out)[row + d] = f32_to_bf16(acc[d] * inv);
+            else ((float *)a->out)[row + d] = acc[d] * inv;
+        }
+    }
+}
+
+/* q, out: (num_seqs, num_heads, head_dim); caches: (num_kv_heads, num_slots, head_dim), all
+ * contiguous, float32 (is_bf16 = 0) or bfloat16; context_lens >= 1. Returns 0, or < 0 if the
+ * shapes are unsupported (-1) or scratch memory could not be had (-2). */
+int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                           const int32_t *context_lens, const int32_t *block_tables, int64_t num_slots,
+                           int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                           int max_blocks, int is_bf16, float scale) {
+    if (num_kv_heads < 1 || num_heads % num_kv_heads || num_heads / num_kv_heads > 64 || head_dim < 1) return -1;
+    const Args a = {q, k_cache, v_cache, out, context_lens, block_tables, num_slots, num_heads, num_kv_heads,
+                    head_dim, block_size, max_blocks, is_bf16, scale};
+    const int group = num_heads / num_kv_heads, num_items = num_seqs * num_kv_heads;
+    int failed = 0;
+#pragma omp parallel
+    {
+        Scratch w;
+        w.q = malloc(sizeof(float) * group * head_dim);
+        w.acc = malloc(sizeof(float) * group * head_dim);
+        w.scores = malloc(sizeof(float) * group * KEY_CHUNK);
+        w.keys = malloc(sizeof(char *) * 2 * KEY_CHUNK);
+        if (!w.q || !w.acc || !w.scores || !w.keys) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* Every thread takes part in the loop (an omp for must be met by all); a thread without
+         * scratch skips its items, and the caller sees the failure. */
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < num_items; i++)
+            if (w.q && w.acc && w.scores && w.keys) attend(&a, &w, i / num_kv_heads, i % num_kv_heads);
+        free(w.q);
+        free(w.acc);
+        free(w.scores);
+        free(w.keys);
+    }
+    return failed ? -2 : 0;
+}
