@@ -56,18 +56,18 @@ class AttentionMetadata:
               block_size: int, device: torch.device, backend: "AttentionBackend | None" = None
               ) -> "AttentionMetadata":
         """context_lens count each sequence's tokens after this step (cached + new)."""
-        max_blocks = max(-(-n // block_size) for n in context_lens)
-        table = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
-        for b, (blocks, n) in enumerate(zip(block_tables, context_lens)):
-            used = -(-n // block_size)  # a sequence may hold blocks past its context (room to grow)
-            table[b, :used] = torch.tensor(blocks[:used], dtype=torch.int32)
+        used = [-(-n // block_size) for n in context_lens]  # a table may hold blocks past its context
+        max_blocks = max(used)
+        table = torch.tensor([blocks[:n] + [0] * (max_blocks - n) for blocks, n in zip(block_tables, used)],
+                             dtype=torch.int32)
         context = torch.tensor(context_lens, dtype=torch.int32)
         q_lens = torch.tensor(query_lens, dtype=torch.int32)
         query_start = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         torch.cumsum(q_lens, 0, out=query_start[1:])
         # Each new token's position, then its slot through its sequence's block table.
-        seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-        positions = (context - q_lens)[seq_of_row] + (torch.arange(int(query_start[-1])) - query_start[seq_of_row])
+        rows = torch.arange(int(query_start[-1]), dtype=torch.int32)
+        seq_of_row = torch.searchsorted(query_start[1:], rows, right=True)  # repeat_interleave is far slower
+        positions = (context - q_lens)[seq_of_row] + rows - query_start[seq_of_row]
         slots = table[seq_of_row, positions // block_size].long() * block_size + positions % block_size
         return cls(slots.to(device), query_start.to(device), context.to(device), table.to(device), block_size,
                    max(query_lens), max(context_lens), backend or default_backend(device))
