@@ -8,7 +8,6 @@ and dtype) does the arithmetic; each one is checked against a float64 reference 
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +15,6 @@ import torch.nn.functional as F
 
 from services.model_worker.kernels import cpu_attention
 
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,13 +31,41 @@ class PrefillLayout:
     out_rows: torch.Tensor          # (Tp,) padded query index (p * Lq + i) of each real prefill row, in batch order
     rows: torch.Tensor              # (Tp,) their rows in the flat batch
 
+    @classmethod
+    def build(cls, query_start: torch.Tensor, q_lens: torch.Tensor, context: torch.Tensor, table: torch.Tensor,
+              block_size: int) -> "PrefillLayout | None":
+        seqs = torch.nonzero(q_lens > 1).flatten()
+        if seqs.numel() == 0:
+            return None
+        q_lens, context, starts = q_lens[seqs], context[seqs], query_start[seqs]
+        max_q, max_k = int(q_lens.max()), int(context.max())
+        i = torch.arange(max_q)
+        valid = i[None, :] < q_lens[:, None]                                   # (P, Lq)
+        query_rows = starts[:, None] + torch.minimum(i[None, :], q_lens[:, None] - 1)
+        out_rows = torch.nonzero(valid.flatten()).flatten()
+        rows = query_rows.flatten()[out_rows]
+        fresh = bool((context == q_lens).all())  # nothing cached: the keys are this step's own tokens
+        if fresh and seqs.numel() == 1:
+            return cls(query_rows, None, None, out_rows, rows)
+        j = torch.arange(max_k)
+        query_pos = (context - q_lens)[:, None] + i[None, :]                   # (P, Lq)
+        mask = (j[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]
+        mask[:, :, 0] = True  # padding queries see key 0: finite, and discarded
+        key_slots = None if fresh else _slots(table[seqs], max_k, block_size).flatten()
+        return cls(query_rows, key_slots, mask[:, None], out_rows, rows)
+
+    def to(self, device: torch.device) -> "PrefillLayout":
+        return PrefillLayout(*(None if t is None else t.to(device, non_blocking=True) for t in (
+            self.query_rows, self.key_slots, self.mask, self.out_rows, self.rows)))
+
 
 @dataclass
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what each one may attend to.
 
     The flat batch holds T tokens from B sequences, sequence b's tokens contiguous. Built once
-    per step by the runner and shared by every layer, in the layout varlen and paged kernels take.
+    per step by the runner, on the CPU, and moved to the device in one go; every layer shares it.
+    The first four fields are the layout varlen and paged kernels take.
     """
 
     slot_mapping: torch.Tensor     # (T,) int64: cache slot written by each new token
@@ -50,6 +76,10 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     backend: "AttentionBackend"
+    # Mixed steps only (max_query_len > 1): the one-token sequences, and the layout of the others.
+    decode_seqs: torch.Tensor | None = None      # (Bd,) their batch indices
+    decode_rows: torch.Tensor | None = None      # (Bd,) their rows in the flat batch
+    prefill: PrefillLayout | None = None
 
     @classmethod
     def build(cls, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
@@ -69,49 +99,22 @@ class AttentionMetadata:
         seq_of_row = torch.searchsorted(query_start[1:], rows, right=True)  # repeat_interleave is far slower
         positions = (context - q_lens)[seq_of_row] + rows - query_start[seq_of_row]
         slots = table[seq_of_row, positions // block_size].long() * block_size + positions % block_size
-        return cls(slots.to(device), query_start.to(device), context.to(device), table.to(device), block_size,
-                   max(query_lens), max(context_lens), backend or default_backend(device))
+        mixed = {}
+        if max(query_lens) > 1:
+            decode_seqs = torch.nonzero(q_lens == 1).flatten()
+            prefill = PrefillLayout.build(query_start, q_lens, context, table, block_size)
+            mixed = dict(decode_seqs=decode_seqs.to(device), decode_rows=query_start[decode_seqs].long().to(device),
+                         prefill=prefill.to(device))
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return cls(move(slots), move(query_start), move(context), move(table), block_size, max(query_lens),
+                   max(context_lens), backend or default_backend(device), **mixed)
 
     @property
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
-
-    @functools.cached_property
-    def query_lens(self) -> torch.Tensor:
-        return self.query_start_loc[1:] - self.query_start_loc[:-1]
-
-    @functools.cached_property
-    def decode_seqs(self) -> torch.Tensor | None:
-        """Sequences with one new token (decodes, one-token prompt chunks); None: every sequence."""
-        if self.max_query_len == 1:
-            return None
-        return torch.nonzero(self.query_lens == 1).flatten()
-
-    @functools.cached_property
-    def prefill(self) -> PrefillLayout | None:
-        """The layout of sequences with several new tokens, computed on first use (once a step)."""
-        seqs = torch.nonzero(self.query_lens > 1).flatten()
-        if seqs.numel() == 0:
-            return None
-        q_lens, context = self.query_lens[seqs], self.context_lens[seqs]
-        starts = self.query_start_loc[seqs]
-        max_q, max_k = int(q_lens.max()), int(context.max())
-        i = torch.arange(max_q, device=seqs.device)
-        valid = i[None, :] < q_lens[:, None]                                   # (P, Lq)
-        query_rows = starts[:, None] + torch.minimum(i[None, :], q_lens[:, None] - 1)
-        out_rows = torch.nonzero(valid.flatten()).flatten()
-        rows = query_rows.flatten()[out_rows]
-        fresh = bool((context == q_lens).all())  # nothing cached: the keys are this step's own tokens
-        if fresh and seqs.numel() == 1:
-            return PrefillLayout(query_rows, None, None, out_rows, rows)
-        j = torch.arange(max_k, device=seqs.device)
-        query_pos = (context - q_lens)[:, None] + i[None, :]                   # (P, Lq)
-        mask = (j[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]
-        mask[:, :, 0] = True  # padding queries see key 0: finite, and discarded
-        key_slots = None
-        if not fresh:
-            key_slots = _slots(self.block_tables[seqs], max_k, self.block_size).flatten()
-        return PrefillLayout(query_rows, key_slots, mask[:, None], out_rows, rows)
 
 
 class AttentionBackend:
@@ -189,11 +192,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if meta.max_query_len == 1:  # a pure decode step, the common case
         return meta.backend.decode(q, k_cache, v_cache, meta.context_lens, meta.block_tables, meta.block_size, scale)
     out = torch.empty_like(q)
-    decodes = meta.decode_seqs
-    if decodes.numel():
-        rows = meta.query_start_loc[decodes].long()
-        out[rows] = meta.backend.decode(q[rows], k_cache, v_cache, meta.context_lens[decodes],
-                                        meta.block_tables[decodes], meta.block_size, scale)
+    if meta.decode_seqs.numel():
+        out[meta.decode_rows] = meta.backend.decode(q[meta.decode_rows], k_cache, v_cache,
+                                                    meta.context_lens[meta.decode_seqs],
+                                                    meta.block_tables[meta.decode_seqs], meta.block_size, scale)
     out[meta.prefill.rows] = _prefill(q, k, v, k_cache, v_cache, meta.prefill, scale)
     return out
 

@@ -155,7 +155,7 @@ def test_metadata_layout():
     assert meta.context_lens.tolist() == [9, 2, 5]
     assert meta.block_tables.tolist() == [[7, 3, 9], [4, 0, 0], [12, 13, 0]]
     assert (meta.max_query_len, meta.max_context_len) == (5, 9)
-    assert meta.decode_seqs.tolist() == [0]
+    assert meta.decode_seqs.tolist() == [0] and meta.decode_rows.tolist() == [0]
     assert meta.prefill.rows.tolist() == [1, 2, 3, 4, 5, 6, 7]
 
 
