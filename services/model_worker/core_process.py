@@ -30,6 +30,8 @@ class CoreStartError(Exception):
 
 
 class CoreProcess:
+    """One engine-core child process and the worker's end of its socket."""
+
     def __init__(self, popen: subprocess.Popen, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.popen = popen
         self.reader = reader
