@@ -11,10 +11,10 @@ from rpcserver.config import ServerConfig, add_flag, add_server_flags
 from rpcserver.model_path import resolve_model
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
-from services.model_worker.async_engine import AsyncEngine
 from services.model_worker.config import ConfigError
-from services.model_worker.engine import EngineConfig, LLMEngine
-from services.model_worker.loader import LoadError
+from services.model_worker.core_process import CoreStartError
+from services.model_worker.engine import EngineConfig
+from services.model_worker.engine_client import EngineClient
 from services.model_worker.metrics import EngineCollector, observe_step
 from services.model_worker.scheduler import SchedulerLimits
 from services.model_worker.servicer import ModelWorkerServicer
@@ -63,21 +63,21 @@ async def serve(args: argparse.Namespace) -> None:
     add_servicer(server.server, service, servicer)
     await server.start()  # health answers NOT_SERVING while the weights load
     checkpoint = resolve_model(args.model)
-    engine = await asyncio.to_thread(LLMEngine, checkpoint, engine_config(args))
-    log.info("serving %s on %s as %s (max context %d tokens)", checkpoint, engine.device,
-             str(engine.dtype).removeprefix("torch."), engine.max_model_len)
-    if engine.is_demo_checkpoint:
-        log.warning("%s is the demo checkpoint: its weights are RANDOM, so generated text is gibberish", checkpoint)
-    REGISTRY.register(EngineCollector(engine))
-    async_engine = AsyncEngine(engine, on_step=observe_step, stats_interval_s=args.stats_interval)
-    async_engine.start()
-    servicer.engine = async_engine
-    await server.set_serving(True)
-
-    async def stop_engine() -> None:
-        await asyncio.to_thread(async_engine.stop)
-
-    await server.run_until_signal(on_stop=stop_engine)
+    # The model loads and steps in a separate engine-core process; this one only serves gRPC.
+    client = EngineClient(checkpoint, engine_config(args), log_level=args.log_level,
+                          stats_interval_s=args.stats_interval, on_serving=server.set_serving, on_step=observe_step)
+    REGISTRY.register(EngineCollector(client))
+    servicer.engine = client
+    try:
+        info = await client.start()
+        log.info("serving %s on %s as %s (max context %d tokens)", checkpoint, info["device"], info["dtype"],
+                 info["max_model_len"])
+        if info["is_demo_checkpoint"]:
+            log.warning("%s is the demo checkpoint: its weights are RANDOM, so generated text is gibberish",
+                        checkpoint)
+        await server.run_until_signal(on_stop=client.close)
+    finally:
+        await client.close()  # whatever ended serving, never leave the engine core behind
 
 
 def main(argv=None) -> None:
@@ -85,7 +85,7 @@ def main(argv=None) -> None:
     setup_logging(args.log_level)
     try:
         asyncio.run(serve(args))
-    except (ConfigError, LoadError) as e:
+    except (ConfigError, CoreStartError) as e:
         raise SystemExit(f"cannot serve {args.model}: {e}") from None
 
 

@@ -5,8 +5,8 @@ import uuid
 
 from rpcserver.errors import Unavailable
 from rpcserver.status import grpc_errors
-from services.model_worker.async_engine import AsyncEngine
 from services.model_worker.engine import StepOutput
+from services.model_worker.engine_client import EngineClient
 from services.model_worker.sampling_params import SamplingParams
 from services.model_worker.sequence import FinishReason
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -18,19 +18,19 @@ FINISH_REASONS = {None: worker_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.EOS: 
 
 
 class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
-    def __init__(self, model_name: str, engine: AsyncEngine | None = None):
-        # Registered before the server starts; the engine arrives once the weights have loaded.
+    def __init__(self, model_name: str, engine: EngineClient | None = None):
+        # Registered before the server starts; the engine arrives once the checkpoint is found.
         self._engine = engine
         self.model_name = model_name
 
     @property
-    def engine(self) -> AsyncEngine:
+    def engine(self) -> EngineClient:
         if self._engine is None:
             raise Unavailable("the model is still loading; retry shortly")
         return self._engine
 
     @engine.setter
-    def engine(self, engine: AsyncEngine) -> None:
+    def engine(self, engine: EngineClient) -> None:
         self._engine = engine
 
     def _params(self, request: worker_pb2.GenerateRequest) -> SamplingParams:
@@ -41,7 +41,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
             overrides["logprobs"] = request.logprobs
         overrides["stop_token_ids"] = tuple(request.stop_token_ids)
         overrides["ignore_eos"] = request.ignore_eos
-        return self.engine.engine.make_params(overrides)
+        return self.engine.make_params(overrides)
 
     @grpc_errors
     async def Generate(self, request: worker_pb2.GenerateRequest, context):
@@ -54,15 +54,16 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
 
     @grpc_errors
     async def GetInfo(self, request, context) -> worker_pb2.GetInfoResponse:
-        engine = self.engine.engine
-        stats = engine.stats()
+        engine = self.engine
+        info, stats = engine.info, engine.stats
+        if info is None:
+            raise Unavailable("the model is still loading; retry shortly")
         return worker_pb2.GetInfoResponse(
-            model=self.model_name, dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
-            max_context=engine.max_model_len, vocab_size=engine.config.vocab_size,
-            eos_token_ids=sorted(engine.eos_ids), running=stats["running"], waiting=stats["waiting"],
-            kv_blocks_used=stats["kv_blocks_used"], kv_blocks_free=stats["kv_blocks_free"],
-            block_size=engine.kv_cache.block_size, prefix_cache_hit_rate=stats["prefix_cache_hit_rate"],
-            tokens_after_cancel=self.engine.tokens_after_cancel)
+            model=self.model_name, dtype=info["dtype"], device=info["device"], max_context=info["max_model_len"],
+            vocab_size=info["vocab_size"], eos_token_ids=info["eos_token_ids"], running=stats["running"],
+            waiting=stats["waiting"], kv_blocks_used=stats["kv_blocks_used"], kv_blocks_free=stats["kv_blocks_free"],
+            block_size=info["block_size"], prefix_cache_hit_rate=stats["prefix_cache_hit_rate"],
+            tokens_after_cancel=engine.tokens_after_cancel)
 
 
 def _to_proto(out: StepOutput, first: bool) -> worker_pb2.GenerateResponse:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -131,6 +132,24 @@ def token_count(messages) -> int:
     return sum(len(m.token_ids) for m in messages)
 
 
+def child_pids(service: Service) -> list[int]:
+    """The service's child processes: for the worker, its engine core."""
+    pid, children = service.process.pid, []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(child) for child in f.read().split()]
+    return children
+
+
+def is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 # -- cancellation and deadlines -------------------------------------------------------------------------
 
 
@@ -201,12 +220,40 @@ def test_downstream_crash_fails_streams_and_gateway_recovers(healthy, victim):
     assert idle(info), info
 
 
+def test_killed_engine_core_fails_streams_then_the_worker_restarts_it(healthy):
+    (core,) = child_pids(healthy.worker)
+    with gateway_channel(healthy) as gateway, grpc.insecure_channel(healthy.worker.address) as worker_channel:
+        watch = health_pb2_grpc.HealthStub(worker_channel).Watch(health_pb2.HealthCheckRequest(), timeout=180)
+        assert next(watch).status == SERVING
+        # The deadline bounds the wait: a stream the core's death did not end fails the test as DEADLINE_EXCEEDED.
+        calls = start_streams(gateway, 3, timeout=10)
+        os.kill(core, signal.SIGKILL)
+        with ThreadPoolExecutor(len(calls)) as pool:
+            results = list(pool.map(drain, calls))
+        assert [code for code, _ in results] == [grpc.StatusCode.UNAVAILABLE] * len(calls)
+        for call in calls:
+            assert "engine core" in call.details() and "SIGKILL" in call.details()
+        assert next(watch).status == NOT_SERVING
+        assert next(watch).status == SERVING  # restarted in the same worker process
+        watch.cancel()
+        wait_serving(healthy.gateway.address, timeout=10)
+        code, messages = drain(gateway.Generate(gateway_pb2.GenerateRequest(prompt="back again", max_tokens=4,
+                                                                            ignore_eos=True), timeout=30))
+    assert code == grpc.StatusCode.OK and token_count(messages) == 4
+    new_cores = child_pids(healthy.worker)
+    assert not is_running(core) and len(new_cores) == 1 and new_cores != [core]
+    assert healthy.worker.process.poll() is None
+    assert "was killed by SIGKILL" in healthy.worker.log()
+
+
 # -- graceful shutdown ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("stopped", ["gateway", "worker"])
 def test_sigterm_finishes_in_flight_streams_and_refuses_new_calls(healthy, stopped):
     service = getattr(healthy, stopped)
+    children = child_pids(service)  # the worker's engine core must not outlive it
+    assert len(children) == (1 if stopped == "worker" else 0)
     # Short enough to finish well inside the grace period, long enough to be in flight at SIGTERM.
     drain_tokens = 60
     signalled = None
@@ -245,6 +292,7 @@ def test_sigterm_finishes_in_flight_streams_and_refuses_new_calls(healthy, stopp
     exited_in = time.monotonic() - signalled
     assert returncode == 0, service.log()[-2000:]
     assert exited_in <= GRACE_PERIOD_S + 1, f"{stopped} took {exited_in:.1f} s to exit after SIGTERM"
+    assert not [pid for pid in children if is_running(pid)], f"{stopped} left child processes behind"
 
 
 # -- a client that vanishes without closing ---------------------------------------------------------------

@@ -1,15 +1,10 @@
 """Continuous batching in the engine: requests joining at different steps produce what each produces alone."""
 from __future__ import annotations
 
-import asyncio
-import logging
 import random
-import time
 
 import pytest
 
-from rpcserver.errors import ResourceExhausted
-from services.model_worker.async_engine import AsyncEngine
 from services.model_worker.engine import EngineConfig, LLMEngine
 from services.model_worker.sampling_params import SamplingParams
 from services.model_worker.scheduler import SchedulerLimits
@@ -159,65 +154,3 @@ def test_seeded_sampling_is_independent_of_the_batch(checkpoint):
     # Sampling really samples: another seed draws other tokens.
     other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=20, ignore_eos=True)
     assert make_engine(checkpoint).generate([prompt], other_seed)[0] != by_itself
-
-
-def test_async_engine_streams_refuses_beyond_the_queue_and_logs_stats(checkpoint, reference, caplog):
-    reqs = requests(seed=6, count=6)
-    engine = make_engine(checkpoint, max_num_seqs=2)
-    engine.scheduler.limits.max_waiting = 2
-    async_engine = AsyncEngine(engine, stats_interval_s=0.01)
-
-    async def collect(i: int, prompt, params) -> list[int] | Exception:
-        try:
-            return [out.token_id async for out in async_engine.generate(f"r{i}", prompt, params)]
-        except ResourceExhausted as e:
-            return e
-
-    async def main():
-        # Two long ones run; then four at once: two wait, two are refused.
-        long = [asyncio.create_task(collect(i, *req)) for i, req in enumerate(reqs[:2])]
-        while len(engine.scheduler.running) < 2:
-            await asyncio.sleep(0.001)
-        burst = [asyncio.create_task(collect(i + 2, *req)) for i, req in enumerate(reqs[2:])]
-        return await asyncio.gather(*long, *burst)
-
-    async_engine.start()
-    try:
-        with caplog.at_level(logging.INFO, logger="services.model_worker.async_engine"):
-            results = asyncio.run(main())
-    finally:
-        async_engine.stop()
-    refused = [i for i, r in enumerate(results) if isinstance(r, ResourceExhausted)]
-    assert refused == [4, 5]
-    want = reference(reqs)
-    assert [r for i, r in enumerate(results) if i not in refused] == want[:4]
-    assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    lines = [r.getMessage() for r in caplog.records if "tokens/s generated" in r.getMessage()]
-    assert lines and "KV blocks" in lines[0] and "prefix cache hit rate" in lines[0]
-
-
-def test_cancelled_stream_frees_its_blocks_at_the_next_step(checkpoint):
-    engine = make_engine(checkpoint)
-    async_engine = AsyncEngine(engine)
-
-    async def take_three() -> list[int]:
-        stream = async_engine.generate("cancelled", list(range(40)), greedy(200))
-        got = []
-        async for out in stream:
-            got.append(out.token_id)
-            if len(got) == 3:
-                break
-        await stream.aclose()  # what grpc.aio does to the servicer's iterator when the caller goes
-        return got
-
-    async_engine.start()
-    try:
-        assert len(asyncio.run(take_three())) == 3
-        deadline = time.monotonic() + 30
-        while engine.has_work() and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        async_engine.stop()
-    assert not engine.has_work()
-    assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    assert async_engine.steps < 200

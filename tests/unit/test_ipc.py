@@ -1,0 +1,55 @@
+"""The engine core's wire format: frames and payloads survive the trip, and bad frames are refused."""
+from __future__ import annotations
+
+import asyncio
+import io
+
+import pytest
+
+from rpcserver.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.model_worker import ipc
+from services.model_worker.engine import EngineConfig, StepOutput
+from services.model_worker.sampling_params import SamplingParams
+from services.model_worker.scheduler import SchedulerLimits
+from services.model_worker.sequence import FinishReason
+
+
+def test_frames_round_trip_blocking_and_async():
+    messages = [{"type": "add", "id": "7", "prompt": [1, 2, 3]}, {"type": "update", "stats": {"中文": -float("inf")}}]
+    data = b"".join(ipc.encode(m) for m in messages)
+    stream = io.BytesIO(data)
+    assert [ipc.read_blocking(stream), ipc.read_blocking(stream), ipc.read_blocking(stream)] == [*messages, None]
+
+    async def read_all():
+        reader = asyncio.StreamReader()
+        reader.feed_data(data + ipc.encode(messages[0])[:5])  # a frame cut short: its writer is gone
+        reader.feed_eof()
+        return [await ipc.read_async(reader) for _ in range(3)]
+    assert asyncio.run(read_all()) == [*messages, None]
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b'{"no": "type"}'])
+def test_a_frame_that_is_not_a_typed_json_object_is_refused(body):
+    with pytest.raises(ipc.ProtocolError):
+        ipc.read_blocking(io.BytesIO(len(body).to_bytes(4, "big") + body))
+
+
+def test_a_frame_cut_short_is_refused_by_the_core_reader():
+    frame = ipc.encode({"type": "abort", "id": "1"})
+    with pytest.raises(ipc.ProtocolError):
+        ipc.read_blocking(io.BytesIO(frame[:-1]))
+
+
+def test_payloads_round_trip():
+    config = EngineConfig(device="cpu", dtype="float32", num_blocks=12, max_model_len=None,
+                          limits=SchedulerLimits(3, 64, 5))
+    assert ipc.config_from_dict(ipc.config_to_dict(config)) == config
+    params = SamplingParams(temperature=0.7, top_k=5, seed=2**64 - 1, logprobs=2, max_tokens=9,
+                            stop_token_ids=(4, 5), ignore_eos=True)
+    assert ipc.params_from_dict(ipc.params_to_dict(params)) == params
+    for output in (StepOutput("3", 17, -0.25, [(17, -0.25), (2, -1.5)], FinishReason.LENGTH, 6),
+                   StepOutput("4", 0, None, [], None, 1)):
+        assert ipc.output_from_list(ipc.output_to_list(output)) == output
+    for error in (InvalidArgument("bad prompt"), ResourceExhausted("full"), Unavailable("gone")):
+        request_id, back = ipc.error_from_list(ipc.error_to_list("9", error))
+        assert request_id == "9" and type(back) is type(error) and str(back) == str(error)
