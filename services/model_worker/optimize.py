@@ -8,9 +8,11 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-# oneDNN lays a packed weight out for this many input rows; one row is a decode step of one
-# sequence, the case that streams every weight per token. Other row counts still run correctly.
-DECODE_ROWS_HINT = 1
+# oneDNN lays a packed weight out for this many input rows (other row counts still run correctly).
+# A decode step has one row per running sequence. Measured on the engine (0.6B shape, bf16, Xeon
+# with AMX, weights streamed from memory): a layout for 16 rows decoded one sequence in 121 ms a
+# step against 165 ms for a layout for 1 row (and 136 ms unpacked), and it is the batch serving runs.
+DECODE_ROWS_HINT = 16
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
