@@ -14,7 +14,8 @@ from services.model_worker.config import GenerationDefaults, Qwen3Config
 from services.model_worker.kv_cache import KVCache
 from services.model_worker.loader import load_model, resolve_device, resolve_dtype
 from services.model_worker.model_runner import ModelRunner
-from services.model_worker.optimize import pack_linears, packing_supported
+from services.model_worker.kernels import cpu_linear
+from services.model_worker.optimize import pack_linears, packing_supported, use_small_batch_kernel
 from services.model_worker.sampler import Sampler
 from services.model_worker.sampling_params import SamplingParams
 from services.model_worker.scheduler import Scheduler, SchedulerLimits
@@ -39,6 +40,10 @@ class EngineConfig:
     pack_weights: bool | None = None
     # Also pack the vocab projection; when tied to the embedding this keeps a second copy of it.
     pack_lm_head: bool = True
+    # bf16 on CPU: matmuls of up to 4 rows (decode steps of a few sequences) in a C kernel that
+    # streams the weights near memory speed; the weights stay unpacked. Where it is used, packing
+    # is not. None: on where it builds (a CPU with AVX512-BF16 and a C compiler).
+    small_batch_kernel: bool | None = None
     limits: SchedulerLimits = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -68,9 +73,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.config, self.device)
         self.model = load_model(self.checkpoint_dir, self.config, self.device, self.dtype)
-        pack = config.pack_weights if config.pack_weights is not None else self.device.type == "cpu"
-        if pack and packing_supported(self.device, self.dtype):
-            pack_linears(self.model, include_lm_head=config.pack_lm_head)
+        self._speed_up_matmuls(config)
 
         num_blocks = config.num_blocks or self._blocks_from_budget()
         self.kv_cache = KVCache(self.config, num_blocks, config.block_size, self.dtype, self.device)
@@ -85,6 +88,19 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens (%.2f GB); max context %d tokens", num_blocks,
                  config.block_size, num_blocks * KVCache.bytes_per_block(self.config, config.block_size, self.dtype) / 1e9,
                  self.max_model_len)
+
+    def _speed_up_matmuls(self, config: EngineConfig) -> None:
+        on_cpu = self.device.type == "cpu"
+        if config.small_batch_kernel is not False and on_cpu and self.dtype == torch.bfloat16:
+            library = cpu_linear.load()
+            if library is not None:
+                use_small_batch_kernel(self.model, library)
+                return
+            if config.small_batch_kernel:
+                raise ValueError("small_batch_kernel needs a C compiler and a CPU with AVX512-BF16")
+        pack = config.pack_weights if config.pack_weights is not None else on_cpu
+        if pack and packing_supported(self.device, self.dtype):
+            pack_linears(self.model, include_lm_head=config.pack_lm_head)
 
     def _blocks_from_budget(self) -> int:
         per_block = KVCache.bytes_per_block(self.config, self.engine_config.block_size, self.dtype)

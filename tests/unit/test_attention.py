@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from services.model_worker import attention
 from services.model_worker.attention import (AttentionMetadata, CpuPagedAttention, TorchAttention,
                                              paged_attention)
-from services.model_worker.kernels import cpu_attention
+from services.model_worker.kernels import build, cpu_attention
 
 HEAD_DIM = 16
 NUM_BLOCKS = 160
@@ -190,14 +190,14 @@ def test_without_a_compiler_the_worker_falls_back_to_pytorch(monkeypatch, tmp_pa
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("VLLM_V0_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="no C compiler"):
-        cpu_attention.build()
+        build.build(cpu_attention.SOURCE)
     assert cpu_attention.load() is None
-    assert "using the PyTorch path" in caplog.text
+    assert "attention: C kernel unavailable, using the PyTorch path" in caplog.text
 
 
 def test_a_kernel_build_is_cached_by_source_and_machine(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_V0_CACHE", str(tmp_path))
-    first = cpu_attention.build()
+    first = build.build(cpu_attention.SOURCE)
     mtime = first.stat().st_mtime_ns
-    assert cpu_attention.build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert build.build(cpu_attention.SOURCE) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
     assert first.parent == tmp_path / "kernels"

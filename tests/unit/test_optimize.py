@@ -26,7 +26,7 @@ def checkpoint(tmp_path_factory):
 def engines(checkpoint, dtype: torch.dtype) -> tuple[LLMEngine, LLMEngine]:
     name = str(dtype).removeprefix("torch.")
     make = lambda pack: LLMEngine(checkpoint, EngineConfig(device="cpu", dtype=name, num_blocks=96,  # noqa: E731
-                                                           block_size=8, pack_weights=pack))
+                                                           block_size=8, pack_weights=pack, small_batch_kernel=False))
     return make(False), make(True)
 
 

@@ -1,0 +1,73 @@
+"""Compiles a kernel's C file with the system compiler on first use and loads it through ctypes.
+
+A library is compiled for the machine it runs on (-march=native) and cached under a name that
+hashes the source, the flags and the CPU's feature list, so a changed kernel or another CPU gets
+a fresh build (about a second). It links torch's own OpenMP runtime, so a kernel's threads are
+the same pool, and the same thread count, as torch's: two runtimes in one process would each
+keep a team of spinning threads on the same cores.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp"]
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get("VLLM_V0_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                                                          os.path.expanduser("~/.cache"), "vllm_v0")
+    return pathlib.Path(root) / "kernels"
+
+
+def cpu_features() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them ('' where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def build(source: pathlib.Path, compiler: str | None = None) -> pathlib.Path:
+    """Compile the C file (or find it already compiled); raises RuntimeError if that fails."""
+    compiler = compiler or os.environ.get("CC") or "gcc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (set CC to use another)")
+    torch_lib = pathlib.Path(torch.__file__).parent / "lib"
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
+                                     platform.machine().encode(), cpu_features().encode(),
+                                     str(torch_lib).encode()])).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = pathlib.Path(tmp) / target.name
+        gomp = [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"] if (torch_lib / "libgomp.so.1").exists() else []
+        cmd = [compiler, *FLAGS, str(source), "-o", str(out), *gomp, "-lgomp", "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
+        os.replace(out, target)  # atomic: a concurrent build of the same key writes the same file
+    return target
+
+
+def load(source: pathlib.Path, what: str) -> ctypes.CDLL | None:
+    """The compiled library, or None (with a warning naming `what` falls back) where it cannot be built."""
+    try:
+        return ctypes.CDLL(str(build(source)))
+    except (RuntimeError, OSError) as e:
+        log.warning("%s: C kernel unavailable, using the PyTorch path (slower): %s", what, e)
+        return None

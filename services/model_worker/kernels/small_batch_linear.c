@@ -1,0 +1,97 @@
+/* y = x W^T for a few rows of x, bf16 weights read straight from memory: the decode-step matmul.
+ *
+ * A decode step of one to a few sequences multiplies a handful of activation rows by every weight
+ * once: the work is reading the weights, and oneDNN's GEMM reads them at about half the speed the
+ * memory can stream. Here each thread walks its own stretch of output rows, several weight rows
+ * in flight with prefetch ahead, and AVX512-BF16 dot products (vdpbf16ps) accumulate in float32;
+ * the result is rounded to bf16 once, to nearest even, as torch rounds. Larger batches are
+ * compute-bound and stay with oneDNN (AMX where the CPU has it).
+ *
+ * Built only where the compiler targets AVX512-BF16; elsewhere small_batch_linear returns -1
+ * and the caller keeps to torch.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#define ROWS 8     /* weight rows in flight for one input row */
+#define M_BLOCK 4  /* input rows sharing each weight load when there are several */
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* One input row: ROWS output rows at a time, each weight row prefetched a block ahead. */
+static void one_row(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t n, int64_t k) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < n; n0 += ROWS) {
+        const int rows = n - n0 < ROWS ? (int)(n - n0) : ROWS;
+        __m512 acc[ROWS];
+        for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < k; j += 32) {
+            const __m512i xv = _mm512_loadu_si512(x + j);
+            for (int r = 0; r < rows; r++) {
+                const uint16_t *p = w + (n0 + r) * k + j;
+                _mm_prefetch((const char *)(p + 2 * ROWS * k), _MM_HINT_T0);
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(p), (__m512bh)xv);
+            }
+        }
+        for (int r = 0; r < rows; r++) out[n0 + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[r]));
+    }
+}
+
+/* Several input rows: 4 weight rows by M_BLOCK input rows of accumulators. */
+static void few_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < n; n0 += 4) {
+        const int rows = n - n0 < 4 ? (int)(n - n0) : 4;
+        for (int m0 = 0; m0 < m; m0 += M_BLOCK) {
+            const int ms = m - m0 < M_BLOCK ? m - m0 : M_BLOCK;
+            __m512 acc[4][M_BLOCK];
+            for (int r = 0; r < 4; r++)
+                for (int i = 0; i < M_BLOCK; i++) acc[r][i] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < k; j += 32) {
+                __m512i xv[M_BLOCK];
+                for (int i = 0; i < ms; i++) xv[i] = _mm512_loadu_si512(x + (m0 + i) * k + j);
+                for (int r = 0; r < rows; r++) {
+                    const uint16_t *p = w + (n0 + r) * k + j;
+                    if (m0 == 0) _mm_prefetch((const char *)(p + 8 * k), _MM_HINT_T0);
+                    const __m512i wv = _mm512_loadu_si512(p);
+                    for (int i = 0; i < ms; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)wv, (__m512bh)xv[i]);
+                }
+            }
+            for (int r = 0; r < rows; r++)
+                for (int i = 0; i < ms; i++) out[(m0 + i) * n + n0 + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[r][i]));
+        }
+    }
+}
+#endif
+
+/* x: (m, k), w: (n, k), out: (m, n), all contiguous bf16; k a multiple of 32. Returns 0, or -1
+ * where this build has no AVX512-BF16 or k does not fit. */
+int small_batch_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (k % 32 || m < 1) return -1;
+    if (m == 1) one_row(x, w, out, n, k);
+    else few_rows(x, w, out, m, n, k);
+    return 0;
+#else
+    (void)x; (void)w; (void)out; (void)m; (void)n; (void)k;
+    return -1;
+#endif
+}
+
+/* 1 if this build can run small_batch_linear. */
+int small_batch_linear_supported(void) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,109 @@
+"""The small-batch bf16 matmul kernel against float64, and the engine that uses it against the plain model."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.model_worker.engine import EngineConfig, LLMEngine
+from services.model_worker.kernels import build, cpu_linear
+from services.model_worker.optimize import PackedLinear, SmallBatchLinear, use_small_batch_kernel
+from services.model_worker.sampling_params import SamplingParams
+from tests.checkpoints import make_checkpoint
+from tests.unit.test_engine_reference import forward, random_prompt
+
+HAS_BF16_DOT = "avx512_bf16" in build.cpu_features()
+needs_kernel = pytest.mark.skipif(not HAS_BF16_DOT, reason="the CPU has no AVX512-BF16")
+
+
+@pytest.fixture(scope="module")
+def library():
+    library = cpu_linear.load()
+    assert library is not None, "the kernel must build on a CPU with AVX512-BF16 (gcc is on the test machine)"
+    return library
+
+
+def rounding_bound(reference: torch.Tensor) -> float:
+    """One bf16 rounding of the largest output, plus float32 summation: what F.linear itself may be off by."""
+    return reference.abs().max().item() * 2 ** -8 + 1e-3
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("out_features,in_features", [(7, 32), (333, 1024), (1000, 96)])
+def test_kernel_matches_float64(library, rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * out_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    reference = x.double() @ w.double().T
+    out = cpu_linear.small_batch_linear(library, x, w)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    assert (out.double() - reference).abs().max().item() <= rounding_bound(reference)
+    # Each output is the float32 sum rounded once: within half a bf16 step of the exact value, as F.linear's.
+    assert (out.double() - reference).abs().max().item() <= (F.linear(x, w).double() - reference).abs().max() * 2
+
+
+@needs_kernel
+def test_module_routes_few_rows_to_the_kernel_and_many_to_oneDNN(library):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=True).bfloat16()
+    module = SmallBatchLinear(linear, library)
+    many = torch.randn(2, 3, 64).bfloat16()  # 6 rows: over MAX_ROWS, plain F.linear bit for bit
+    assert torch.equal(module(many), F.linear(many, linear.weight, linear.bias))
+    few = torch.randn(3, 64).bfloat16()
+    reference = few.double() @ linear.weight.double().T + linear.bias.double()
+    assert (module(few).double() - reference).abs().max().item() <= rounding_bound(reference) * 2
+    assert module.weight is linear.weight  # no copy of the weights
+
+
+@needs_kernel
+def test_only_weights_the_kernel_takes_are_swapped(library):
+    model = nn.Sequential(nn.Linear(64, 8), nn.Linear(8, 64), nn.Linear(64, 64)).bfloat16()
+    model[2].float()
+    assert use_small_batch_kernel(model, library) == 1  # 8 inputs: not a multiple of 32; float32: not bf16
+    assert isinstance(model[0], SmallBatchLinear) and isinstance(model[1], nn.Linear)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("small-batch")
+    make_checkpoint(path, tie_word_embeddings=False)
+    return path
+
+
+def make_engine(checkpoint, kernel: bool) -> LLMEngine:
+    return LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=96, block_size=8,
+                                              pack_weights=False, small_batch_kernel=kernel))
+
+
+@needs_kernel
+def test_engine_uses_the_kernel_by_default_for_bf16_and_packs_otherwise(checkpoint):
+    default = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=16, block_size=8))
+    assert isinstance(default.model.lm_head, SmallBatchLinear)
+    off = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=16, block_size=8,
+                                          small_batch_kernel=False))
+    assert isinstance(off.model.lm_head, PackedLinear)
+    fp32 = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="float32", num_blocks=16, block_size=8))
+    assert not any(isinstance(m, SmallBatchLinear) for m in fp32.model.modules())
+
+
+@needs_kernel
+def test_decode_logits_match_the_plain_model_within_bf16_rounding(checkpoint):
+    plain, kernel = make_engine(checkpoint, False), make_engine(checkpoint, True)
+    prompts = [random_prompt(n, seed=70 + n) for n in (3, 9)]
+    longer = [p + random_prompt(1, seed=80 + i) for i, p in enumerate(prompts)]
+    for engine in (plain, kernel):
+        forward(engine, prompts)  # the prefill (more than 4 rows: oneDNN in both)
+    decode = [len(p) - 1 for p in longer]
+    # Two decode rows: the kernel's path. bf16 logits of a random model are O(1); a few roundings apart.
+    for a, b in zip(forward(plain, longer, decode), forward(kernel, longer, decode)):
+        assert (a.float() - b.float()).abs().max().item() <= 0.1
+
+
+@needs_kernel
+def test_engine_with_the_kernel_generates_text_like_the_plain_one(checkpoint):
+    """Greedy tokens agree until the first near-tie: bf16 rounding orders differ, so allow a late split."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompt = random_prompt(12, seed=90)
+    expected = make_engine(checkpoint, False).generate([prompt], params)[0]
+    got = make_engine(checkpoint, True).generate([prompt], params)[0]
+    assert len(got) == 16 and got[:4] == expected[:4]
