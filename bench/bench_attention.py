@@ -11,7 +11,7 @@ B, C, ...), on the same state. Backends:
 Then one sequence at a 64- and a 2048-token context, with the default backend.
 Medians with min-max; the last line is one JSON object.
 
-    python -m bench.bench_attention            # about 3 minutes on 2 cores
+    python -m bench.bench_attention            # about 5 minutes on 2 cores
     python -m bench.bench_attention --quick    # a smoke check on a tiny checkpoint
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ Qwen3-0.6B's exact config (bf16), then runs one greedy request at a time (a 128-
 Decode tokens/s counts the tokens after the first, over the time from the first to the last;
 prefill is the time to the first token. Medians with min-max; the last line is one JSON object.
 
-    python -m bench.bench_single_stream            # about 4 minutes on 2 cores
+    python -m bench.bench_single_stream            # about 5 minutes on 2 cores
     python -m bench.bench_single_stream --quick    # a smoke check
 """
 from __future__ import annotations
