@@ -69,6 +69,12 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#define PREFETCH 16 /* key rows ahead */
+
+static inline void prefetch_row(const void *row, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)row + off, 0, 3);
+}
+
 typedef struct {
     const void *q, *k_cache, *v_cache;
     void *out;
@@ -89,8 +95,13 @@ typedef struct {
 static inline __attribute__((always_inline)) void score_chunk_g(const Args *a, const Scratch *w, const int G,
                                                                 int n) {
     const int D = a->head_dim, vec_end = D / LANES * LANES;
+    const size_t row_bytes = (size_t)D * (a->is_bf16 ? 2 : 4);
     for (int j = 0; j < n; j++) {
         const void *key = w->keys[j];
+        /* The hardware prefetcher does not run far enough ahead through rows picked by a block
+         * table: fetch the key PREFETCH rows on, and this key's value row for the pass after. */
+        if (j + PREFETCH < n) prefetch_row(w->keys[j + PREFETCH], row_bytes);
+        prefetch_row(w->keys[KEY_CHUNK + j], row_bytes);
         float s[G];
         for (int r = 0; r < G; r++) s[r] = 0.0f;
         int d = 0;
@@ -202,6 +213,11 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
             const size_t slot = (size_t)table[pos / a->block_size] * a->block_size + pos % a->block_size;
             w->keys[j] = k_head + slot * row_bytes;
             w->keys[KEY_CHUNK + j] = v_head + slot * row_bytes;
+        }
+        /* The next chunk's first keys, which the loop below cannot reach ahead to. */
+        for (int pos = k0 + n; pos < ctx && pos < k0 + n + PREFETCH; pos++) {
+            const size_t slot = (size_t)table[pos / a->block_size] * a->block_size + pos % a->block_size;
+            prefetch_row(k_head + slot * row_bytes, row_bytes);
         }
         FOR_GROUP(score_chunk_g, a, w, group, n);
         for (int r = 0; r < group; r++) softmax_update(a, w, r, n, &max[r], &sum[r]);
