@@ -1,4 +1,4 @@
-"""Load-time speedups for CPU inference: weights pre-packed for oneDNN, or a small-batch bf16 matmul kernel."""
+"""Load-time speedups for CPU inference: weights packed for oneDNN, or C kernels for small-batch bf16 matmuls and RMSNorm."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.model_worker.kernels import cpu_linear
+from services.model_worker.models.qwen3 import RMSNorm
 
 log = logging.getLogger(__name__)
 
@@ -99,3 +100,11 @@ def use_small_batch_kernel(model: nn.Module, library) -> int:
         setattr(model.get_submodule(parent_name), child, SmallBatchLinear(module, library))
     log.info("small-batch matmul kernel for %d linear weights", len(swaps))
     return len(swaps)
+
+
+def use_norm_kernel(model: nn.Module, library) -> int:
+    """Point every RMSNorm at the C kernel; returns how many."""
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    for norm in norms:
+        norm.kernel = library
+    return len(norms)

@@ -9,6 +9,7 @@ from torch import nn
 
 from services.model_worker.attention import AttentionMetadata, paged_attention
 from services.model_worker.config import Qwen3Config
+from services.model_worker.kernels import cpu_norm
 
 # Checkpoint tensors that our fused parameters are made of: (checkpoint name part, our name part, shard).
 PACKED_MODULES = {
@@ -25,17 +26,22 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # The C kernel (kernels/rms_norm.c) where the engine enabled it at load; None: torch ops.
+        self.kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.kernel)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel=None) -> torch.Tensor:
     """Normalise the last dim in float32 and scale in the model dtype, as the reference does.
 
     F.rms_norm gives the reference's x * rsqrt(mean(x^2) + eps) bit for bit, in one call instead
-    of five. weight: (D,), or one row per position of the dims before it.
+    of five; the C kernel does the same arithmetic in one call instead of about ten ops. weight:
+    (D,), or one row per position of the dims before it.
     """
+    if kernel is not None and cpu_norm.supports(x, weight):
+        return cpu_norm.rms_norm(kernel, x, weight, eps)
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
@@ -144,7 +150,8 @@ class Qwen3Attention(nn.Module):
         # per head anyway, each with q_norm's or k_norm's weight; half the ops of doing them apart.
         weight = torch.cat((self.q_norm.weight.expand(self.num_heads, -1),
                             self.k_norm.weight.expand(self.num_kv_heads, -1)))
-        qk = rms_norm(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), weight, self.q_norm.eps)
+        qk = rms_norm(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), weight, self.q_norm.eps,
+                      self.q_norm.kernel)
         q, k = apply_rotary(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
