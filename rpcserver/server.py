@@ -34,6 +34,9 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
         # clients such as the gateway can watch their connections closely.
         ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
         ("grpc.http2.max_pings_without_data", 0),
+        # gRPC sets SO_REUSEPORT by default: a second server on a taken port binds beside the first
+        # and the kernel splits connections between the two, with no error. Fail at start instead.
+        ("grpc.so_reuseport", 0),
     ]
 
 
@@ -77,10 +80,13 @@ class GrpcServer:
     async def start(self) -> int:
         address = f"{self.config.host}:{self.config.port}"
         credentials = server_credentials(self.config)
-        self.port = (self.server.add_secure_port(address, credentials) if credentials
-                     else self.server.add_insecure_port(address))
+        try:
+            self.port = (self.server.add_secure_port(address, credentials) if credentials
+                         else self.server.add_insecure_port(address))
+        except RuntimeError:  # grpc's "Failed to bind", which names no cause; its log line does
+            self.port = 0
         if not self.port:
-            raise SystemExit(f"cannot listen on {address}")
+            raise SystemExit(f"cannot listen on {address}: the address is already in use or not available here")
         await self.set_serving(False)
         start_metrics_server(self.config.host, self.config.metrics_port)
         await self.server.start()

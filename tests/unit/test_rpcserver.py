@@ -1,0 +1,29 @@
+"""The shared server shape: a port already taken is an error at start, never a second listener beside the first."""
+import asyncio
+
+import pytest
+
+from rpcserver.config import ServerConfig
+from rpcserver.server import GrpcServer
+
+
+def config(port: int) -> ServerConfig:
+    return ServerConfig("127.0.0.1", port, 1.0, 1 << 20, None, None, None, "info")
+
+
+def test_a_second_server_on_a_taken_port_fails_at_start():
+    async def main():
+        first = GrpcServer(config(0), [])
+        port = await first.start()
+        try:
+            second = GrpcServer(config(port), [])
+            with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}: the address is already in use"):
+                await second.start()
+        finally:
+            await first.server.stop(None)
+        # Once the first has gone the port is free again: the failure was the clash, not the address.
+        third = GrpcServer(config(port), [])
+        assert await third.start() == port
+        await third.server.stop(None)
+
+    asyncio.run(main())
