@@ -52,6 +52,18 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.limits is None:
             self.limits = SchedulerLimits()
+        # Checked here, at start, with the flag's name: a bad value would otherwise surface later as a
+        # division by zero, an empty cache or a cache larger than the machine.
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
 @dataclass

@@ -41,10 +41,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--stats-interval", 10.0, "seconds between log lines on load, KV cache and throughput "
              "while busy (0: none)")
     args = parser.parse_args(argv)
+    if args.max_model_len < 0:
+        parser.error(f"--max-model-len must be >= 0 (0: the model's own limit), got {args.max_model_len}")
     try:
-        engine_config(args)  # the scheduler limits check themselves
+        engine_config(args)  # EngineConfig and the scheduler limits check their own ranges
     except ValueError as e:
-        parser.error(str(e))
+        parser.error("--" + str(e).replace("_", "-"))
     return args
 
 
