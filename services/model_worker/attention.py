@@ -112,10 +112,6 @@ class AttentionMetadata:
         return cls(move(slots), move(query_start), move(context), move(table), block_size, max(query_lens),
                    max(context_lens), backend or default_backend(device), **mixed)
 
-    @property
-    def num_seqs(self) -> int:
-        return self.context_lens.shape[0]
-
 
 class AttentionBackend:
     """Computes attention for one layer of a step, given q and this step's k, v (already in the cache)."""

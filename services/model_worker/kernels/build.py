@@ -1,7 +1,7 @@
 """Compiles a kernel's C file with the system compiler on first use and loads it through ctypes.
 
 A library is compiled for the machine it runs on (-march=native) and cached under a name that
-hashes the source, the flags and the CPU's feature list, so a changed kernel or another CPU gets
+hashes the source, the headers beside it, the flags and the CPU's feature list, so a changed kernel or another CPU gets
 a fresh build (about a second). It links torch's own OpenMP runtime, so a kernel's threads are
 the same pool, and the same thread count, as torch's: two runtimes in one process would each
 keep a team of spinning threads on the same cores.
@@ -46,7 +46,8 @@ def build(source: pathlib.Path, compiler: str | None = None) -> pathlib.Path:
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (set CC to use another)")
     torch_lib = pathlib.Path(torch.__file__).parent / "lib"
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(FLAGS).encode(), compiler.encode(),
                                      platform.machine().encode(), cpu_features().encode(),
                                      str(torch_lib).encode()])).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"

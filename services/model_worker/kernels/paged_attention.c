@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #define LANES 16
@@ -23,21 +25,6 @@
 #endif
 
 #define KEY_CHUNK 64 /* keys scored before each softmax update: their scores stay in L1 */
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16; /* bf16 is the top half of a float32 */
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(bits >> 16);
-}
 
 static inline float load1(const void *row, int is_bf16, int i) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];

@@ -13,19 +13,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
 #define ROWS 8     /* weight rows in flight for one input row */
 #define M_BLOCK 4  /* input rows sharing each weight load when there are several */
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* One input row: ROWS output rows at a time, each weight row prefetched a block ahead. */
 static void one_row(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t n, int64_t k) {
