@@ -63,6 +63,10 @@ class Downstreams:
         self.worker_info: worker_pb2.GetInfoResponse | None = None
         self.token_text: dict[int, str] = {}  # special token id -> text, for stop reasons
 
+    def open_worker_stream(self, work: worker_pb2.GenerateRequest, timeout: float | None):
+        """The worker's token stream for one request: async-iterable, and `cancel()` frees its sequence."""
+        return self.worker.Generate(work, timeout=timeout)
+
     async def healthy(self, timeout: float = 2.0) -> dict[str, bool]:
         async def check(name: str) -> bool:
             try:

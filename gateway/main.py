@@ -8,8 +8,11 @@ import logging
 import grpc
 
 from gateway.downstream import Downstreams, DownstreamTLS
+from gateway.generation import GenerationCore
+from gateway.http_app import create_app
+from gateway.http_server import HttpServer
 from gateway.servicer import GatewayServicer
-from rpcserver.auth import add_auth_flags, auth_interceptors
+from rpcserver.auth import add_auth_flags, api_key_from_args, auth_interceptors
 from rpcserver.config import ServerConfig, add_flag, add_server_flags
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
@@ -33,6 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--downstream-tls-ca", None, "CA bundle to verify the tokenizer and worker (TLS to them)")
     add_flag(parser, "--downstream-tls-cert", None, "client certificate presented to them (mTLS)")
     add_flag(parser, "--downstream-tls-key", None, "key of --downstream-tls-cert")
+    add_flag(parser, "--http-port", 0, "serve the OpenAI-compatible HTTP API on this port too (0: off)")
     add_flag(parser, "--health-interval", 1.0, "seconds between checks of the downstream services")
     add_flag(parser, "--log-prompts", False, "add each request's prompt text to its log line (off: prompts are "
              "user data)")
@@ -76,16 +80,23 @@ async def serve(args: argparse.Namespace) -> None:
     server = GrpcServer(ServerConfig.from_args(args), [service.full_name], interceptors=auth_interceptors(args))
     downstreams = Downstreams(args.tokenizer_addr, args.worker_addr,
                               DownstreamTLS(args.downstream_tls_ca, args.downstream_tls_cert, args.downstream_tls_key))
-    add_servicer(server.server, service,
-                 GatewayServicer(downstreams, limits_overrides(args), args.model_name, args.log_prompts))
+    core = GenerationCore(downstreams, limits_overrides(args))
+    add_servicer(server.server, service, GatewayServicer(core, args.model_name, args.log_prompts))
     await server.start()
+    http = None
+    if args.http_port:
+        app = create_app(core, lambda: args.model_name or getattr(downstreams.worker_info, "model", ""), lambda: server.serving,
+                         api_key_from_args(args), args.max_message_bytes, args.log_prompts)
+        http = HttpServer(app, server.config, args.http_port, args.log_level)
+        await http.start()
+        log.info("serving the OpenAI-compatible HTTP API on %s:%d", args.host, http.port)
     watcher = asyncio.create_task(watch_downstreams(server, downstreams, args.health_interval))
 
     async def stop_watching() -> None:
         watcher.cancel()
         await downstreams.close()
 
-    await server.run_until_signal(on_stop=stop_watching)
+    await server.run_until_signal(on_stop=stop_watching, on_drain=http.stop if http else None)
 
 
 def main(argv=None) -> None:

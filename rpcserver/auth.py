@@ -83,7 +83,13 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         values = [v for k, v in metadata or () if k == "authorization"]
         if not values:
             return "missing API key: send metadata 'authorization: Bearer <key>'"
-        scheme, _, key = (values[0] if isinstance(values[0], str) else values[0].decode()).strip().partition(" ")
+        return self.refusal(values[0] if isinstance(values[0], str) else values[0].decode())
+
+    def refusal(self, authorization: str | None) -> str | None:
+        """Why an `authorization` value (gRPC metadata or HTTP header) is refused, or None if it is the key."""
+        if not authorization:
+            return "missing API key: send 'authorization: Bearer <key>'"
+        scheme, _, key = authorization.strip().partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             return "malformed authorization metadata: expected 'Bearer <key>'"
         if not hmac.compare_digest(_digest(key.strip()), self._want):

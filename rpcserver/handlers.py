@@ -28,11 +28,20 @@ def _tolerant(message_class):
     return parse
 
 
+# (client streaming, server streaming) -> handler factory
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
 def add_servicer(server: grpc.aio.Server, service: _descriptor.ServiceDescriptor, servicer) -> None:
     """What the generated add_*Servicer_to_server does, with tolerant request parsing."""
     handlers = {}
     for method in service.methods:
-        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        make = _HANDLER_KINDS[method.client_streaming, method.server_streaming]
         handlers[method.name] = make(getattr(servicer, method.name),
                                      request_deserializer=_tolerant(GetMessageClass(method.input_type)),
                                      response_serializer=GetMessageClass(method.output_type).SerializeToString)

@@ -76,6 +76,7 @@ class GrpcServer:
              reflection.SERVICE_NAME], self.server)
         self.port = 0
         self.draining = False
+        self.serving = False
 
     async def start(self) -> int:
         address = f"{self.config.host}:{self.config.port}"
@@ -95,12 +96,18 @@ class GrpcServer:
 
     async def set_serving(self, serving: bool) -> None:
         serving = serving and not self.draining  # once stopping, never SERVING again
+        self.serving = serving
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 
-    async def run_until_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING, refuse new calls, let in-flight ones finish."""
+    async def run_until_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None,
+                               on_drain: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING, refuse new calls, let in-flight ones finish.
+
+        `on_drain` runs beside the gRPC drain (another front of the same process drains at the same
+        time); `on_stop` runs after both.
+        """
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -111,7 +118,7 @@ class GrpcServer:
         log.info("stopping: draining in-flight calls for up to %.0f s", self.config.grace_period_s)
         self.draining = True
         await self.set_serving(False)
-        await self.server.stop(self.config.grace_period_s)
+        await asyncio.gather(self.server.stop(self.config.grace_period_s), *([on_drain()] if on_drain else []))
         if on_stop is not None:
             await on_stop()
         stopping.cancel()

@@ -1,9 +1,11 @@
 """TokenizerService: requests to TokenizerCore calls and back."""
 from __future__ import annotations
 
-from rpcserver.errors import Unavailable
+from rpcserver.errors import InvalidArgument, Unavailable
+from rpcserver.handlers import MalformedRequest
 from rpcserver.status import grpc_errors
 from services.tokenizer.core import TokenizerCore
+from services.tokenizer.decode_stream import DecodeStreamState, TokenPieces
 from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 
@@ -11,6 +13,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     def __init__(self, core: TokenizerCore | None = None):
         # Registered before the server starts; the core arrives once the tokenizer has loaded.
         self._core = core
+        self._pieces = TokenPieces(core) if core is not None else None
 
     @property
     def core(self) -> TokenizerCore:
@@ -21,6 +24,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     @core.setter
     def core(self, core: TokenizerCore) -> None:
         self._core = core
+        self._pieces = TokenPieces(core)
 
     @grpc_errors
     async def Encode(self, request: tokenizer_pb2.EncodeRequest, context) -> tokenizer_pb2.EncodeResponse:
@@ -41,6 +45,21 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         text, advance, read_offset = self.core.decode_incremental(
             list(request.token_ids), request.read_offset, request.skip_special_tokens, request.final)
         return tokenizer_pb2.DecodeIncrementalResponse(text=text, prefix_advance=advance, read_offset=read_offset)
+
+    @grpc_errors
+    async def DecodeStream(self, requests, context):
+        core, state = self.core, None
+        async for request in requests:
+            if isinstance(request, MalformedRequest):
+                raise InvalidArgument(f"a DecodeStream message does not parse: {request.error}")
+            if state is None:
+                state = DecodeStreamState(core, request.skip_special_tokens)
+            piece_ids = list(request.piece_ids)
+            core.check_ids(piece_ids)
+            text = state.add(list(request.token_ids), request.final)
+            yield tokenizer_pb2.DecodeStreamResponse(text=text, pieces=[self._pieces(i) for i in piece_ids])
+            if request.final:
+                return
 
     @grpc_errors
     async def GetInfo(self, request, context) -> tokenizer_pb2.GetInfoResponse:

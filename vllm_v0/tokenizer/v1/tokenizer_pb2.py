@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$vllm_v0/tokenizer/v1/tokenizer.proto\x12\x14vllm_v0.tokenizer.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xde\x01\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x33\n\x08messages\x18\x02 \x03(\x0b\x32!.vllm_v0.tokenizer.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x0f\x65nable_thinking\x18\x05 \x01(\x08H\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x12\n\x10_enable_thinking\"5\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08rendered\x18\x02 \x01(\t\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"n\n\x18\x44\x65\x63odeIncrementalRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bread_offset\x18\x02 \x01(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\"V\n\x19\x44\x65\x63odeIncrementalResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x16\n\x0eprefix_advance\x18\x02 \x01(\r\x12\x13\n\x0bread_offset\x18\x03 \x01(\r\"\x10\n\x0eGetInfoRequest\"+\n\x0cSpecialToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x93\x01\n\x0fGetInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12:\n\x0especial_tokens\x18\x02 \x03(\x0b\x32\".vllm_v0.tokenizer.v1.SpecialToken\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x32\x8a\x03\n\x10TokenizerService\x12S\n\x06\x45ncode\x12#.vllm_v0.tokenizer.v1.EncodeRequest\x1a$.vllm_v0.tokenizer.v1.EncodeResponse\x12S\n\x06\x44\x65\x63ode\x12#.vllm_v0.tokenizer.v1.DecodeRequest\x1a$.vllm_v0.tokenizer.v1.DecodeResponse\x12t\n\x11\x44\x65\x63odeIncremental\x12..vllm_v0.tokenizer.v1.DecodeIncrementalRequest\x1a/.vllm_v0.tokenizer.v1.DecodeIncrementalResponse\x12V\n\x07GetInfo\x12$.vllm_v0.tokenizer.v1.GetInfoRequest\x1a%.vllm_v0.tokenizer.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$vllm_v0/tokenizer/v1/tokenizer.proto\x12\x14vllm_v0.tokenizer.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xde\x01\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x33\n\x08messages\x18\x02 \x03(\x0b\x32!.vllm_v0.tokenizer.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x0f\x65nable_thinking\x18\x05 \x01(\x08H\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x12\n\x10_enable_thinking\"5\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08rendered\x18\x02 \x01(\t\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"n\n\x18\x44\x65\x63odeIncrementalRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bread_offset\x18\x02 \x01(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\"V\n\x19\x44\x65\x63odeIncrementalResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x16\n\x0eprefix_advance\x18\x02 \x01(\r\x12\x13\n\x0bread_offset\x18\x03 \x01(\r\"g\n\x13\x44\x65\x63odeStreamRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12\x11\n\tpiece_ids\x18\x04 \x03(\r\"4\n\x14\x44\x65\x63odeStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0e\n\x06pieces\x18\x02 \x03(\x0c\"\x10\n\x0eGetInfoRequest\"+\n\x0cSpecialToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x93\x01\n\x0fGetInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12:\n\x0especial_tokens\x18\x02 \x03(\x0b\x32\".vllm_v0.tokenizer.v1.SpecialToken\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x32\xf5\x03\n\x10TokenizerService\x12S\n\x06\x45ncode\x12#.vllm_v0.tokenizer.v1.EncodeRequest\x1a$.vllm_v0.tokenizer.v1.EncodeResponse\x12S\n\x06\x44\x65\x63ode\x12#.vllm_v0.tokenizer.v1.DecodeRequest\x1a$.vllm_v0.tokenizer.v1.DecodeResponse\x12t\n\x11\x44\x65\x63odeIncremental\x12..vllm_v0.tokenizer.v1.DecodeIncrementalRequest\x1a/.vllm_v0.tokenizer.v1.DecodeIncrementalResponse\x12i\n\x0c\x44\x65\x63odeStream\x12).vllm_v0.tokenizer.v1.DecodeStreamRequest\x1a*.vllm_v0.tokenizer.v1.DecodeStreamResponse(\x01\x30\x01\x12V\n\x07GetInfo\x12$.vllm_v0.tokenizer.v1.GetInfoRequest\x1a%.vllm_v0.tokenizer.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,12 +45,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEINCREMENTALREQUEST']._serialized_end=595
   _globals['_DECODEINCREMENTALRESPONSE']._serialized_start=597
   _globals['_DECODEINCREMENTALRESPONSE']._serialized_end=683
-  _globals['_GETINFOREQUEST']._serialized_start=685
-  _globals['_GETINFOREQUEST']._serialized_end=701
-  _globals['_SPECIALTOKEN']._serialized_start=703
-  _globals['_SPECIALTOKEN']._serialized_end=746
-  _globals['_GETINFORESPONSE']._serialized_start=749
-  _globals['_GETINFORESPONSE']._serialized_end=896
-  _globals['_TOKENIZERSERVICE']._serialized_start=899
-  _globals['_TOKENIZERSERVICE']._serialized_end=1293
+  _globals['_DECODESTREAMREQUEST']._serialized_start=685
+  _globals['_DECODESTREAMREQUEST']._serialized_end=788
+  _globals['_DECODESTREAMRESPONSE']._serialized_start=790
+  _globals['_DECODESTREAMRESPONSE']._serialized_end=842
+  _globals['_GETINFOREQUEST']._serialized_start=844
+  _globals['_GETINFOREQUEST']._serialized_end=860
+  _globals['_SPECIALTOKEN']._serialized_start=862
+  _globals['_SPECIALTOKEN']._serialized_end=905
+  _globals['_GETINFORESPONSE']._serialized_start=908
+  _globals['_GETINFORESPONSE']._serialized_end=1055
+  _globals['_TOKENIZERSERVICE']._serialized_start=1058
+  _globals['_TOKENIZERSERVICE']._serialized_end=1559
 # @@protoc_insertion_point(module_scope)

@@ -72,6 +72,26 @@ class DecodeIncrementalResponse(_message.Message):
     read_offset: int
     def __init__(self, text: _Optional[str] = ..., prefix_advance: _Optional[int] = ..., read_offset: _Optional[int] = ...) -> None: ...
 
+class DecodeStreamRequest(_message.Message):
+    __slots__ = ("token_ids", "skip_special_tokens", "final", "piece_ids")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    PIECE_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_special_tokens: bool
+    final: bool
+    piece_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ..., final: _Optional[bool] = ..., piece_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeStreamResponse(_message.Message):
+    __slots__ = ("text", "pieces")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    pieces: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, text: _Optional[str] = ..., pieces: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

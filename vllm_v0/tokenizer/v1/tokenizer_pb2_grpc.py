@@ -49,6 +49,11 @@ class TokenizerServiceStub:
                 request_serializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeIncrementalRequest.SerializeToString,
                 response_deserializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeIncrementalResponse.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/vllm_v0.tokenizer.v1.TokenizerService/DecodeStream',
+                request_serializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeStreamRequest.SerializeToString,
+                response_deserializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeStreamResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/vllm_v0.tokenizer.v1.TokenizerService/GetInfo',
                 request_serializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetInfoRequest.SerializeToString,
@@ -84,6 +89,17 @@ class TokenizerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeStream(self, request_iterator, context):
+        """Incremental detokenization of one generation over one call: the caller
+        sends each new batch of ids as it arrives, and gets exactly one reply per
+        message, in order. The service keeps the stream's window, so each message
+        carries only the new ids; the state ends with the call. One call per
+        request costs far less per token than a DecodeIncremental call per token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """Vocabulary size, special tokens, eos ids and the chat template's presence.
         """
@@ -108,6 +124,11 @@ def add_TokenizerServiceServicer_to_server(servicer, server):
                     servicer.DecodeIncremental,
                     request_deserializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeIncrementalRequest.FromString,
                     response_serializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeIncrementalResponse.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeStreamRequest.FromString,
+                    response_serializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeStreamResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -196,6 +217,33 @@ class TokenizerService:
             '/vllm_v0.tokenizer.v1.TokenizerService/DecodeIncremental',
             vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeIncrementalRequest.SerializeToString,
             vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeIncrementalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/vllm_v0.tokenizer.v1.TokenizerService/DecodeStream',
+            vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeStreamRequest.SerializeToString,
+            vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

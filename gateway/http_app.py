@@ -1,0 +1,259 @@
+"""The OpenAI-compatible HTTP API: FastAPI routes, thin adapters over the generation core."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.generation import Delta, GenerationCore
+from gateway.metrics import RequestRecord
+from gateway.openai_format import ResponseFormat
+from gateway.openai_protocol import ChatRequest, CompletionRequest, chat_request, choice_requests, \
+    completion_request, parse
+from gateway.validation import GenerationRequest
+from rpcserver.auth import ApiKeyInterceptor
+from rpcserver.errors import ServiceError
+from rpcserver.status import status_for
+
+log = logging.getLogger(__name__)
+
+# gRPC status -> (HTTP status, OpenAI error type)
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+}
+
+
+class HttpError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, http_status: int | None = None):
+        super().__init__(message)
+        self.code = code
+        self.http_status = http_status
+
+
+def grpc_code(error: BaseException | None) -> grpc.StatusCode:
+    """The gRPC status a failure corresponds to, for logs, metrics and the HTTP status."""
+    if error is None:
+        return grpc.StatusCode.OK
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+        return grpc.StatusCode.CANCELLED
+    if isinstance(error, HttpError):
+        return error.code
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code()
+    if isinstance(error, ServiceError):
+        return status_for(error)
+    return grpc.StatusCode.INTERNAL
+
+
+def error_body(error: BaseException) -> tuple[int, dict]:
+    code = grpc_code(error)
+    status, kind = HTTP_STATUS.get(code, (500, "server_error"))
+    if isinstance(error, HttpError) and error.http_status:
+        status = error.http_status
+    if isinstance(error, grpc.aio.AioRpcError):
+        message = error.details() or code.name
+    elif code == grpc.StatusCode.INTERNAL and not isinstance(error, ServiceError):
+        log.exception("internal error", exc_info=error)
+        message = f"internal error: {type(error).__name__}: {error}"
+    else:
+        message = str(error)
+    return status, {"error": {"message": message, "type": kind, "param": None, "code": code.name.lower()}}
+
+
+def error_response(error: BaseException) -> JSONResponse:
+    status, body = error_body(error)
+    return JSONResponse(body, status_code=status)
+
+
+def sse(payload: dict | str) -> bytes:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+async def recorded(core: GenerationCore, req: GenerationRequest, record: RequestRecord,
+                   with_pieces: bool) -> AsyncIterator[Delta]:
+    """The core's deltas for one choice, with its log line and metrics written however it ends."""
+    error = None
+    try:
+        async for delta in core.generate(req, record, with_pieces=with_pieces):
+            yield delta
+    except BaseException as e:
+        error = e
+        raise
+    finally:
+        record.done(grpc_code(error))
+
+
+class Choices:
+    """The n generations of one request, read as one stream of (choice index, delta)."""
+
+    def __init__(self, streams: list[AsyncIterator[Delta]]):
+        self.streams = streams
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+
+    async def first(self) -> list[tuple[int, Delta]]:
+        """Every choice's first delta; raises the first error, so a refused request gets its HTTP status."""
+        if len(self.streams) == 1:  # the common case, without a task and a queue per token
+            return [(0, await anext(self.streams[0]))]
+        self.tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self.streams)]
+        firsts, waiting = [], set(range(len(self.streams)))
+        while waiting:
+            index, item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            waiting.discard(index)
+            firsts.append((index, item))
+        return firsts
+
+    async def rest(self) -> AsyncIterator[tuple[int, Delta]]:
+        if not self.tasks:
+            async for delta in self.streams[0]:
+                yield 0, delta
+            return
+        running = len(self.streams)
+        while running:
+            index, item = await self.queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+
+    async def close(self) -> None:
+        """Stops every generation still running (the worker frees their sequences).
+
+        Also called from a cancelled request, so it must not wait on anything that can suspend:
+        a task's cancellation runs its generation's cleanup, which cancels the calls at once.
+        """
+        if self.tasks:
+            for task in self.tasks:
+                task.cancel()
+        else:
+            await self.streams[0].aclose()
+
+    async def _pump(self, index: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in stream:
+                await self.queue.put((index, delta))
+            await self.queue.put((index, None))
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which answers with it
+            await self.queue.put((index, e))
+
+
+def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: Callable[[], bool],
+               api_key: str | None, max_body_bytes: int, log_prompts: bool = False) -> FastAPI:
+    app = FastAPI(title="vllm-v0", docs_url=None, redoc_url=None, openapi_url=None)
+    checker = ApiKeyInterceptor(api_key) if api_key else None
+
+    async def read_body(request: Request) -> bytes:
+        if checker is not None:
+            refusal = checker.refusal(request.headers.get("authorization"))
+            if refusal is not None:
+                raise HttpError(grpc.StatusCode.UNAUTHENTICATED, refusal)
+        too_large = HttpError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"the request body is larger than {max_body_bytes} bytes", http_status=413)
+        if int(request.headers.get("content-length") or 0) > max_body_bytes:
+            raise too_large
+        body = await request.body()
+        if len(body) > max_body_bytes:
+            raise too_large
+        return body
+
+    async def generate(request: Request, chat: bool) -> JSONResponse | StreamingResponse:
+        choices = None
+        try:
+            body = parse(ChatRequest if chat else CompletionRequest, await read_body(request))
+            req = chat_request(body) if chat else completion_request(body)
+            want_logprobs = req.logprobs is not None
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            prompt = (req.prompt if req.prompt is not None else req.messages) if log_prompts else None
+            records = [RequestRecord(request_id if body.n == 1 else f"{request_id}-{i}", prompt)
+                       for i in range(body.n)]
+            choices = Choices([recorded(core, r, record, want_logprobs)
+                               for r, record in zip(choice_requests(req, body.n), records)])
+            fmt = ResponseFormat(chat, model_name(), body.n, want_logprobs)
+            firsts = await choices.first()
+        except Exception as e:  # noqa: BLE001 - refused before any output: a plain error response
+            if choices is not None:
+                await choices.close()
+            return error_response(e)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(stream_events(fmt, choices, firsts, usage), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache", "x-request-id": request_id})
+        try:
+            for index, delta in firsts:
+                fmt.add(index, delta)
+            async for index, delta in choices.rest():
+                fmt.add(index, delta)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        finally:
+            await choices.close()
+        return JSONResponse(fmt.body(), headers={"x-request-id": request_id})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        try:
+            await read_body(request)
+            limits = core.limits()
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        return {"object": "list", "data": [{"id": model_name(), "object": "model", "created": 0,
+                                            "owned_by": "vllm-v0", "max_model_len": limits.max_context}]}
+
+    @app.get("/health")
+    async def health():
+        # Open like gRPC health: probes need no key, and it says only whether the gateway serves.
+        if is_serving():
+            return {"status": "serving"}
+        return JSONResponse({"status": "not serving"}, status_code=503)
+
+    return app
+
+
+async def stream_events(fmt: ResponseFormat, choices: Choices, firsts: list[tuple[int, Delta]],
+                        include_usage: bool) -> AsyncIterator[bytes]:
+    """Server-sent events: one `data:` line per delta, usage last when asked for, then [DONE].
+
+    A client that disconnects cancels this generator; closing the choices cancels the worker's sequences.
+    """
+    try:
+        for index, delta in firsts:
+            yield sse(_with_usage(fmt.chunk(index, delta), include_usage))
+        async for index, delta in choices.rest():
+            yield sse(_with_usage(fmt.chunk(index, delta), include_usage))
+        if include_usage:
+            yield sse(fmt.usage_chunk())
+    except Exception as e:  # noqa: BLE001 - the status line is sent: the error goes in the stream
+        yield sse(error_body(e)[1])
+    finally:
+        await choices.close()
+    yield sse("[DONE]")
+
+
+def _with_usage(chunk: dict, include_usage: bool) -> dict:
+    if include_usage:
+        chunk["usage"] = None  # as OpenAI: every chunk has the key, only the last one a value
+    return chunk

@@ -1,0 +1,121 @@
+"""The generation core's deltas in OpenAI's response shapes: completions and chat, chunks and whole bodies."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from gateway.generation import Delta, Logprobs, TokenLogprob
+
+# OpenAI has no separate reason for an eos token; both it and a stop string are "stop".
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def _token(t: TokenLogprob) -> str:
+    # A token may hold part of a UTF-8 character; its exact bytes go in `bytes` (chat).
+    return (t.piece or b"").decode("utf-8", errors="replace")
+
+
+class ResponseFormat:
+    """Builds one response's chunks or body; `chat` picks the chat.completion shapes."""
+
+    def __init__(self, chat: bool, model: str, n: int, logprobs: bool):
+        self.chat = chat
+        self.model = model
+        self.logprobs = logprobs
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.text = [""] * n  # each choice's text so far: text offsets, and the non-streaming body
+        self.token_logprobs: list[list[Logprobs]] = [[] for _ in range(n)]
+        self.started = [False] * n  # chat: the first chunk of a choice carries the role
+        self.last: list[Delta | None] = [None] * n  # non-streaming: each choice's last delta
+        self.prompt_tokens = 0
+        self.completion_tokens = [0] * n
+
+    def chunk(self, index: int, delta: Delta) -> dict:
+        """One streamed event for choice `index`."""
+        choice: dict = {"index": index}
+        if self.chat:
+            message = {"content": delta.text}
+            if not self.started[index]:
+                message["role"] = "assistant"
+            choice["delta"] = message
+            choice["logprobs"] = self._chat_logprobs(delta.logprobs) if self.logprobs else None
+        else:
+            choice["text"] = delta.text
+            choice["logprobs"] = self._completion_logprobs(index, delta.logprobs) if self.logprobs else None
+        self.started[index] = True
+        self._count(index, delta)
+        self.text[index] += delta.text
+        choice["finish_reason"] = FINISH_REASONS.get(delta.finish_reason)
+        if delta.finish_reason:
+            choice["stop_reason"] = delta.stop_reason or None
+        return self._envelope([choice], chunk=True)
+
+    def usage_chunk(self) -> dict:
+        return {**self._envelope([], chunk=True), "usage": self.usage()}
+
+    def add(self, index: int, delta: Delta) -> None:
+        """Collects a delta for the non-streaming body."""
+        if self.logprobs:
+            self.token_logprobs[index].extend(delta.logprobs)
+        self._count(index, delta)
+        self.text[index] += delta.text
+        if delta.finish_reason:
+            self.last[index] = delta
+
+    def body(self) -> dict:
+        choices = []
+        for index, text in enumerate(self.text):
+            last = self.last[index]
+            choice: dict = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+                choice["logprobs"] = self._chat_logprobs(self.token_logprobs[index]) if self.logprobs else None
+            else:
+                choice["text"] = text
+                choice["logprobs"] = (self._offsets_logprobs(self.token_logprobs[index], text)
+                                      if self.logprobs else None)
+            choice["finish_reason"] = FINISH_REASONS[last.finish_reason]
+            choice["stop_reason"] = last.stop_reason or None
+            choices.append(choice)
+        return {**self._envelope(choices, chunk=False), "usage": self.usage()}
+
+    def usage(self) -> dict:
+        completion = sum(self.completion_tokens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def _count(self, index: int, delta: Delta) -> None:
+        self.prompt_tokens = delta.prompt_tokens
+        self.completion_tokens[index] = delta.completion_tokens
+
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def _completion_logprobs(self, index: int, logprobs: list[Logprobs]) -> dict:
+        # Each token starts where the text shown so far ends (text held back for a stop string
+        # or a split character counts toward the token that releases it).
+        offset = len(self.text[index])
+        return {"tokens": [_token(lp.chosen) for lp in logprobs],
+                "token_logprobs": [lp.chosen.logprob for lp in logprobs],
+                "top_logprobs": [{_token(t): t.logprob for t in lp.top} for lp in logprobs],
+                "text_offset": [offset] * len(logprobs)}
+
+    def _offsets_logprobs(self, logprobs: list[Logprobs], text: str) -> dict:
+        # Without the stream's timing, place each token at the end of the tokens before it,
+        # capped at the text's length (text after a stop string is cut).
+        offsets, position = [], 0
+        for lp in logprobs:
+            offsets.append(min(position, len(text)))
+            position += len(_token(lp.chosen))
+        return {"tokens": [_token(lp.chosen) for lp in logprobs],
+                "token_logprobs": [lp.chosen.logprob for lp in logprobs],
+                "top_logprobs": [{_token(t): t.logprob for t in lp.top} for lp in logprobs],
+                "text_offset": offsets}
+
+    @staticmethod
+    def _chat_logprobs(logprobs: list[Logprobs]) -> dict:
+        def entry(t: TokenLogprob) -> dict:
+            return {"token": _token(t), "logprob": t.logprob, "bytes": list(t.piece or b"")}
+        return {"content": [{**entry(lp.chosen), "top_logprobs": [entry(t) for t in lp.top]} for lp in logprobs]}

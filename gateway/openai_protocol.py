@@ -1,0 +1,160 @@
+"""OpenAI request bodies (completions and chat) and their translation into GenerationRequests."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.validation import MAX_SEED, GenerationRequest
+from rpcserver.errors import InvalidArgument
+
+MAX_N = 16  # choices per request: each one is a sequence on the worker
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    # Unknown fields (user, metadata, store, ...) are accepted and ignored, as OpenAI clients send many.
+    model_config = ConfigDict(extra="allow")
+
+    model: str = ""
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    max_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[int] = Field(default_factory=list)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ChatContentPart] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def parse(model: type[BaseModel], body: bytes) -> Any:
+    """The body as `model`; a body that does not fit becomes InvalidArgument naming the field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise InvalidArgument(f"{where}: {first['msg']}") from None
+
+
+def completion_request(body: CompletionRequest) -> GenerationRequest:
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise InvalidArgument("prompt must be one string (lists of prompts and token ids are not supported)")
+        prompt = prompt[0]
+    if body.echo:
+        raise InvalidArgument("echo is not supported")
+    if body.suffix:
+        raise InvalidArgument("suffix is not supported")
+    if body.best_of not in (None, body.n):
+        raise InvalidArgument("best_of is not supported (leave it unset or equal to n)")
+    return _common(body, GenerationRequest(prompt=prompt, max_tokens=body.max_tokens, logprobs=body.logprobs))
+
+
+def chat_request(body: ChatRequest) -> GenerationRequest:
+    if body.tools:
+        raise InvalidArgument("tools are not supported")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise InvalidArgument("response_format other than text is not supported")
+    messages = []
+    for i, message in enumerate(body.messages):
+        role = "system" if message.role == "developer" else message.role  # OpenAI's newer name for system
+        messages.append((role, _text(message, i)))
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidArgument("top_logprobs needs logprobs: true")
+    kwargs = dict(body.chat_template_kwargs or {})
+    thinking = kwargs.pop("enable_thinking", None)
+    if thinking is not None and not isinstance(thinking, bool):
+        raise InvalidArgument("chat_template_kwargs.enable_thinking must be true or false")
+    if kwargs:
+        raise InvalidArgument(f"chat_template_kwargs supports only enable_thinking, got {', '.join(kwargs)}")
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise InvalidArgument("give max_completion_tokens or max_tokens, not both")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return _common(body, GenerationRequest(messages=messages, enable_thinking=thinking, max_tokens=max_tokens,
+                                           logprobs=logprobs))
+
+
+def choice_requests(req: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """One request per choice; with a seed, choice i samples with seed + i so the choices differ."""
+    requests = [req]
+    for i in range(1, n):
+        seed = None if req.seed is None else (req.seed + i) % (MAX_SEED + 1)
+        requests.append(GenerationRequest(**{**req.__dict__, "seed": seed, "stop": list(req.stop)}))
+    return requests
+
+
+def _common(body: _Common, req: GenerationRequest) -> GenerationRequest:
+    if not 1 <= body.n <= MAX_N:
+        raise InvalidArgument(f"n must be in [1, {MAX_N}], got {body.n}")
+    if body.logit_bias:
+        raise InvalidArgument("logit_bias is not supported")
+    if body.max_tokens is not None and body.max_tokens < 1:
+        raise InvalidArgument(f"max_tokens must be >= 1, got {body.max_tokens}")
+    req.stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    for name in ("seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                 "repetition_penalty"):
+        setattr(req, name, getattr(body, name))
+    req.ignore_eos = body.ignore_eos
+    req.skip_special_tokens = body.skip_special_tokens
+    req.stop_token_ids = list(body.stop_token_ids)
+    return req
+
+
+def _text(message: ChatMessage, index: int) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    parts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise InvalidArgument(f"messages[{index}].content: only text parts are supported, got {part.type!r}")
+        parts.append(part.text)
+    return "".join(parts)
+

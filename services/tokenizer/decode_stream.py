@@ -1,0 +1,66 @@
+"""Per-call state of DecodeStream: the window of one generation's ids, and tokens' raw bytes."""
+from __future__ import annotations
+
+from services.tokenizer.core import TokenizerCore
+
+
+def byte_level_table() -> dict[str, int]:
+    """Printable character -> byte, the inverse of the byte-level alphabet BPE vocabularies are written in.
+
+    Printable Latin-1 bytes stand for themselves; the 68 others (controls, space, ...) are
+    shifted to 256 and up, in byte order.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+BYTE_LEVEL = byte_level_table()
+
+
+class TokenPieces:
+    """Each id's raw bytes: what a token contributes to the byte stream before UTF-8 decoding."""
+
+    def __init__(self, core: TokenizerCore):
+        self.core = core
+        self.added = {token_id: content.encode("utf-8") for token_id, content in core.info.special_tokens}
+        self.cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        piece = self.cache.get(token_id)
+        if piece is None:
+            piece = self.cache[token_id] = self._lookup(token_id)
+        return piece
+
+    def _lookup(self, token_id: int) -> bytes:
+        if token_id in self.added:
+            return self.added[token_id]
+        token = self.core.tokenizer.id_to_token(token_id)
+        if token is None:
+            return b""  # a padding row of the model's embedding: decodes to nothing
+        if all(char in BYTE_LEVEL for char in token):
+            return bytes(BYTE_LEVEL[char] for char in token)
+        # Not a byte-level vocabulary: the token's own decode is the best available.
+        return self.core.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
+class DecodeStreamState:
+    """One DecodeStream call: keeps the window decode_incremental needs, so callers send only new ids."""
+
+    def __init__(self, core: TokenizerCore, skip_special_tokens: bool):
+        self.core = core
+        self.skip_special_tokens = skip_special_tokens
+        self.window: list[int] = []
+        self.read_offset = 0
+
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        self.window.extend(token_ids)
+        text, prefix_advance, self.read_offset = self.core.decode_incremental(
+            self.window, self.read_offset, self.skip_special_tokens, final)
+        del self.window[:prefix_advance]
+        return text
