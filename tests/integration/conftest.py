@@ -7,7 +7,7 @@ import torch
 
 from demo.vocab import write_tokenizer_files
 from tests.checkpoints import make_checkpoint
-from tests.integration.stack import make_stack
+from tests.integration.stack import free_port, make_stack
 from vllm_v0.gateway.v1 import gateway_pb2_grpc
 from vllm_v0.worker.v1 import worker_pb2_grpc
 
@@ -43,7 +43,10 @@ def reference(checkpoint):
 @pytest.fixture(scope="session")
 def stack(checkpoint, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    stack = make_stack(str(checkpoint), str(logs), worker_flags=["--max-waiting", "64"])
+    http_port = free_port()
+    stack = make_stack(str(checkpoint), str(logs), worker_flags=["--max-waiting", "64"],
+                       gateway_flags=["--http-port", str(http_port)])
+    stack.http_url = f"http://127.0.0.1:{http_port}"
     stack.start()
     yield stack
     stack.stop()

@@ -1,0 +1,227 @@
+"""The OpenAI-compatible HTTP front, driven by the real `openai` client and by curl, against gRPC Generate."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+
+from tests.integration.stack import free_port, make_stack
+from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
+
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi in 中文"}]
+
+
+@pytest.fixture()
+def client(stack):
+    with openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def grpc_generate(gateway, **fields) -> tuple[str, list[gateway_pb2.GenerateResponse]]:
+    messages = list(gateway.Generate(gateway_pb2.GenerateRequest(**fields)))
+    return "".join(m.text for m in messages), messages
+
+
+def test_completion_greedy_equals_grpc(client, gateway):
+    want, messages = grpc_generate(gateway, prompt=PROMPT, max_tokens=24, temperature=0)
+    reply = client.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0)
+    assert reply.object == "text_completion" and len(reply.choices) == 1
+    assert reply.choices[0].text == want
+    usage = messages[-1].usage
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (usage.prompt_tokens,
+                                                                          usage.completion_tokens)
+    assert reply.usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_completion_stream_with_usage(client, gateway):
+    want, messages = grpc_generate(gateway, prompt=PROMPT, max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model="any", prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == want and len(texts) == messages[-1].usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(texts)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_greedy_equals_grpc_streaming_and_not(client, gateway):
+    want, _ = grpc_generate(gateway, messages=[gateway_pb2.ChatMessage(**m) for m in MESSAGES],
+                            enable_thinking=False, max_tokens=16, temperature=0)
+    extra = {"chat_template_kwargs": {"enable_thinking": False}}
+    reply = client.chat.completions.create(model="any", messages=MESSAGES, max_completion_tokens=16,
+                                           temperature=0, extra_body=extra)
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content == want
+    chunks = list(client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=16, temperature=0,
+                                                 stream=True, extra_body=extra))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+
+
+def test_completion_logprobs_match_grpc(client, gateway):
+    _, messages = grpc_generate(gateway, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)
+    reply = client.completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True})
+    lp = reply.choices[0].logprobs
+    want = [m.logprobs[0] for m in messages]
+    assert lp.token_logprobs == pytest.approx([w.chosen.logprob for w in want], abs=1e-5)
+    assert [len(top) for top in lp.top_logprobs] == [2] * 8
+    assert [sorted(top.values(), reverse=True) for top in lp.top_logprobs] == \
+        [pytest.approx([t.logprob for t in w.top], abs=1e-5) for w in want]
+    assert len(lp.tokens) == 8 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_chat_logprobs_bytes_add_up_to_the_text(client, stack):
+    reply = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=12, temperature=0,
+                                           logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 12 and all(len(entry.top_logprobs) == 3 for entry in content)
+    assert b"".join(bytes(entry.bytes) for entry in content).decode("utf-8", errors="replace") == \
+        reply.choices[0].message.content
+    assert all(entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob for entry in content)
+
+
+def test_stop_string_as_grpc(client, gateway):
+    full, _ = grpc_generate(gateway, prompt=PROMPT, max_tokens=24, temperature=0)
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    want, messages = grpc_generate(gateway, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    assert messages[-1].finish_reason == gateway_pb2.FINISH_REASON_STOP
+    reply = client.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop)
+    assert reply.choices[0].text == want and reply.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproduces_and_n_fans_out(client):
+    def sample(n):
+        return client.completions.create(model="any", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=1234,
+                                         n=n, extra_body={"top_k": 0, "ignore_eos": True})
+    first, second, pair = sample(1), sample(1), sample(2)
+    assert first.choices[0].text == second.choices[0].text
+    assert sorted(c.index for c in pair.choices) == [0, 1]
+    assert pair.choices[0].text == first.choices[0].text  # choice 0 keeps the seed; choice 1 takes seed + 1
+    assert pair.choices[1].text != pair.choices[0].text
+    assert pair.usage.completion_tokens == 32
+    streamed = list(client.completions.create(model="any", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=1234,
+                                              n=2, stream=True, extra_body={"top_k": 0, "ignore_eos": True}))
+    for index in (0, 1):
+        assert "".join(c.choices[0].text for c in streamed if c.choices[0].index == index) == \
+            pair.choices[index].text
+
+
+def test_bad_requests_are_400_with_the_message(client):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="any", prompt=PROMPT, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="n must be"):
+        client.completions.create(model="any", prompt=PROMPT, n=0)
+    with pytest.raises(openai.BadRequestError, match="exceeds the model's context"):
+        client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=1020)
+
+
+def test_models_and_health(client, stack):
+    models = client.models.list()
+    assert len(models.data) == 1 and models.data[0].id
+    out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", stack.http_url + "/health"], capture_output=True,
+                         text=True, timeout=30).stdout
+    assert out.splitlines()[-1] == "200"
+
+
+def curl_stream(url: str, body: dict, *headers: str) -> subprocess.Popen:
+    extra = [arg for header in headers for arg in ("-H", header)]
+    return subprocess.Popen(["curl", "-sN", url, "-H", "Content-Type: application/json", *extra,
+                             "-d", json.dumps(body)], stdout=subprocess.PIPE, text=True)
+
+
+def test_curl_streams_server_sent_events(stack, gateway):
+    want, _ = grpc_generate(gateway, prompt=PROMPT, max_tokens=12, temperature=0)
+    curl = curl_stream(stack.http_url + "/v1/completions",
+                       {"model": "any", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True})
+    out, _ = curl.communicate(timeout=120)
+    lines = out.split("\n")
+    assert lines[-3:] == ["data: [DONE]", "", ""]
+    events = lines[:-3]
+    # Each event is one `data: {json}` line followed by a blank line.
+    assert all(line == "" for line in events[1::2])
+    chunks = [json.loads(line.removeprefix("data: ")) for line in events[0::2]]
+    assert all(line.startswith("data: {") for line in events[0::2])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want
+
+
+def wait_idle(worker, timeout: float = 10.0) -> worker_pb2.GetInfoResponse:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = worker.GetInfo(worker_pb2.GetInfoRequest())
+        if (info.running, info.waiting, info.kv_blocks_used) == (0, 0, 0) or time.monotonic() > deadline:
+            return info
+        time.sleep(0.05)
+
+
+def test_curl_disconnect_frees_the_workers_blocks(stack, worker):
+    curl = curl_stream(stack.http_url + "/v1/chat/completions",
+                       {"model": "any", "messages": MESSAGES, "max_tokens": 1000, "stream": True,
+                        "ignore_eos": True}, "x-request-id: curl-disconnect")
+    for _ in range(6):
+        assert curl.stdout.readline()  # streaming has started
+    busy = worker.GetInfo(worker_pb2.GetInfoRequest())
+    assert busy.running == 1 and busy.kv_blocks_used > 0
+    curl.kill()
+    curl.wait()
+    info = wait_idle(worker)
+    assert (info.running, info.waiting, info.kv_blocks_used) == (0, 0, 0)
+    # Freed by the cancel, not by running to max_tokens: the gateway logged the request as cancelled.
+    deadline = time.monotonic() + 10
+    while "request curl-disconnect: CANCELLED" not in stack.gateway.log():
+        assert time.monotonic() < deadline, stack.gateway.log()[-2000:]
+        time.sleep(0.05)
+    line = next(x for x in stack.gateway.log().splitlines() if "request curl-disconnect:" in x)
+    assert int(re.search(r"completion (\d+) tokens", line).group(1)) < 1000
+
+
+@pytest.fixture(scope="module")
+def keyed_small_stack(checkpoint, tmp_path_factory):
+    http_port = free_port()
+    stack = make_stack(str(checkpoint), str(tmp_path_factory.mktemp("logs-http-small")),
+                       worker_flags=["--max-num-seqs", "1", "--max-waiting", "1"],
+                       gateway_flags=["--http-port", str(http_port), "--api-key", "sesame"])
+    stack.http_url = f"http://127.0.0.1:{http_port}"
+    stack.start()
+    yield stack
+    stack.stop()
+
+
+def test_api_key_and_full_queue(keyed_small_stack):
+    url = keyed_small_stack.http_url + "/v1"
+    with openai.OpenAI(base_url=url, api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError, match="invalid API key"):
+            bad.completions.create(model="any", prompt=PROMPT, max_tokens=4)
+    with openai.OpenAI(base_url=url, api_key="sesame", max_retries=0, timeout=300) as good, \
+            grpc.insecure_channel(keyed_small_stack.gateway.address) as channel, ThreadPoolExecutor(2) as pool:
+        assert good.completions.create(model="any", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+        # Over gRPC the same key is required: one running and one waiting sequence fill the worker.
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        started = threading.Event()
+
+        def long_stream(i):
+            for _ in stub.Generate(gateway_pb2.GenerateRequest(prompt=f"long {i}", max_tokens=400, ignore_eos=True),
+                                   metadata=[("authorization", "Bearer sesame")]):
+                started.set()
+        calls = [pool.submit(long_stream, 0)]
+        assert started.wait(120)
+        calls.append(pool.submit(long_stream, 1))
+        worker = worker_pb2_grpc.ModelWorkerServiceStub(grpc.insecure_channel(keyed_small_stack.worker.address))
+        deadline = time.monotonic() + 60
+        while worker.GetInfo(worker_pb2.GetInfoRequest()).waiting < 1:
+            assert time.monotonic() < deadline, "the second stream never queued"
+            time.sleep(0.05)
+        with pytest.raises(openai.RateLimitError, match="queue is full"):
+            good.completions.create(model="any", prompt=PROMPT, max_tokens=2)
+        for call in calls:
+            call.result(timeout=300)
