@@ -1,0 +1,251 @@
+"""What the gateway costs per token: the worker directly, the gateway over gRPC and over HTTP, side by side.
+
+Starts the tokenizer, worker and gateway (with --http-port) as subprocesses on a tiny random
+Qwen3 with the real Qwen3 vocabulary, so the model's step is cheap and the services' cost
+shows. In interleaved rounds it streams greedy completions (ignore_eos, fixed length):
+  - worker: token ids straight from ModelWorkerService.Generate;
+  - gateway-grpc: text from GatewayService.Generate;
+  - gateway-http: server-sent events from POST /v1/completions (a bare asyncio HTTP client,
+    so the client's own cost stays small);
+at 1 stream (time per token after the first) and at 16 concurrent streams (aggregate tok/s).
+It also times detokenization alone against the tokenizer service: one unary
+DecodeIncremental call per token (the gateway's old path) against one DecodeStream call per
+request. Medians with min-max; the last line is one JSON object.
+
+    python -m bench.bench_gateway            # a few minutes
+    python -m bench.bench_gateway --quick    # a smoke check
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from bench.bench_serving import make_text, word_pool  # noqa: E402
+from demo.vocab import write_tokenizer_files  # noqa: E402
+from services.tokenizer.core import TokenizerCore  # noqa: E402
+from tests.checkpoints import make_checkpoint  # noqa: E402
+from tests.integration.stack import free_port, make_stack  # noqa: E402
+from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
+from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc  # noqa: E402
+from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+
+TARGETS = {"overhead_ms_per_token_grpc_1": 0.3, "grpc_vs_worker_16": 0.95}
+MODES = ("worker", "gateway-grpc", "gateway-http")
+
+
+def tiny_checkpoint(path: pathlib.Path) -> pathlib.Path:
+    write_tokenizer_files(path)
+    make_checkpoint(path, vocab_size=151936, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, eos_token_id=(151645, 151643))
+    return path
+
+
+async def worker_stream(stub, prompt_ids: list[int], new_tokens: int) -> list[float]:
+    stamps = []
+    request = worker_pb2.GenerateRequest(prompt_token_ids=prompt_ids, max_tokens=new_tokens, ignore_eos=True,
+                                         sampling=worker_pb2.SamplingParams(temperature=0.0))
+    async for _ in stub.Generate(request):
+        stamps.append(time.perf_counter())
+    return stamps
+
+
+async def grpc_stream(stub, text: str, new_tokens: int) -> list[float]:
+    stamps = []
+    request = gateway_pb2.GenerateRequest(prompt=text, max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    async for message in stub.Generate(request):
+        stamps.extend(time.perf_counter() for _ in message.token_ids)
+    return stamps
+
+
+async def http_stream(port: int, text: str, new_tokens: int) -> list[float]:
+    """POST /v1/completions with stream: true; one stamp per `data: {` event."""
+    body = json.dumps({"model": "m", "prompt": text, "max_tokens": new_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    stamps = []
+    async for line in reader:  # chunked framing lines are skipped: only event lines start with `data:`
+        if line.startswith(b"data: {"):
+            stamps.append(time.perf_counter())
+        elif line.startswith(b"data: [DONE]"):
+            break
+    writer.close()
+    return stamps
+
+
+class Clients:
+    def __init__(self, stack, http_port: int):
+        self.gateway_channel = grpc.aio.insecure_channel(stack.gateway.address)
+        self.worker_channel = grpc.aio.insecure_channel(stack.worker.address)
+        self.gateway = gateway_pb2_grpc.GatewayServiceStub(self.gateway_channel)
+        self.worker = worker_pb2_grpc.ModelWorkerServiceStub(self.worker_channel)
+        self.http_port = http_port
+
+    def stream(self, mode: str, text: str, prompt_ids: list[int], new_tokens: int):
+        if mode == "worker":
+            return worker_stream(self.worker, prompt_ids, new_tokens)
+        if mode == "gateway-grpc":
+            return grpc_stream(self.gateway, text, new_tokens)
+        return http_stream(self.http_port, text, new_tokens)
+
+    async def close(self):
+        await self.gateway_channel.close()
+        await self.worker_channel.close()
+
+
+async def one_stream(clients: Clients, mode: str, text: str, prompt_ids: list[int], new_tokens: int) -> float:
+    """Milliseconds per token after the first."""
+    stamps = await clients.stream(mode, text, prompt_ids, new_tokens)
+    assert len(stamps) == new_tokens, (mode, len(stamps))
+    return (stamps[-1] - stamps[0]) * 1000 / (len(stamps) - 1)
+
+
+async def many_streams(clients: Clients, mode: str, texts: list[str], prompts: list[list[int]],
+                       new_tokens: int) -> float:
+    """Aggregate tokens/s of concurrent streams, from the first request to the last token."""
+    start = time.perf_counter()
+    runs = await asyncio.gather(*(clients.stream(mode, t, p, new_tokens) for t, p in zip(texts, prompts)))
+    assert all(len(r) == new_tokens for r in runs), mode
+    return sum(len(r) for r in runs) / (max(r[-1] for r in runs) - start)
+
+
+async def decode_per_token(address: str, ids: list[int], repeats: int) -> dict[str, list[float]]:
+    """Microseconds per token to detokenize `ids` one at a time: unary DecodeIncremental vs DecodeStream."""
+    out = {"unary DecodeIncremental": [], "DecodeStream": []}
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        for _ in range(repeats):
+            start, window, read_offset, texts = time.perf_counter(), [], 0, []
+            for i, token_id in enumerate(ids):
+                window.append(token_id)
+                reply = await stub.DecodeIncremental(tokenizer_pb2.DecodeIncrementalRequest(
+                    token_ids=window, read_offset=read_offset, skip_special_tokens=True, final=i == len(ids) - 1))
+                del window[:reply.prefix_advance]
+                read_offset = reply.read_offset
+                texts.append(reply.text)
+            out["unary DecodeIncremental"].append((time.perf_counter() - start) * 1e6 / len(ids))
+            unary_text = "".join(texts)
+
+            start, texts = time.perf_counter(), []
+            call = stub.DecodeStream()
+            for i, token_id in enumerate(ids):
+                await call.write(tokenizer_pb2.DecodeStreamRequest(token_ids=[token_id], skip_special_tokens=i == 0,
+                                                                   final=i == len(ids) - 1))
+                texts.append((await call.read()).text)
+            await call.done_writing()
+            out["DecodeStream"].append((time.perf_counter() - start) * 1e6 / len(ids))
+            assert "".join(texts) == unary_text
+    return out
+
+
+def stats(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def show(values: dict) -> str:
+    return f"{values['median']:9.3f} ({values['min']:.3f}-{values['max']:.3f})"
+
+
+async def run(args, stack, http_port: int, tokenizer: TokenizerCore) -> dict:
+    rng = random.Random(0)
+    words = word_pool(tokenizer)
+    texts = [make_text(rng, words, tokenizer, args.prompt_tokens) for _ in range(args.streams)]
+    prompts = [tokenizer.encode(t) for t in texts]
+    clients = Clients(stack, http_port)
+    single = {m: [] for m in MODES}
+    batched = {m: [] for m in MODES}
+    try:
+        for mode in MODES:  # untimed: connections, first-call allocations
+            await one_stream(clients, mode, texts[0], prompts[0], 4)
+        for round_ in range(args.repeats):
+            for mode in MODES:
+                single[mode].append(await one_stream(clients, mode, texts[0], prompts[0], args.new_tokens))
+            for mode in MODES:
+                batched[mode].append(await many_streams(clients, mode, texts, prompts, args.new_tokens))
+            print(f"round {round_ + 1}: 1 stream ms/token " +
+                  "  ".join(f"{m} {single[m][-1]:.3f}" for m in MODES) + f" | {args.streams} streams tok/s " +
+                  "  ".join(f"{m} {batched[m][-1]:.0f}" for m in MODES), flush=True)
+        sample = tokenizer.encode("Emoji 🎉🚀 and 日本語 mixed with plain words " * 8)
+        decode = await decode_per_token(stack.tokenizer.address, sample, args.repeats)
+    finally:
+        await clients.close()
+    return {"single_ms_per_token": single, "streams_tok_s": batched, "decode_us_per_token": decode}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--quick", action="store_true", help="one short round")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.new_tokens = 1, 32
+    started, load_before = time.perf_counter(), os.getloadavg()
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    checkpoint = tiny_checkpoint(tmp / "tiny")
+    tokenizer = TokenizerCore.from_dir(checkpoint)
+    http_port = free_port()
+    stack = make_stack(str(checkpoint), str(tmp), worker_flags=["--max-num-seqs", str(max(args.streams, 1))],
+                       gateway_flags=["--http-port", str(http_port)])
+    stack.start(timeout=600)
+    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy; {args.repeats} rounds; "
+          f"load average {' '.join(f'{x:.2f}' for x in load_before)} on {os.cpu_count()} CPUs", flush=True)
+    try:
+        raw = asyncio.run(run(args, stack, http_port, tokenizer))
+    finally:
+        stack.stop()
+
+    single = {m: stats(v) for m, v in raw["single_ms_per_token"].items()}
+    batched = {m: stats(v) for m, v in raw["streams_tok_s"].items()}
+    decode = {m: stats(v) for m, v in raw["decode_us_per_token"].items()}
+    print(f"\n{'':14s}{'1 stream, ms/token':>28s}{f'{args.streams} streams, tok/s':>30s}")
+    for mode in MODES:
+        print(f"{mode:14s}{show(single[mode]):>28s}{show(batched[mode]):>30s}")
+    print("\ndetokenization alone, µs per token:")
+    for name, value in decode.items():
+        print(f"  {name:26s}{show(value)}")
+    worker_ms, worker_tps = single["worker"]["median"], batched["worker"]["median"]
+    ratios = {
+        "overhead_ms_per_token_grpc_1": single["gateway-grpc"]["median"] - worker_ms,
+        "overhead_ms_per_token_http_1": single["gateway-http"]["median"] - worker_ms,
+        "grpc_vs_worker_16": batched["gateway-grpc"]["median"] / worker_tps,
+        "http_vs_worker_16": batched["gateway-http"]["median"] / worker_tps,
+        "decode_stream_vs_unary": decode["DecodeStream"]["median"] / decode["unary DecodeIncremental"]["median"],
+    }
+    print()
+    for name, value in ratios.items():
+        target = TARGETS.get(name)
+        verdict = ""
+        if target is not None:
+            met = value <= target if name.startswith("overhead") else value >= target
+            verdict = f"  target {'<=' if name.startswith('overhead') else '>='} {target}: " \
+                      f"{'met' if met else 'MISSED'}"
+        print(f"  {name:32s} {value:7.3f}{verdict}")
+    print(json.dumps({"benchmark": "bench_gateway", "machine": {
+        "cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
+        "settings": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "streams": args.streams,
+                     "repeats": args.repeats},
+        "single_ms_per_token": single, "streams_tok_s": batched, "decode_us_per_token": decode,
+        "ratios": ratios, "targets": TARGETS, "wall_s": time.perf_counter() - started}))
+
+
+if __name__ == "__main__":
+    main()
