@@ -1,4 +1,4 @@
-# The gateway: the public gRPC API. It validates, tokenizes (through the tokenizer service)
+# The gateway: the public gRPC API, and the OpenAI-compatible HTTP API with --http-port. It validates, tokenizes (through the tokenizer service)
 # and streams from the worker, so it needs neither torch nor the weights.
 # Build from the repository root: docker build -f docker/gateway.Dockerfile .
 FROM python:3.11-slim
@@ -24,6 +24,6 @@ COPY rpcserver/ rpcserver/
 COPY gateway/ gateway/
 
 USER app
-EXPOSE 50051
+EXPOSE 50051 8000
 # Exec form: the server itself is PID 1 and gets SIGTERM to drain its streams.
 CMD ["python", "-m", "gateway", "--host", "0.0.0.0", "--port", "50051"]

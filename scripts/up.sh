@@ -27,6 +27,7 @@ fi
 TOKENIZER_PORT=${VLLM_V0_TOKENIZER_PORT:-50052}
 WORKER_PORT=${VLLM_V0_WORKER_PORT:-50053}
 GATEWAY_PORT=${VLLM_V0_GATEWAY_PORT:-50051}
+HTTP_PORT=${VLLM_V0_HTTP_PORT:-8000}
 pids=()
 stop() { kill -TERM "${pids[@]}" 2>/dev/null || true; wait "${pids[@]}" 2>/dev/null || true; }
 trap stop EXIT
@@ -35,7 +36,7 @@ trap 'exit 130' INT TERM
 "$PY" -m services.tokenizer --model "$model" --port "$TOKENIZER_PORT" >.run/tokenizer.log 2>&1 & pids+=($!)
 "$PY" -m services.model_worker --model "$model" --port "$WORKER_PORT" >.run/worker.log 2>&1 & pids+=($!)
 "$PY" -m gateway --port "$GATEWAY_PORT" --tokenizer-addr "localhost:$TOKENIZER_PORT" \
-  --worker-addr "localhost:$WORKER_PORT" >.run/gateway.log 2>&1 & pids+=($!)
+  --worker-addr "localhost:$WORKER_PORT" --http-port "$HTTP_PORT" >.run/gateway.log 2>&1 & pids+=($!)
 
 echo "Waiting for the services (logs in .run/) ..."
 for port in "$TOKENIZER_PORT" "$WORKER_PORT" "$GATEWAY_PORT"; do
@@ -46,9 +47,10 @@ for port in "$TOKENIZER_PORT" "$WORKER_PORT" "$GATEWAY_PORT"; do
     sleep 1
   done
 done
-echo "Gateway serving on localhost:$GATEWAY_PORT. Streaming a completion:"
+echo "Gateway serving gRPC on localhost:$GATEWAY_PORT and the OpenAI-compatible HTTP API on" \
+  "http://localhost:$HTTP_PORT/v1. Streaming a completion:"
 echo
 "$PY" -m gateway.client --addr "localhost:$GATEWAY_PORT" --max-tokens 64 "$prompt"
 echo
-echo "The services keep running: try '.venv/bin/python -m gateway.client --chat Hi' or grpcurl (see README). Ctrl-C stops them."
+echo "The services keep running: try '.venv/bin/python -m gateway.client --chat Hi', grpcurl or curl (see README). Ctrl-C stops them."
 wait

@@ -68,8 +68,8 @@ def test_demo_profile_adds_the_checkpoint_writer():
 
 def test_only_the_gateway_publishes_a_port(config):
     services = config["services"]
-    assert [p["target"] for p in services["gateway"]["ports"]] == [50051]
-    assert services["gateway"]["ports"][0]["published"] == "50051"
+    assert [p["target"] for p in services["gateway"]["ports"]] == [50051, 8000]
+    assert [p["published"] for p in services["gateway"]["ports"]] == ["50051", "8000"]
     for name in ("tokenizer", "worker"):
         assert "ports" not in services[name], name
     assert services["tokenizer"]["expose"] == ["50052"]
@@ -105,7 +105,7 @@ def test_commands_and_addresses(config):
     services = config["services"]
     assert services["gateway"]["command"] == [
         "python", "-m", "gateway", "--host", "0.0.0.0", "--port", "50051",
-        "--tokenizer-addr", "tokenizer:50052", "--worker-addr", "worker:50053",
+        "--tokenizer-addr", "tokenizer:50052", "--worker-addr", "worker:50053", "--http-port", "8000",
     ]  # fmt: skip
     assert services["tokenizer"]["command"] == [
         "python", "-m", "services.tokenizer", "--host", "0.0.0.0", "--port", "50052",
