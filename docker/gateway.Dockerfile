@@ -1,5 +1,5 @@
-# The gateway: the public gRPC API, and the OpenAI-compatible HTTP API with --http-port. It validates, tokenizes (through the tokenizer service)
-# and streams from the worker, so it needs neither torch nor the weights.
+# The gateway: the public gRPC API, and the OpenAI-compatible HTTP API with --http-port. It
+# validates, tokenizes (through the tokenizer service) and streams from the worker, so it needs neither torch nor the weights.
 # Build from the repository root: docker build -f docker/gateway.Dockerfile .
 FROM python:3.11-slim
 
