@@ -102,6 +102,7 @@ class Choices:
         self.streams = streams
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
+        self.running = len(streams)  # choices whose end marker has not been read yet
 
     async def first(self) -> list[tuple[int, Delta]]:
         """Every choice's first delta; raises the first error, so a refused request gets its HTTP status."""
@@ -114,7 +115,10 @@ class Choices:
             if isinstance(item, BaseException):
                 raise item
             waiting.discard(index)
-            firsts.append((index, item))
+            if item is None:
+                self.running -= 1
+            else:
+                firsts.append((index, item))
         return firsts
 
     async def rest(self) -> AsyncIterator[tuple[int, Delta]]:
@@ -122,11 +126,10 @@ class Choices:
             async for delta in self.streams[0]:
                 yield 0, delta
             return
-        running = len(self.streams)
-        while running:
+        while self.running:
             index, item = await self.queue.get()
             if item is None:
-                running -= 1
+                self.running -= 1
             elif isinstance(item, BaseException):
                 raise item
             else:

@@ -54,7 +54,9 @@ class FakeTokenizer:
         self.calls: list[FakeDecodeCall] = []
 
     async def Encode(self, request, timeout=None):
-        return tokenizer_pb2.EncodeResponse(token_ids=self.core.encode(request.text))
+        # Chat is rendered as the plain concatenation of its contents: enough to count tokens.
+        text = request.text or "".join(m.content for m in request.messages)
+        return tokenizer_pb2.EncodeResponse(token_ids=self.core.encode(text))
 
     def DecodeStream(self, timeout=None):
         self.calls.append(FakeDecodeCall(self.core))
