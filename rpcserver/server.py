@@ -118,7 +118,10 @@ class GrpcServer:
         log.info("stopping: draining in-flight calls for up to %.0f s", self.config.grace_period_s)
         self.draining = True
         await self.set_serving(False)
-        await asyncio.gather(self.server.stop(self.config.grace_period_s), *([on_drain()] if on_drain else []))
+        other_front = asyncio.ensure_future(on_drain()) if on_drain is not None else None
+        await self.server.stop(self.config.grace_period_s)  # at once: new calls are refused from here on
+        if other_front is not None:
+            await other_front
         if on_stop is not None:
             await on_stop()
         stopping.cancel()
