@@ -99,8 +99,12 @@ class GrpcServer:
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 
-    async def run_until_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING, refuse new calls, let in-flight ones finish."""
+    async def run_until_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None,
+                               on_drain: Callable[[], None] | None = None) -> None:
+        """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING, refuse new calls, let in-flight ones finish.
+
+        on_drain runs once NOT_SERVING is set: it ends streams that would otherwise never finish (watches).
+        """
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -111,6 +115,8 @@ class GrpcServer:
         log.info("stopping: draining in-flight calls for up to %.0f s", self.config.grace_period_s)
         self.draining = True
         await self.set_serving(False)
+        if on_drain is not None:
+            on_drain()
         await self.server.stop(self.config.grace_period_s)
         if on_stop is not None:
             await on_stop()
