@@ -103,7 +103,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
         text = IncrementalText(self.downstreams, req.skip_special_tokens, timeout)
         stops = StopStringMatcher(req.stop)
-        stream = self.downstreams.worker.Generate(work, timeout=timeout())
+        stream = self.downstreams.open_worker_stream(work, timeout())
         finish, stop_reason = gateway_pb2.FINISH_REASON_UNSPECIFIED, ""
         worker_finished = False
         try:
