@@ -1,6 +1,8 @@
 """One generation's text, from the tokenizer service over a single DecodeStream call."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from rpcserver.errors import Unavailable
@@ -27,8 +29,13 @@ class TextStream:
         if self.first:
             request.skip_special_tokens = self.skip_special_tokens
             self.first = False
-        await self.call.write(request)
-        reply = await self.call.read()
+        try:
+            await self.call.write(request)
+            reply = await self.call.read()
+        except asyncio.InvalidStateError:
+            # The call ended before this write (the service died between two tokens): its status says why.
+            raise Unavailable(f"the tokenizer service ended the DecodeStream call ({(await self.call.code()).name}: "
+                              f"{await self.call.details()}); retry") from None
         if reply is grpc.aio.EOF:
             raise Unavailable("the tokenizer service ended a DecodeStream call early")
         if final:

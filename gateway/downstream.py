@@ -1,15 +1,20 @@
-"""Channels to the tokenizer service and the model worker, and a watch on their health."""
+"""Channels to the tokenizer service and the model workers, and the routed worker stream."""
 from __future__ import annotations
 
-import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.fleet import Fleet, Worker, parse_targets
+from gateway.fleet_metrics import RETRIED, ROUTED
+from gateway.router import Router
+from rpcserver.errors import Unavailable
+from vllm_v0.gateway.v1 import gateway_pb2
 from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
+from vllm_v0.worker.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -51,37 +56,111 @@ def open_channel(address: str, tls: DownstreamTLS) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
 
 
-class Downstreams:
-    """Stubs for both services, plus facts fetched once they answer (context size, eos tokens)."""
+class WorkerStream:
+    """One Generate call on a worker the router picks, retried once on another when it fails UNAVAILABLE
+    before its first token (the worker died or is draining); after the first token an error is the caller's.
+    """
 
-    def __init__(self, tokenizer_addr: str, worker_addr: str, tls: DownstreamTLS):
-        self.addresses = {"tokenizer": tokenizer_addr, "worker": worker_addr}
-        self._channels = {name: open_channel(addr, tls) for name, addr in self.addresses.items()}
-        self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(self._channels["tokenizer"])
-        self.worker = worker_pb2_grpc.ModelWorkerServiceStub(self._channels["worker"])
-        self._health = {name: health_pb2_grpc.HealthStub(ch) for name, ch in self._channels.items()}
-        self.worker_info: worker_pb2.GetInfoResponse | None = None
+    def __init__(self, fleet: Fleet, work: worker_pb2.GenerateRequest, timeout: float | None):
+        self.fleet = fleet
+        self.work = work
+        self.deadline = time.monotonic() + timeout if timeout is not None else None
+        self._call = None
+        self._worker: Worker | None = None
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+        self._release()
+
+    def _release(self) -> None:
+        if self._worker is not None:
+            self._worker.in_flight -= 1
+            self._worker = None
+
+    def __aiter__(self):
+        return self._steps()
+
+    async def _steps(self):
+        tried: list[str] = []
+        while not self._cancelled:
+            worker = self.fleet.pick(list(self.work.prompt_token_ids), exclude=tuple(tried))
+            if worker is None:
+                raise Unavailable("no model worker is serving" + (" besides one that failed" if tried else "")
+                                  + "; retry shortly")
+            tried.append(worker.address)
+            worker.in_flight += 1
+            self._worker = worker
+            ROUTED.labels(worker.address).inc()
+            timeout = max(0.0, self.deadline - time.monotonic()) if self.deadline is not None else None
+            self._call = worker.stub.Generate(self.work, timeout=timeout)
+            first = True
+            try:
+                async for step in self._call:
+                    first = False
+                    yield step
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                worker.wake()  # it may be gone: take it out of the rotation now, not at the next check
+                if not first or len(tried) > 1 or self._cancelled:
+                    raise
+                RETRIED.labels(worker.address).inc()
+                log.warning("request %s: worker %s is unavailable before the first token (%s); retrying on another",
+                            self.work.request_id, worker.address, e.details())
+            finally:
+                self._release()
+
+
+class Downstreams:
+    """The tokenizer's stub, the fleet of workers, and facts fetched once they answer (context size, eos tokens)."""
+
+    def __init__(self, tokenizer_addr: str, worker_targets: list[str] | str, tls: DownstreamTLS,
+                 health_interval: float = 1.0, router: Router | None = None):
+        self.tls = tls
+        self.addresses = {"tokenizer": tokenizer_addr, "worker": ",".join(parse_targets(worker_targets))}
+        self._tokenizer_channel = open_channel(tokenizer_addr, tls)
+        self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(self._tokenizer_channel)
+        self._tokenizer_health = health_pb2_grpc.HealthStub(self._tokenizer_channel)
+        self.fleet = Fleet(parse_targets(worker_targets), lambda address: open_channel(address, tls),
+                           health_interval, router or Router())
         self.token_text: dict[int, str] = {}  # special token id -> text, for stop reasons
 
-    def open_worker_stream(self, work: worker_pb2.GenerateRequest, timeout: float | None):
-        """The worker's token stream for one request: async-iterable, and `cancel()` frees its sequence."""
-        return self.worker.Generate(work, timeout=timeout)
+    async def start(self) -> None:
+        await self.fleet.start()
+
+    @property
+    def worker_info(self) -> worker_pb2.GetInfoResponse | None:
+        """A serving worker's facts; with several, the one of smallest context, so every worker takes the limits."""
+        infos = [w.info for w in self.fleet.serving() if w.info is not None]
+        return min(infos, key=lambda info: info.max_context) if infos else None
+
+    def open_worker_stream(self, work: worker_pb2.GenerateRequest, timeout: float | None) -> WorkerStream:
+        """The worker's token stream for this request: async-iterable, with cancel()."""
+        return WorkerStream(self.fleet, work, timeout)
+
+    def worker_statuses(self) -> list[gateway_pb2.WorkerStatus]:
+        return [gateway_pb2.WorkerStatus(
+            address=w.address, state=w.state, running=w.load.running, waiting=w.load.waiting,
+            kv_blocks_used=w.load.kv_blocks_used, kv_blocks_free=w.load.kv_blocks_free,
+            prefix_cache_hit_rate=w.load.prefix_cache_hit_rate, cached_blocks=len(w.blocks), in_flight=w.in_flight)
+            for w in self.fleet.workers.values()]
 
     async def healthy(self, timeout: float = 2.0) -> dict[str, bool]:
-        async def check(name: str) -> bool:
-            try:
-                reply = await self._health[name].Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-                return reply.status == health_pb2.HealthCheckResponse.SERVING
-            except grpc.aio.AioRpcError:
-                return False
-        names = list(self._health)
-        return dict(zip(names, await asyncio.gather(*(check(n) for n in names))))
+        try:
+            reply = await self._tokenizer_health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            tokenizer = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            tokenizer = False
+        return {"tokenizer": tokenizer, "worker": bool(self.fleet.serving())}
 
     async def refresh_info(self, timeout: float = 5.0) -> None:
-        self.worker_info = await self.worker.GetInfo(worker_pb2.GetInfoRequest(), timeout=timeout)
         info = await self.tokenizer.GetInfo(tokenizer_pb2.GetInfoRequest(), timeout=timeout)
         self.token_text = {t.id: t.content for t in info.special_tokens}
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self.fleet.close()
+        await self._tokenizer_channel.close()

@@ -1,4 +1,4 @@
-"""python -m gateway: the public GatewayService in front of the tokenizer service and the model worker."""
+"""python -m gateway: the public GatewayService in front of the tokenizer service and the model workers."""
 from __future__ import annotations
 
 import argparse
@@ -6,14 +6,18 @@ import asyncio
 import logging
 
 import grpc
+from prometheus_client import REGISTRY
 
 from gateway.downstream import Downstreams, DownstreamTLS
+from gateway.fleet import parse_targets
+from gateway.fleet_metrics import FleetCollector
 from gateway.generation import GenerationCore
 from gateway.http_app import create_app
 from gateway.http_server import HttpServer
+from gateway.router import POLICIES, Router, RouterConfig
 from gateway.servicer import GatewayServicer
 from rpcserver.auth import add_auth_flags, api_key_from_args, auth_interceptors
-from rpcserver.config import ServerConfig, add_flag, add_server_flags
+from rpcserver.config import ServerConfig, add_flag, add_server_flags, env_default
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
 from vllm_v0.gateway.v1 import gateway_pb2
@@ -25,7 +29,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.split(":", 1)[1])
     add_server_flags(parser, default_port=50051)
     add_flag(parser, "--tokenizer-addr", "localhost:50052", "address of the tokenizer service")
-    add_flag(parser, "--worker-addr", "localhost:50053", "address of the model worker")
+    parser.add_argument("--worker-addr", action="append", default=[], help="model worker addresses, comma-separated "
+                        "and repeatable; dns:///host:port stands for every address the name resolves to, re-resolved "
+                        "every --health-interval (default: localhost:50053) [env VLLM_V0_WORKER_ADDR]")
+    add_flag(parser, "--routing", "cache-aware", "how requests are spread over the workers: cache-aware (the "
+             "worker holding most of the prompt's leading blocks, unless overloaded; misses by load), least-load "
+             "or round-robin", choices=POLICIES)
     add_flag(parser, "--model-name", "", "model name reported by GetInfo (default: the worker's --model)")
     add_flag(parser, "--max-prompt-tokens", 0, "longest prompt accepted, in tokens (0: the context minus one)")
     add_flag(parser, "--max-tokens-limit", 0, "largest max_tokens accepted (0: the context)")
@@ -37,11 +46,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--downstream-tls-cert", None, "client certificate presented to them (mTLS)")
     add_flag(parser, "--downstream-tls-key", None, "key of --downstream-tls-cert")
     add_flag(parser, "--http-port", 0, "serve the OpenAI-compatible HTTP API on this port too (0: off)")
-    add_flag(parser, "--health-interval", 1.0, "seconds between checks of the downstream services")
+    add_flag(parser, "--health-interval", 1.0, "seconds between checks of the downstream services (and DNS "
+             "lookups of dns:/// worker addresses)")
     add_flag(parser, "--log-prompts", False, "add each request's prompt text to its log line (off: prompts are "
              "user data)")
     add_auth_flags(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.worker_addr = parse_targets(args.worker_addr or [env_default("--worker-addr", "localhost:50053")])
+    return args
 
 
 def limits_overrides(args: argparse.Namespace) -> dict:
@@ -51,7 +63,7 @@ def limits_overrides(args: argparse.Namespace) -> dict:
 
 
 async def watch_downstreams(server: GrpcServer, downstreams: Downstreams, interval: float) -> None:
-    """Serve only while both services do; refetch their facts whenever they come back."""
+    """Serve only while the tokenizer and at least one worker do; refetch the tokenizer's facts when it comes back."""
     serving = None
     while True:
         health = await downstreams.healthy()
@@ -65,24 +77,32 @@ async def watch_downstreams(server: GrpcServer, downstreams: Downstreams, interv
         if ok != serving:
             await server.set_serving(ok)
             if ok:
-                log.info("serving: tokenizer at %s and worker at %s are up (max context %d)",
-                         downstreams.addresses["tokenizer"], downstreams.addresses["worker"],
-                         downstreams.worker_info.max_context)
+                log.info("serving: tokenizer at %s and %d of the workers at %s are up (max context %d)",
+                         downstreams.addresses["tokenizer"], len(downstreams.fleet.serving()),
+                         downstreams.addresses["worker"], downstreams.worker_info.max_context)
             else:
                 down = [f"{n} at {downstreams.addresses[n]}" for n, up in health.items() if not up]
                 log.warning("not serving: waiting for %s", ", ".join(down) or "downstream info")
             serving = ok
-        await asyncio.sleep(interval)
+        # A worker joining or leaving changes the answer at once; otherwise look again each interval.
+        downstreams.fleet.changed.clear()
+        try:
+            await asyncio.wait_for(downstreams.fleet.changed.wait(), interval)
+        except TimeoutError:
+            pass
 
 
 async def serve(args: argparse.Namespace) -> None:
     service = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"]
     server = GrpcServer(ServerConfig.from_args(args), [service.full_name], interceptors=auth_interceptors(args))
     downstreams = Downstreams(args.tokenizer_addr, args.worker_addr,
-                              DownstreamTLS(args.downstream_tls_ca, args.downstream_tls_cert, args.downstream_tls_key))
+                              DownstreamTLS(args.downstream_tls_ca, args.downstream_tls_cert, args.downstream_tls_key),
+                              args.health_interval, Router(RouterConfig(args.routing)))
+    REGISTRY.register(FleetCollector(downstreams.fleet))
     core = GenerationCore(downstreams, limits_overrides(args))
     add_servicer(server.server, service, GatewayServicer(core, args.model_name, args.log_prompts))
     await server.start()
+    await downstreams.start()
     http = None
     if args.http_port:
         app = create_app(core, lambda: args.model_name or getattr(downstreams.worker_info, "model", ""), lambda: server.serving,

@@ -44,7 +44,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             model=self.model_name or self.core.downstreams.worker_info.model, max_context=limits.max_context,
             max_prompt_tokens=limits.max_prompt_tokens, max_tokens_limit=limits.max_tokens_limit,
             max_stop_strings=limits.max_stop_strings, max_stop_string_chars=limits.max_stop_string_chars,
-            max_logprobs=limits.max_logprobs)
+            max_logprobs=limits.max_logprobs, workers=self.core.downstreams.worker_statuses())
 
 
 def to_proto(delta: Delta, request_id: str) -> gateway_pb2.GenerateResponse:

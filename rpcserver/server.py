@@ -105,8 +105,9 @@ class GrpcServer:
                                on_drain: Callable[[], Awaitable[None]] | None = None) -> None:
         """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING, refuse new calls, let in-flight ones finish.
 
-        `on_drain` runs beside the gRPC drain (another front of the same process drains at the same
-        time); `on_stop` runs after both.
+        `on_drain` runs beside the gRPC drain once NOT_SERVING is set: another front of the same
+        process drains at the same time, or streams that would never finish (watches) end; `on_stop`
+        runs after both.
         """
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

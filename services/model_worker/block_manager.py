@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections import OrderedDict
 
@@ -13,9 +14,14 @@ def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
 
     SHA-256, not Python's hash(): hash() of ints is predictable, so a client could craft a prompt
     whose blocks collide with another client's prefix and be served (or poison) its cached K/V.
+    The bytes are fixed (worker.proto, LoadUpdate): the parent's digest, then each id as a
+    little-endian int64, so a gateway in any language computes the same hashes to route by.
     """
     digest = hashlib.sha256(parent or b"")
-    digest.update(array("q", token_ids).tobytes())
+    ids = array("q", token_ids)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    digest.update(ids.tobytes())
     return digest.digest()
 
 
@@ -57,6 +63,9 @@ class BlockManager:
         self.spare = bytearray(SPARE * num_blocks)
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0     # of which found in the cache
+        # Cache changes since the last take_events(), hash -> True (stored) or False (evicted), for
+        # the workers' routers; a block stored and evicted in between leaves only its last state.
+        self.events: dict[bytes, bool] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -88,6 +97,7 @@ class BlockManager:
         if block.hash is not None:  # evict the cached prefix it held
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
+                self.events[block.hash] = False
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block
@@ -178,8 +188,15 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.hash, block.token_ids = hashes[i], tuple(tokens[i * size:(i + 1) * size])
-                self.cached.setdefault(block.hash, block.block_id)
+                if self.cached.setdefault(block.hash, block.block_id) == block.block_id:
+                    self.events[block.hash] = True
         seq.num_hashed_blocks = full
+
+    def take_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Hashes stored and evicted since the last call (a hash is in one list at most)."""
+        events, self.events = self.events, {}
+        stored = [h for h, is_stored in events.items() if is_stored]
+        return stored, [h for h, is_stored in events.items() if not is_stored]
 
     def free_blocks(self, seq: Sequence) -> None:
         if seq.block_table:

@@ -12,6 +12,7 @@ from services.model_worker import ipc
 from services.model_worker.config import GenerationDefaults, Qwen3Config
 from services.model_worker.core_process import CoreProcess, CoreStartError, describe_exit
 from services.model_worker.engine import EngineConfig, StepOutput
+from services.model_worker.load_feed import LoadFeed
 from services.model_worker.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class EngineClient:
         self.restart_delay_s = restart_delay_s  # first and longest wait before restarting a dead core
         self.info: dict | None = None  # the model facts the last ready core reported
         self.stats: dict = dict(EMPTY_STATS)  # the core's latest snapshot, replaced whole on every frame
+        self.load_feed = LoadFeed()  # load and cached block hashes, for WatchLoad
         # Tokens computed for requests whose caller had already gone: the price of aborting only
         # at step boundaries, which should stay at a step or two per cancelled stream.
         self.tokens_after_cancel = 0
@@ -87,6 +89,7 @@ class EngineClient:
             returncode = await (process.stop(timeout) if process is core else process.kill())
             log.info("engine core (pid %d) %s", process.pid, describe_exit(returncode))
         self._fail_streams(self._down_reason)
+        self.load_feed.close()
 
     def make_params(self, overrides: dict) -> SamplingParams:
         """Sampling parameters from a request's set fields, defaults from generation_config.json."""
@@ -148,6 +151,7 @@ class EngineClient:
 
     async def _became_ready(self, core: CoreProcess, ready: dict) -> None:
         self.info, self.stats, self._adds_sent = ready["info"], ready["stats"], 0
+        self.load_feed.reset(self.stats)
         self._core = core
         log.info("engine core ready (pid %d)", core.pid)
         await self._notify(True)
@@ -205,6 +209,8 @@ class EngineClient:
             if stream is not None:
                 stream[1].put_nowait(error)
         self.stats = message["stats"]
+        self.load_feed.update(self.stats, [bytes.fromhex(h) for h in message.get("kv_stored", ())],
+                              [bytes.fromhex(h) for h in message.get("kv_evicted", ())])
         if message["step_seconds"] is not None and self.on_step is not None:
             self.on_step(message["step_seconds"], len(outputs))
 
@@ -219,6 +225,7 @@ class EngineClient:
         why = f"the engine core (pid {core.pid}) {describe_exit(returncode)}"
         self._down_reason = f"{why}; the worker is restarting it, retry shortly"
         self.stats = dict(EMPTY_STATS)
+        self.load_feed.reset(self.stats)
         failed = self._fail_streams(f"{why} while generating; retry the request")
         if failed:
             log.error("%s: failed %d open streams", why, failed)

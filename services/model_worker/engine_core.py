@@ -121,8 +121,10 @@ class EngineCore:
         self.stats_log.step_done(len(outputs))
 
     def _send_update(self, outputs: list[StepOutput], seconds: float | None) -> None:
+        stored, evicted = self.engine.block_manager.take_events()
         self.send({"type": "update", "outputs": [ipc.output_to_list(o) for o in outputs], "errors": self.errors,
-                   "step_seconds": seconds, "stats": self.stats()})
+                   "step_seconds": seconds, "stats": self.stats(), "kv_stored": [h.hex() for h in stored],
+                   "kv_evicted": [h.hex() for h in evicted]})
         self.errors = []
 
 

@@ -2,8 +2,9 @@
 
 Worker to core: {"type": "add", "id", "prompt", "params"}, {"type": "abort", "id"}, {"type": "shutdown"}.
 Core to worker: {"type": "ready", "info"} once the model is loaded, or {"type": "failed", "message"} if it
-cannot load; then {"type": "update", "outputs", "errors", "step_seconds", "stats"} after every step, and
-after applying commands that left nothing to step.
+cannot load; then {"type": "update", "outputs", "errors", "step_seconds", "stats", "kv_stored", "kv_evicted"} after every
+step, and after applying commands that left nothing to step; kv_stored and kv_evicted are the hex block hashes
+the prefix cache gained and lost since the last update.
 """
 from __future__ import annotations
 

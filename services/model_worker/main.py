@@ -77,7 +77,7 @@ async def serve(args: argparse.Namespace) -> None:
         if info["is_demo_checkpoint"]:
             log.warning("%s is the demo checkpoint: its weights are RANDOM, so generated text is gibberish",
                         checkpoint)
-        await server.run_until_signal(on_stop=client.close)
+        await server.run_until_signal(on_stop=client.close, on_drain=client.load_feed.aclose)
     finally:
         await client.close()  # whatever ended serving, never leave the engine core behind
 

@@ -53,6 +53,18 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
             first = False
 
     @grpc_errors
+    async def WatchLoad(self, request, context):
+        engine = self.engine
+        watcher = engine.load_feed.watch()
+        try:
+            while (delta := await watcher.next()) is not None:
+                block_size = engine.info["block_size"] if engine.info else 0
+                yield worker_pb2.LoadUpdate(reset=delta.reset, block_size=block_size, stored_block_hashes=delta.stored,
+                                            evicted_block_hashes=delta.evicted, **delta.load)
+        finally:
+            watcher.close()
+
+    @grpc_errors
     async def GetInfo(self, request, context) -> worker_pb2.GetInfoResponse:
         engine = self.engine
         info, stats = engine.info, engine.stats

@@ -105,7 +105,7 @@ def test_commands_and_addresses(config):
     services = config["services"]
     assert services["gateway"]["command"] == [
         "python", "-m", "gateway", "--host", "0.0.0.0", "--port", "50051",
-        "--tokenizer-addr", "tokenizer:50052", "--worker-addr", "worker:50053", "--http-port", "8000",
+        "--tokenizer-addr", "tokenizer:50052", "--worker-addr", "dns:///worker:50053", "--http-port", "8000",
     ]  # fmt: skip
     assert services["tokenizer"]["command"] == [
         "python", "-m", "services.tokenizer", "--host", "0.0.0.0", "--port", "50052",

@@ -115,7 +115,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "max_context", "max_prompt_tokens", "max_tokens_limit", "max_stop_strings", "max_stop_string_chars", "max_logprobs")
+    __slots__ = ("model", "max_context", "max_prompt_tokens", "max_tokens_limit", "max_stop_strings", "max_stop_string_chars", "max_logprobs", "workers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class GetInfoResponse(_message.Message):
     MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     MAX_STOP_STRING_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_context: int
     max_prompt_tokens: int
@@ -130,4 +131,27 @@ class GetInfoResponse(_message.Message):
     max_stop_strings: int
     max_stop_string_chars: int
     max_logprobs: int
-    def __init__(self, model: _Optional[str] = ..., max_context: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, model: _Optional[str] = ..., max_context: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("address", "state", "running", "waiting", "kv_blocks_used", "kv_blocks_free", "prefix_cache_hit_rate", "cached_blocks", "in_flight")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    state: str
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prefix_cache_hit_rate: float
+    cached_blocks: int
+    in_flight: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., cached_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...

@@ -109,3 +109,29 @@ class GetInfoResponse(_message.Message):
     prefix_cache_hit_rate: float
     tokens_after_cancel: int
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., tokens_after_cancel: _Optional[int] = ...) -> None: ...
+
+class WatchLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadUpdate(_message.Message):
+    __slots__ = ("reset", "running", "waiting", "kv_blocks_used", "kv_blocks_free", "prefix_cache_hit_rate", "stored_block_hashes", "evicted_block_hashes", "block_size")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prefix_cache_hit_rate: float
+    stored_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    evicted_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_size: int
+    def __init__(self, reset: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., stored_block_hashes: _Optional[_Iterable[bytes]] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ...) -> None: ...

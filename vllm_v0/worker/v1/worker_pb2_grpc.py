@@ -44,6 +44,11 @@ class ModelWorkerServiceStub:
                 request_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/vllm_v0.worker.v1.ModelWorkerService/WatchLoad',
+                request_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.LoadUpdate.FromString,
+                _registered_method=True)
 
 
 class ModelWorkerServiceServicer:
@@ -69,6 +74,19 @@ class ModelWorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoad(self, request, context):
+        """Streams this worker's load and its prefix-cache contents, so a gateway in
+        front of several workers can route each prompt to the worker that holds
+        its leading blocks. The first message is a snapshot (`reset` set: forget
+        what you knew, then apply `stored`); each later one carries what changed
+        since the one before, several engine steps merged into one message when
+        the reader is slower than the engine. A message is sent only when the
+        load or the cache changed. The stream ends when the worker stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelWorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +99,11 @@ def add_ModelWorkerServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GetInfoRequest.FromString,
                     response_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.WatchLoadRequest.FromString,
+                    response_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.LoadUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -137,6 +160,33 @@ class ModelWorkerService:
             '/vllm_v0.worker.v1.ModelWorkerService/GetInfo',
             vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
             vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/vllm_v0.worker.v1.ModelWorkerService/WatchLoad',
+            vllm__v0_dot_worker_dot_v1_dot_worker__pb2.WatchLoadRequest.SerializeToString,
+            vllm__v0_dot_worker_dot_v1_dot_worker__pb2.LoadUpdate.FromString,
             options,
             channel_credentials,
             insecure,

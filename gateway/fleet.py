@@ -1,0 +1,210 @@
+"""The model workers behind the gateway: one channel each, their health, load and cached blocks, and who serves."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.block_hash import prompt_block_hashes
+from gateway.router import Router, WorkerView
+from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVING, NOT_SERVING, UNREACHABLE = "serving", "not_serving", "unreachable"
+DNS_PREFIX = "dns:///"
+
+
+def parse_targets(values: list[str] | str) -> list[str]:
+    """--worker-addr values (repeatable, each comma-separated) as one list without repeats."""
+    values = [values] if isinstance(values, str) else values
+    targets: list[str] = []
+    for value in values:
+        for target in value.split(","):
+            if (target := target.strip()) and target not in targets:
+                targets.append(target)
+    return targets
+
+
+async def resolve(target: str) -> list[str]:
+    """The addresses a target stands for: a dns:/// entry every address its name has now, else itself."""
+    if not target.startswith(DNS_PREFIX):
+        return [target]
+    host, _, port = target[len(DNS_PREFIX):].rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"a dns:/// worker address needs host:port, got {target!r}")
+    infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    addresses = {(f"[{ip}]" if family == socket.AF_INET6 else ip) + f":{port}"
+                 for family, _, _, _, (ip, *_) in infos}
+    return sorted(addresses)
+
+
+class Worker:
+    """One worker: its channel, a health check every interval (or at once when woken), and its load stream."""
+
+    def __init__(self, address: str, channel: grpc.aio.Channel, interval: float,
+                 on_change: Callable[[], None] = lambda: None):
+        self.address = address
+        self.channel = channel
+        self.stub = worker_pb2_grpc.ModelWorkerServiceStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+        self.interval = interval
+        self.on_change = on_change
+        self.state = UNREACHABLE
+        self.info: worker_pb2.GetInfoResponse | None = None
+        self.load = worker_pb2.LoadUpdate()  # the latest load the worker reported
+        self.blocks: set[bytes] = set()       # block hashes its prefix cache holds, as it reported them
+        self.block_size = 0
+        self.in_flight = 0  # streams this gateway has open on it
+        self._wake = asyncio.Event()
+        self._watch: asyncio.Task | None = None
+        self._follow: asyncio.Task | None = None
+
+    @property
+    def serving(self) -> bool:
+        return self.state == SERVING
+
+    def start(self) -> None:
+        self._watch = asyncio.create_task(self._watch_health(), name=f"watch {self.address}")
+
+    def wake(self) -> None:
+        """Check health now rather than at the next interval (a call to it failed, its load stream ended)."""
+        self._wake.set()
+
+    def view(self) -> WorkerView:
+        # The worker's own count is the truth across gateways, but lags a burst this gateway has just sent it.
+        return WorkerView(self.address, max(self.load.running + self.load.waiting, self.in_flight), self.blocks)
+
+    async def close(self) -> None:
+        for task in (self._watch, self._follow):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (self._watch, self._follow) if t is not None), return_exceptions=True)
+        await self.channel.close()
+
+    async def _check(self) -> str:
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return UNREACHABLE
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return NOT_SERVING
+        if self.info is None or self.state != SERVING:  # first contact or back from a restart: facts may differ
+            try:
+                self.info = await self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5.0)
+            except grpc.aio.AioRpcError:
+                return NOT_SERVING
+        return SERVING
+
+    async def _watch_health(self) -> None:
+        while True:
+            state = await self._check()
+            if state != self.state:
+                (log.info if state == SERVING else log.warning)("worker %s: %s -> %s", self.address, self.state, state)
+                self.state = state
+                self.on_change()
+            if state == SERVING and (self._follow is None or self._follow.done()):
+                self._follow = asyncio.create_task(self._follow_load(), name=f"load {self.address}")
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.interval)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+
+    async def _follow_load(self) -> None:
+        try:
+            async for update in self.stub.WatchLoad(worker_pb2.WatchLoadRequest()):
+                self.apply(update)
+        except grpc.aio.AioRpcError as e:
+            log.debug("worker %s: load stream ended: %s", self.address, e.code().name)
+        finally:
+            self.blocks = set()  # no longer known; a new stream starts from a snapshot
+            self.wake()  # a load stream ends when the worker drains or dies: find out which at once
+
+    def apply(self, update: worker_pb2.LoadUpdate) -> None:
+        if update.reset:
+            self.blocks = set(update.stored_block_hashes)
+        else:
+            self.blocks.difference_update(update.evicted_block_hashes)
+            self.blocks.update(update.stored_block_hashes)
+        self.block_size = update.block_size or self.block_size
+        self.load = update
+
+
+class Fleet:
+    """Every worker the --worker-addr targets stand for, kept in step with DNS, and the router over them."""
+
+    def __init__(self, targets: list[str], open_channel: Callable[[str], grpc.aio.Channel], interval: float,
+                 router: Router):
+        self.targets = targets
+        self.open_channel = open_channel
+        self.interval = interval
+        self.router = router
+        self.workers: dict[str, Worker] = {}
+        self._resolver: asyncio.Task | None = None
+        self.changed = asyncio.Event()  # set whenever a worker joins, leaves or changes state
+
+    async def start(self) -> None:
+        await self._resolve()
+        if any(t.startswith(DNS_PREFIX) for t in self.targets):
+            self._resolver = asyncio.create_task(self._resolve_every_interval(), name="resolve workers")
+
+    def serving(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.serving]
+
+    def pick(self, prompt_ids: list[int], exclude: tuple[str, ...] = ()) -> Worker | None:
+        """The worker for this prompt among those serving, leaving out `exclude` (already tried)."""
+        candidates = [w for w in self.serving() if w.address not in exclude]
+        hashes_by_size: dict[int, list[bytes]] = {}
+        for w in candidates:
+            if w.block_size and w.block_size not in hashes_by_size:
+                hashes_by_size[w.block_size] = prompt_block_hashes(prompt_ids, w.block_size)
+        # Workers of different block sizes share no hashes; routing by the first size's is exact for
+        # those and sees the others as misses, which then go by load.
+        hashes = next(iter(hashes_by_size.values()), [])
+        view = self.router.pick([w.view() for w in candidates], hashes)
+        return self.workers[view.address] if view is not None else None
+
+    async def close(self) -> None:
+        if self._resolver is not None:
+            self._resolver.cancel()
+        await asyncio.gather(*(w.close() for w in self.workers.values()))
+        self.workers.clear()
+
+    def _changed(self) -> None:
+        self.changed.set()
+
+    async def _resolve(self) -> None:
+        wanted: list[str] = []
+        for target in self.targets:
+            try:
+                wanted.extend(a for a in await resolve(target) if a not in wanted)
+            except OSError as e:  # keep what it stood for until the name resolves again
+                log.warning("cannot resolve %s (%s); keeping its last addresses", target, e)
+                wanted.extend(a for a in self.workers if a not in wanted and target.startswith(DNS_PREFIX))
+        for address in [a for a in self.workers if a not in wanted]:
+            log.info("worker %s: no longer in %s; removing it", address, ", ".join(self.targets))
+            worker = self.workers.pop(address)
+            asyncio.create_task(self._retire(worker))
+            self._changed()
+        for address in wanted:
+            if address not in self.workers:
+                worker = Worker(address, self.open_channel(address), self.interval, self._changed)
+                self.workers[address] = worker
+                worker.start()
+                self._changed()
+
+    async def _retire(self, worker: Worker) -> None:
+        """Close a removed worker's channel once the streams this gateway has on it are done."""
+        while worker.in_flight:
+            await asyncio.sleep(self.interval)
+        await worker.close()
+
+    async def _resolve_every_interval(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self._resolve()
