@@ -55,7 +55,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         info = self.downstreams.worker_info
         if info is None:
             raise Unavailable("the model worker has not answered yet; retry shortly")
-        return Limits(max_context=info.max_context, **self.limits_overrides)
+        return Limits.for_worker(info, **self.limits_overrides)
 
     async def _encode(self, req: GenerationRequest, timeout) -> list[int]:
         encode = tokenizer_pb2.EncodeRequest()

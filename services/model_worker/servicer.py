@@ -7,7 +7,7 @@ from rpcserver.errors import Unavailable
 from rpcserver.status import grpc_errors
 from services.model_worker.engine import StepOutput
 from services.model_worker.engine_client import EngineClient
-from services.model_worker.sampling_params import SamplingParams
+from services.model_worker.sampling_params import MAX_LOGPROBS, SamplingParams
 from services.model_worker.sequence import FinishReason
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -63,7 +63,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
             vocab_size=info["vocab_size"], eos_token_ids=info["eos_token_ids"], running=stats["running"],
             waiting=stats["waiting"], kv_blocks_used=stats["kv_blocks_used"], kv_blocks_free=stats["kv_blocks_free"],
             block_size=info["block_size"], prefix_cache_hit_rate=stats["prefix_cache_hit_rate"],
-            tokens_after_cancel=engine.tokens_after_cancel)
+            tokens_after_cancel=engine.tokens_after_cancel, max_logprobs=MAX_LOGPROBS)
 
 
 def _to_proto(out: StepOutput, first: bool) -> worker_pb2.GenerateResponse:

@@ -142,7 +142,7 @@ def test_cancelled_client_leaves_no_sequence_in_the_worker(gateway, worker):
     (dict(prompt="hi", stop=["y" * 10_000]), "stop"),
     (dict(prompt="hi", max_tokens=10**6), "max_tokens"),
     (dict(prompt="word " * 2000), "prompt is 2001 tokens"),
-    (dict(prompt="word " * 600, max_tokens=600), "exceeds the model's context"),
+    (dict(prompt="word " * 600, max_tokens=600), "max_tokens must be in [1, 423] for this prompt of 601 tokens"),
     (dict(messages=[gateway_pb2.ChatMessage(role="wizard", content="hi")]), "role"),
 ])
 def test_bad_requests_are_invalid_argument_and_service_keeps_serving(gateway, fields, fragment):
