@@ -10,7 +10,7 @@ import grpc
 from gateway.downstream import Downstreams, DownstreamTLS
 from gateway.servicer import GatewayServicer
 from rpcserver.auth import add_auth_flags, auth_interceptors
-from rpcserver.config import ServerConfig, add_flag, add_server_flags
+from rpcserver.config import SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
 from vllm_v0.gateway.v1 import gateway_pb2
@@ -37,7 +37,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--log-prompts", False, "add each request's prompt text to its log line (off: prompts are "
              "user data)")
     add_auth_flags(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # The context-dependent bounds (--max-prompt-tokens below the worker's context, --max-logprobs
+    # at most the worker's) are applied once the worker has answered GetInfo.
+    check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--max-prompt-tokens", 0, None), ("--max-tokens-limit", 0, None),
+                                ("--max-stop-strings", 0, None), ("--max-stop-string-chars", 1, None),
+                                ("--max-logprobs", 0, None), ("--max-prompt-chars", 1, None),
+                                ("--health-interval", 0.01, None)))
+    return args
 
 
 def limits_overrides(args: argparse.Namespace) -> dict:

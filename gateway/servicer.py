@@ -80,7 +80,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             error = e
             raise
         finally:
-            record.done(code_for(error, context))  # every call, refused ones too: one log line each
+            record.done(code_for(error, context), error)  # every call, refused ones too: one log line each
 
     async def _generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
                         record: RequestRecord):
