@@ -6,7 +6,7 @@ import sys
 
 import grpc
 
-from gateway.convert import SAMPLING_FIELDS
+from rpcserver.shared import SAMPLING_FIELDS
 from rpcserver.version import add_version_flag
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 

@@ -4,9 +4,9 @@ import math
 from dataclasses import dataclass, field
 
 from rpcserver.errors import InvalidArgument
+from rpcserver.shared import MAX_SEED
 
 ROLES = ("system", "user", "assistant", "tool")
-MAX_SEED = 2**64 - 1
 
 
 @dataclass(frozen=True)

@@ -65,10 +65,6 @@ class Qwen3Config:
             elif not self.rope_scaling.get("factor"):
                 raise ConfigError("config.json: yarn rope scaling needs a positive 'factor'")
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Qwen3Config":
         architectures = raw.get("architectures") or []

@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass, fields
 
 from rpcserver.errors import InvalidArgument
+from rpcserver.shared import MAX_SEED
 
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
-MAX_SEED = 2**64 - 1
 # Most top logprobs per token: each costs a sort entry and a field in every streamed message.
 MAX_LOGPROBS = 20
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import uuid
 
 from rpcserver.errors import Unavailable
+from rpcserver.shared import SAMPLING_FIELDS
 from rpcserver.status import grpc_errors
 from services.model_worker.engine import StepOutput
 from services.model_worker.engine_client import EngineClient
@@ -11,8 +12,6 @@ from services.model_worker.sampling_params import MAX_LOGPROBS, SamplingParams
 from services.model_worker.sequence import FinishReason
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed")
 FINISH_REASONS = {None: worker_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.EOS: worker_pb2.FINISH_REASON_EOS,
                   FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH}
 
