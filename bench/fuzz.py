@@ -59,7 +59,7 @@ def fill(message, rng: random.Random, depth: int = 0):
     for field in message.DESCRIPTOR.fields:
         if rng.random() < 0.5:
             continue
-        repeated = field.label == FieldDescriptor.LABEL_REPEATED
+        repeated = field.is_repeated
         count = rng.choice([0, 1, 2, 3, 8, 40]) if repeated else 1
         if field.type == FieldDescriptor.TYPE_MESSAGE:
             if depth < 2:
