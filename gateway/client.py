@@ -6,15 +6,19 @@ import sys
 
 import grpc
 
-from gateway.convert import SAMPLING_FIELDS
+from rpcserver.shared import SAMPLING_FIELDS
+from rpcserver.version import add_version_flag
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 # Flags copied into the request only when given, so the server's defaults apply otherwise.
 _OPTIONAL_FIELDS = ("max_tokens", *SAMPLING_FIELDS, "logprobs")
+# Unset, the server would generate up to the rest of the context (thousands of tokens, minutes on a CPU).
+DEFAULT_MAX_TOKENS = 256
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m gateway.client", description=__doc__)
+    add_version_flag(parser, "gateway.client")
     parser.add_argument("text", help="the prompt, or with --chat the user message")
     parser.add_argument(
         "--addr",
@@ -27,7 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     chat.add_argument("--no-think", action="store_true", help="turn Qwen3's thinking off")
 
     sampling = parser.add_argument_group("sampling (unset: the checkpoint's defaults)")
-    sampling.add_argument("--max-tokens", type=int)
+    sampling.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                          help="most tokens to generate (default: %(default)s; 0: up to the rest of the context)")
     sampling.add_argument("--temperature", type=float)
     sampling.add_argument("--top-p", type=float)
     sampling.add_argument("--top-k", type=int)
@@ -76,7 +81,7 @@ def build_request(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
         req.enable_thinking = False
     for name in _OPTIONAL_FIELDS:
         value = getattr(args, name)
-        if value is not None:
+        if value is not None and not (name == "max_tokens" and value == 0):
             setattr(req, name, value)
     if args.keep_special_tokens:
         req.skip_special_tokens = False
@@ -104,7 +109,8 @@ def stream(args: argparse.Namespace) -> int:
                     sys.stdout.write(response.text)
                     sys.stdout.flush()
                     ends_line = response.text.endswith("\n")
-                logprobs.extend(response.logprobs)
+                # One token per message: its text delta is that token's text (empty while a character is split).
+                logprobs.extend((entry, response.text) for entry in response.logprobs)
                 last = response
         except KeyboardInterrupt:
             # Cancelling tells the gateway to stop generating, freeing the worker's slot.
@@ -112,11 +118,12 @@ def stream(args: argparse.Namespace) -> int:
             print("\ncancelled", file=sys.stderr)
             return 130
         except grpc.RpcError as err:
-            print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+            print(f"\nerror: {describe_error(err)}", file=sys.stderr)
             return 1
-    if not ends_line and sys.stdout.isatty():
-        # Only on a terminal: piped output stays exactly the completion.
-        print()
+    if not ends_line:
+        # On a terminal, end the text's line; piped, the completion stays exact and the summary on
+        # stderr starts a line of its own (the two may share a file).
+        print(file=sys.stdout if sys.stdout.isatty() else sys.stderr)
     if logprobs:
         print_logprobs(logprobs)
     if last is not None:
@@ -124,11 +131,20 @@ def stream(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_logprobs(logprobs: list[gateway_pb2.Logprobs]) -> None:
-    for entry in logprobs:
+def describe_error(err: grpc.RpcError) -> str:
+    message = f"{err.code().name}: {err.details()}"
+    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (err.details() or ""):
+        message += (" (the request is larger than the server's --max-message-bytes: shorten it or raise that "
+                    "limit; retrying will not help)")
+    return message
+
+
+def print_logprobs(logprobs: list[tuple[gateway_pb2.Logprobs, str]]) -> None:
+    """One line per token: its id, its text, its logprob, then the alternatives as id:logprob."""
+    for entry, text in logprobs:
         top = "  ".join(f"{t.token_id}:{t.logprob:.3f}" for t in entry.top)
         chosen = entry.chosen
-        print(f"{chosen.token_id:>8} {chosen.logprob:9.4f}  {top}", file=sys.stderr)
+        print(f"{chosen.token_id:>8} {text!r:>14} {chosen.logprob:9.4f}  {top}", file=sys.stderr)
 
 
 def print_summary(last: gateway_pb2.GenerateResponse) -> None:

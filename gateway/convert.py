@@ -1,11 +1,9 @@
 """Turns the public GenerateRequest proto into the gateway's GenerationRequest."""
 
 from gateway.validation import GenerationRequest
+from rpcserver.shared import SAMPLING_FIELDS
 from vllm_v0.gateway.v1 import gateway_pb2
 
-# The request's sampling knobs: each one, when unset, takes the checkpoint's default.
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed")
 # proto3 `optional` scalars: HasField tells "unset" from a zero the client chose.
 _OPTIONAL_FIELDS = ("enable_thinking", "max_tokens", *SAMPLING_FIELDS, "logprobs")
 

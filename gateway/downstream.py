@@ -12,6 +12,7 @@ from gateway.fleet import Fleet, Worker, parse_targets
 from gateway.fleet_metrics import RETRIED, ROUTED
 from gateway.router import Router
 from rpcserver.errors import Unavailable
+from rpcserver.shared import read_file
 from vllm_v0.gateway.v1 import gateway_pb2
 from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from vllm_v0.worker.v1 import worker_pb2
@@ -40,19 +41,12 @@ class DownstreamTLS:
     key: str | None = None
 
 
-def _read(path: str | None) -> bytes | None:
-    if not path:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def open_channel(address: str, tls: DownstreamTLS) -> grpc.aio.Channel:
     if bool(tls.cert) != bool(tls.key):
         raise SystemExit("--downstream-tls-cert and --downstream-tls-key go together")
     if not tls.ca and not tls.cert:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    credentials = grpc.ssl_channel_credentials(_read(tls.ca), _read(tls.key), _read(tls.cert))
+    credentials = grpc.ssl_channel_credentials(read_file(tls.ca), read_file(tls.key), read_file(tls.cert))
     return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
 
 

@@ -57,7 +57,7 @@ class GenerationCore:
         info = self.downstreams.worker_info
         if info is None:
             raise Unavailable("the model worker has not answered yet; retry shortly")
-        return Limits(max_context=info.max_context, **self.limits_overrides)
+        return Limits.for_worker(info, **self.limits_overrides)
 
     async def encode(self, req: GenerationRequest, timeout: float | None) -> list[int]:
         encode = tokenizer_pb2.EncodeRequest()

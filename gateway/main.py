@@ -17,7 +17,7 @@ from gateway.http_server import HttpServer
 from gateway.router import POLICIES, Router, RouterConfig
 from gateway.servicer import GatewayServicer
 from rpcserver.auth import add_auth_flags, api_key_from_args, auth_interceptors
-from rpcserver.config import ServerConfig, add_flag, add_server_flags, env_default
+from rpcserver.config import SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges, env_default
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
 from vllm_v0.gateway.v1 import gateway_pb2
@@ -53,6 +53,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_auth_flags(parser)
     args = parser.parse_args(argv)
     args.worker_addr = parse_targets(args.worker_addr or [env_default("--worker-addr", "localhost:50053")])
+    # The context-dependent bounds (--max-prompt-tokens below the worker's context, --max-logprobs
+    # at most the worker's) are applied once the worker has answered GetInfo.
+    check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--max-prompt-tokens", 0, None), ("--max-tokens-limit", 0, None),
+                                ("--max-stop-strings", 0, None), ("--max-stop-string-chars", 1, None),
+                                ("--max-logprobs", 0, None), ("--max-prompt-chars", 1, None),
+                                ("--health-interval", 0.01, None), ("--http-port", 0, 65535)))
     return args
 
 

@@ -44,15 +44,17 @@ class RequestRecord:
     def ttft(self) -> float | None:
         return self.first_token_at - self.arrival if self.first_token_at is not None else None
 
-    def done(self, code: grpc.StatusCode) -> None:
+    def done(self, code: grpc.StatusCode, error: BaseException | None = None) -> None:
         self._count(code)
         ttft = self.ttft
         line = (f"request {self.request_id}: {code.name}, finish {self.finish_reason or '-'}, "
                 f"prompt {self.prompt_tokens} tokens, completion {self.completion_tokens} tokens, "
                 f"ttft {f'{ttft:.3f} s' if ttft is not None else '-'}, "
                 f"total {time.perf_counter() - self.arrival:.3f} s")
+        if code != grpc.StatusCode.OK and error is not None:
+            line += f", why {_reason(error)!r}"  # repr keeps it on one line
         if self.prompt is not None:
-            line += f", prompt text {self.prompt!r}"  # repr keeps it on one line
+            line += f", prompt text {self.prompt!r}"
         log.info("%s", line)
 
     def _count(self, code: grpc.StatusCode) -> None:
@@ -63,3 +65,10 @@ class RequestRecord:
             TIME_TO_FIRST_TOKEN.observe(self.first_token_at - self.arrival)
             if self.completion_tokens > 1:
                 TIME_PER_OUTPUT_TOKEN.observe((self.last_token_at - self.first_token_at) / (self.completion_tokens - 1))
+
+
+def _reason(error: BaseException) -> str:
+    """What the client was told, as far as the log should say it."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.details() or error.code().name  # a downstream service's status, passed on
+    return str(error) or type(error).__name__

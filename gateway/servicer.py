@@ -35,7 +35,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             error = e
             raise
         finally:
-            record.done(code_for(error, context))  # every call, refused ones too: one log line each
+            record.done(code_for(error, context), error)  # every call, refused ones too: one log line each
 
     @grpc_errors
     async def GetInfo(self, request, context) -> gateway_pb2.GetInfoResponse:

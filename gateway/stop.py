@@ -23,10 +23,6 @@ class StopStringMatcher:
         self._held = ""
         self.stop: str | None = None
 
-    @property
-    def is_finished(self) -> bool:
-        return self.stop is not None
-
     def feed(self, delta: str) -> tuple[str, str | None]:
         """Takes new text; returns (text safe to emit now, the stop matched or None)."""
         if self.stop is not None:

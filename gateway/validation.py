@@ -4,9 +4,9 @@ import math
 from dataclasses import dataclass, field
 
 from rpcserver.errors import InvalidArgument
+from rpcserver.shared import MAX_SEED
 
 ROLES = ("system", "user", "assistant", "tool")
-MAX_SEED = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,13 @@ class Limits:
     max_logprobs: int = 20
     max_prompt_chars: int = 1_000_000
     max_messages: int = 512
+
+    @classmethod
+    def for_worker(cls, info, **overrides) -> "Limits":
+        """Limits for a worker's GetInfo: its context, and top logprobs capped at what it serves."""
+        if info.max_logprobs:  # 0: a worker that does not say
+            overrides["max_logprobs"] = min(overrides.get("max_logprobs", cls.max_logprobs), info.max_logprobs)
+        return cls(max_context=info.max_context, **overrides)
 
     def __post_init__(self) -> None:
         if self.max_context < 2:
@@ -69,8 +76,9 @@ def validate(req: GenerationRequest, limits: Limits) -> None:
     """Raises InvalidArgument naming the first field that is out of range."""
     _check_input(req, limits)
     _check_sampling(req)
-    if req.max_tokens is not None:
-        _check_int_range("max_tokens", req.max_tokens, 1, limits.max_tokens_limit)
+    # Its upper bound depends on the prompt's length: check_prompt_length checks it after tokenization.
+    if req.max_tokens is not None and req.max_tokens < 1:
+        raise InvalidArgument(f"max_tokens must be >= 1, got {req.max_tokens}")
     if len(req.stop) > limits.max_stop_strings:
         raise InvalidArgument(
             f"stop has {len(req.stop)} strings; at most {limits.max_stop_strings} are allowed"
@@ -98,13 +106,13 @@ def check_prompt_length(prompt_tokens: int, max_tokens: int | None, limits: Limi
         raise InvalidArgument(
             f"prompt is {prompt_tokens} tokens; at most {limits.max_prompt_tokens} are allowed"
         )
-    room = limits.max_context - prompt_tokens
+    allowed = min(limits.max_context - prompt_tokens, limits.max_tokens_limit)
     if max_tokens is None:
-        return min(room, limits.max_tokens_limit)
-    if max_tokens > room:
+        return allowed
+    if max_tokens > allowed:
         raise InvalidArgument(
-            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-            f"context of {limits.max_context} tokens; lower max_tokens to at most {room}"
+            f"max_tokens must be in [1, {allowed}] for this prompt of {prompt_tokens} tokens (context "
+            f"{limits.max_context} tokens, max_tokens limit {limits.max_tokens_limit}), got {max_tokens}"
         )
     return max_tokens
 

@@ -6,6 +6,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rpcserver.shared import read_file
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m rpcserver.healthcheck", description=__doc__)
@@ -20,20 +22,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _read(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def check(addr: str, service: str, timeout: float, tls_ca: str | None = None, tls_cert: str | None = None,
           tls_key: str | None = None) -> str:
     """The server's status name for `service`, e.g. "SERVING"; raises grpc.RpcError."""
     if tls_ca is None and tls_cert is None:
         channel = grpc.insecure_channel(addr)
     else:
-        credentials = grpc.ssl_channel_credentials(_read(tls_ca), _read(tls_key), _read(tls_cert))
+        credentials = grpc.ssl_channel_credentials(read_file(tls_ca), read_file(tls_key), read_file(tls_cert))
         channel = grpc.secure_channel(addr, credentials)
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)

@@ -1,7 +1,6 @@
 """Prometheus metrics every server shares: calls by method and status code, and the /metrics endpoint."""
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 import time
@@ -9,6 +8,8 @@ import time
 import grpc
 import prometheus_client
 from prometheus_client import Counter, Histogram
+
+from rpcserver.status import code_for
 
 log = logging.getLogger(__name__)
 
@@ -26,15 +27,6 @@ def _rpc_type(handler: grpc.RpcMethodHandler) -> str:
             (True, True): "bidi_stream"}[(handler.request_streaming, handler.response_streaming)]
 
 
-def _code(context: grpc.aio.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
-    """The status the client receives, as far as the server can tell."""
-    if isinstance(error, asyncio.CancelledError):
-        return grpc.StatusCode.CANCELLED
-    if error is not None and not isinstance(error, grpc.aio.AbortError):
-        return grpc.StatusCode.UNKNOWN  # what grpc.aio answers for an exception a handler let escape
-    return context.code() or grpc.StatusCode.OK
-
-
 class _Call:
     def __init__(self, labels: tuple[str, str, str]):
         self.labels = labels
@@ -42,7 +34,7 @@ class _Call:
         STARTED.labels(*labels).inc()
 
     def done(self, context: grpc.aio.ServicerContext, error: BaseException | None) -> None:
-        HANDLED.labels(*self.labels, _code(context, error).name).inc()
+        HANDLED.labels(*self.labels, code_for(error, context, handled=False).name).inc()
         HANDLING_SECONDS.labels(*self.labels).observe(time.perf_counter() - self.start)
 
 

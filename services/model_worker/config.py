@@ -7,6 +7,8 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from rpcserver.checkpoint_files import eos_token_ids, read_json
+
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
@@ -62,10 +64,6 @@ class Qwen3Config:
                 self.rope_scaling = None
             elif not self.rope_scaling.get("factor"):
                 raise ConfigError("config.json: yarn rope scaling needs a positive 'factor'")
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Qwen3Config":
@@ -132,11 +130,8 @@ class GenerationDefaults:
     sampling: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_dir(cls, checkpoint_dir: str | pathlib.Path, config_eos: int | list[int] | None = None
-                 ) -> "GenerationDefaults":
-        path = pathlib.Path(checkpoint_dir) / "generation_config.json"
-        raw: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-        eos = raw.get("eos_token_id", config_eos)
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    def from_dir(cls, checkpoint_dir: str | pathlib.Path) -> "GenerationDefaults":
+        raw = read_json(pathlib.Path(checkpoint_dir) / "generation_config.json")
         keys = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-        return cls(eos_token_ids=eos_ids, sampling={k: raw[k] for k in keys if raw.get(k) is not None})
+        return cls(eos_token_ids=eos_token_ids(checkpoint_dir),
+                   sampling={k: raw[k] for k in keys if raw.get(k) is not None})

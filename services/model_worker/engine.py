@@ -36,11 +36,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    # Weights pre-packed for oneDNN at load time (same numerics, faster CPU matmuls).
-    # None: on for CPU, off elsewhere.
+    # Weights pre-packed for oneDNN at load time (same numerics, faster CPU matmuls), the vocab
+    # projection included. None: on for CPU, off elsewhere; False gives tests the plain model.
     pack_weights: bool | None = None
-    # Also pack the vocab projection; when tied to the embedding this keeps a second copy of it.
-    pack_lm_head: bool = True
     # bf16 on CPU: matmuls of up to 4 rows (decode steps of a few sequences) in a C kernel that
     # streams the weights near memory speed; the weights stay unpacked. Where it is used, packing
     # is not. None: on where it builds (a CPU with AVX512-BF16 and a C compiler).
@@ -119,7 +117,7 @@ class LLMEngine:
                 raise ValueError("small_batch_kernel needs a C compiler and a CPU with AVX512-BF16")
         pack = config.pack_weights if config.pack_weights is not None else on_cpu
         if pack and packing_supported(self.device, self.dtype):
-            pack_linears(self.model, include_lm_head=config.pack_lm_head)
+            pack_linears(self.model)
 
     def _blocks_from_budget(self) -> int:
         per_block = KVCache.bytes_per_block(self.config, self.engine_config.block_size, self.dtype)

@@ -11,8 +11,8 @@ class KVCache:
 
     Slot s of block b is column b * block_size + s. Head-major, so that one head's keys over a run
     of consecutive blocks are one contiguous stretch that attention reads in place. One tensor
-    pair per layer rather than one for all layers: compiled code then updates a layer's cache
-    in place instead of copying a shared buffer.
+    pair per layer rather than one for all layers: a layer's writes then touch its own tensors
+    only (with one shared buffer, torch.compile was seen to copy the whole buffer every layer).
     """
 
     def __init__(self, config: Qwen3Config, num_blocks: int, block_size: int, dtype: torch.dtype,

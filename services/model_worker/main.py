@@ -7,7 +7,8 @@ import logging
 
 from prometheus_client import REGISTRY
 
-from rpcserver.config import ServerConfig, add_flag, add_server_flags
+from rpcserver.config import (SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges,
+                              parse_size)
 from rpcserver.model_path import resolve_model
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
@@ -31,7 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--dtype", "auto", "auto, bfloat16, float16 or float32 (auto: the checkpoint's on GPU, "
              "bfloat16 on a CPU that supports it)")
     add_flag(parser, "--block-size", 16, "tokens per KV cache block")
-    add_flag(parser, "--kv-cache-bytes", 2 << 30, "KV cache size on CPU, in bytes")
+    add_flag(parser, "--kv-cache-bytes", 2 << 30, "KV cache size on CPU: bytes, or a size such as 512MiB or 2GiB",
+             type=parse_size)
     add_flag(parser, "--gpu-memory-utilization", 0.85, "fraction of GPU memory for weights plus KV cache")
     add_flag(parser, "--max-model-len", 0, "cap on prompt + completion tokens (0: the model's own limit)")
     add_flag(parser, "--max-num-seqs", 64, "most sequences decoded together in one step")
@@ -41,6 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--stats-interval", 10.0, "seconds between log lines on load, KV cache and throughput "
              "while busy (0: none)")
     args = parser.parse_args(argv)
+    check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--stats-interval", 0, None)))
     if args.max_model_len < 0:
         parser.error(f"--max-model-len must be >= 0 (0: the model's own limit), got {args.max_model_len}")
     try:

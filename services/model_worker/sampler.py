@@ -106,28 +106,6 @@ def apply_penalties(
     return logits
 
 
-def apply_sampling_masks(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature-scaled logits with -inf outside the tokens a row can emit; greedy rows keep only
-    their argmax. This is the masking the sampler runs, laid out over the whole vocabulary."""
-    logits = logits.float()
-    out = torch.full_like(logits, float("-inf"))
-    for i, p in enumerate(params):
-        if p.is_greedy:
-            best = logits[i].argmax()
-            out[i, best] = logits[i, best]
-    sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    if sampled_rows:
-        scaled = _scale(logits[sampled_rows], [params[i] for i in sampled_rows])
-        for rows, candidates, ids in _truncate(scaled, [params[i] for i in sampled_rows]):
-            target = [sampled_rows[r] for r in rows]
-            if ids is None:
-                out[target] = candidates
-            else:
-                spread = torch.full_like(out[target], float("-inf"))
-                out[target] = spread.scatter(1, ids, candidates)
-    return out
-
-
 def _sample(
     scores: torch.Tensor,  # (R, V) float32, penalties applied
     params: list[SamplingParams],

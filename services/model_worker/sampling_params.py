@@ -6,9 +6,11 @@ import math
 from dataclasses import dataclass, fields
 
 from rpcserver.errors import InvalidArgument
+from rpcserver.shared import MAX_SEED
 
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
-MAX_SEED = 2**64 - 1
+# Most top logprobs per token: each costs a sort entry and a field in every streamed message.
+MAX_LOGPROBS = 20
 
 # The generation_config.json keys that are sampling defaults; the file's other keys (eos_token_id,
 # max_length, ...) are the engine's business. transformers' own fallbacks (top_k=50, ...) are not
@@ -85,7 +87,7 @@ class SamplingParams:
                 values[name] = float(value)
         return cls(**values)
 
-    def validate(self, vocab_size: int, max_logprobs: int = 20) -> None:
+    def validate(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
         """Raises InvalidArgument naming the first bad field, its value and the allowed range."""
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)

@@ -4,15 +4,14 @@ from __future__ import annotations
 import uuid
 
 from rpcserver.errors import Unavailable
+from rpcserver.shared import SAMPLING_FIELDS
 from rpcserver.status import grpc_errors
 from services.model_worker.engine import StepOutput
 from services.model_worker.engine_client import EngineClient
-from services.model_worker.sampling_params import SamplingParams
+from services.model_worker.sampling_params import MAX_LOGPROBS, SamplingParams
 from services.model_worker.sequence import FinishReason
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed")
 FINISH_REASONS = {None: worker_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.EOS: worker_pb2.FINISH_REASON_EOS,
                   FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH}
 
@@ -75,7 +74,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
             vocab_size=info["vocab_size"], eos_token_ids=info["eos_token_ids"], running=stats["running"],
             waiting=stats["waiting"], kv_blocks_used=stats["kv_blocks_used"], kv_blocks_free=stats["kv_blocks_free"],
             block_size=info["block_size"], prefix_cache_hit_rate=stats["prefix_cache_hit_rate"],
-            tokens_after_cancel=engine.tokens_after_cancel)
+            tokens_after_cancel=engine.tokens_after_cancel, max_logprobs=MAX_LOGPROBS)
 
 
 def _to_proto(out: StepOutput, first: bool) -> worker_pb2.GenerateResponse:

@@ -7,6 +7,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from rpcserver.checkpoint_files import special_token_text
+
 # The named special tokens transformers hands to every template (its `special_tokens_map`).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -56,18 +58,10 @@ def template_environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def special_token_text(value) -> str | None:
-    """A tokenizer_config.json special token: a string, an AddedToken-style dict, or null."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
-
-
 class ChatTemplate:
     """A compiled chat template plus the special tokens it is rendered with."""
 
     def __init__(self, source: str, tokenizer_config: dict):
-        self.source = source
         self.template = template_environment().from_string(source)
         self.special_tokens = {
             name: text

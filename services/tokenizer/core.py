@@ -1,14 +1,14 @@
 """The tokenizer service's core: encode, chat rendering, decode and stateless incremental decode."""
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 from tokenizers import Tokenizer
 
+from rpcserver.checkpoint_files import eos_token_ids, read_json
 from rpcserver.errors import InvalidArgument
-from services.tokenizer.chat_template import ChatTemplate, special_token_text
+from services.tokenizer.chat_template import ChatTemplate
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -23,10 +23,6 @@ class TokenizerInfo:
     special_tokens: list[tuple[int, str]]
     eos_token_ids: list[int]
     has_chat_template: bool
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 def chat_template_source(checkpoint_dir: Path, tokenizer_config: dict) -> str | None:
@@ -71,18 +67,12 @@ class TokenizerCore:
         checkpoint_dir = Path(checkpoint_dir)
         tokenizer = Tokenizer.from_file(str(checkpoint_dir / "tokenizer.json"))
         tokenizer_config = read_json(checkpoint_dir / "tokenizer_config.json")
-        generation_config = read_json(checkpoint_dir / "generation_config.json")
         model_config = read_json(checkpoint_dir / "config.json")
 
         source = chat_template_source(checkpoint_dir, tokenizer_config)
         chat_template = ChatTemplate(source, tokenizer_config) if source is not None else None
 
-        eos = generation_config.get("eos_token_id")
-        if eos is None:
-            eos_text = special_token_text(tokenizer_config.get("eos_token"))
-            eos = tokenizer.token_to_id(eos_text) if eos_text else None
-        eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        return cls(tokenizer, chat_template, eos_token_ids, model_config.get("vocab_size"))
+        return cls(tokenizer, chat_template, eos_token_ids(checkpoint_dir), model_config.get("vocab_size"))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special-token strings in it become their ids."""

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 
-from rpcserver.config import ServerConfig, add_flag, add_server_flags
+from rpcserver.config import SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges
 from rpcserver.model_path import resolve_model
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
@@ -22,7 +22,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_server_flags(parser, default_port=50052)
     add_flag(parser, "--model", "demo-model", "checkpoint directory (tokenizer.json, tokenizer_config.json, "
              "generation_config.json), or a hub id such as Qwen/Qwen3-0.6B")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_ranges(parser, args, SERVER_FLAG_RANGES)
+    return args
 
 
 async def serve(args: argparse.Namespace) -> None:

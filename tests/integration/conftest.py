@@ -24,11 +24,19 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference(checkpoint):
-    """transformers' model and tokenizer on the same files: the independent reference."""
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
+def reference_model(checkpoint):
+    """transformers' Qwen3 on the same files, in float32: the independent reference."""
+    from transformers import Qwen3ForCausalLM
 
-    model = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def reference(reference_model, checkpoint):
+    """transformers' greedy generate and tokenizer on the same files: the independent reference."""
+    from transformers import AutoTokenizer
+
+    model = reference_model
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
 
     def greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:

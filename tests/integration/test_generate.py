@@ -9,10 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tests.integration.stack import ROOT
+from tests.penalties import penalised_greedy
 from vllm_v0.gateway.v1 import gateway_pb2
 from vllm_v0.worker.v1 import worker_pb2
 
@@ -45,7 +47,9 @@ def test_streamed_text_equals_reference_greedy(gateway, reference, prompt):
     assert text == want_text
     assert last.usage.prompt_tokens == len(prompt_ids)
     assert last.usage.completion_tokens == len(want_ids)
-    assert last.finish_reason in (gateway_pb2.FINISH_REASON_LENGTH, gateway_pb2.FINISH_REASON_EOS)
+    # The reference stops at eos, so fewer tokens than asked means the worker saw eos too.
+    want_finish = gateway_pb2.FINISH_REASON_LENGTH if len(want_ids) == 24 else gateway_pb2.FINISH_REASON_EOS
+    assert last.finish_reason == want_finish
     assert last.time_to_first_token_s > 0
 
 
@@ -86,6 +90,26 @@ def test_stop_string_ends_generation_and_is_not_emitted(gateway, reference):
     assert text == want
     assert last.finish_reason == gateway_pb2.FINISH_REASON_STOP
     assert last.stop_reason == stop
+
+
+def test_penalties_through_the_services(gateway, reference, reference_model):
+    _, tokenizer = reference
+    prompt = "The capital of France is the capital of France"
+    prompt_ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        want = reference_model.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False,
+                                        repetition_penalty=1.3, eos_token_id=None,
+                                        pad_token_id=151643)[0, len(prompt_ids):].tolist()
+    _, ids, _ = collect(gateway.Generate(gateway_pb2.GenerateRequest(
+        prompt=prompt, max_tokens=16, temperature=0, repetition_penalty=1.3, ignore_eos=True)))
+    assert ids == want
+    want = penalised_greedy(reference_model, prompt_ids, 48, presence=2.0, frequency=2.0)
+    _, ids, _ = collect(gateway.Generate(gateway_pb2.GenerateRequest(
+        prompt=prompt, max_tokens=48, temperature=0, presence_penalty=2.0, frequency_penalty=2.0, ignore_eos=True)))
+    assert ids == want
+    plain = collect(gateway.Generate(gateway_pb2.GenerateRequest(prompt=prompt, max_tokens=48, temperature=0,
+                                                                 ignore_eos=True)))[1]
+    assert ids != plain  # the penalties changed the output, so skipping them would show
 
 
 def test_max_tokens_gives_finish_reason_length(gateway):
@@ -142,7 +166,7 @@ def test_cancelled_client_leaves_no_sequence_in_the_worker(gateway, worker):
     (dict(prompt="hi", stop=["y" * 10_000]), "stop"),
     (dict(prompt="hi", max_tokens=10**6), "max_tokens"),
     (dict(prompt="word " * 2000), "prompt is 2001 tokens"),
-    (dict(prompt="word " * 600, max_tokens=600), "exceeds the model's context"),
+    (dict(prompt="word " * 600, max_tokens=600), "max_tokens must be in [1, 423] for this prompt of 601 tokens"),
     (dict(messages=[gateway_pb2.ChatMessage(role="wizard", content="hi")]), "role"),
 ])
 def test_bad_requests_are_invalid_argument_and_service_keeps_serving(gateway, fields, fragment):
@@ -191,11 +215,12 @@ def test_reflection_and_health_on_every_server(stack):
 
 def test_client_cli_streams_and_summarises(stack):
     result = subprocess.run([sys.executable, "-m", "gateway.client", "--addr", stack.gateway.address,
-                             "Hello", "--max-tokens", "4", "--temperature", "0"],
+                             "Hello", "--max-tokens", "4", "--temperature", "0", "--ignore-eos"],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "length" in result.stderr.lower() or "eos" in result.stderr.lower()
-    assert "completion_tokens" in result.stderr.replace(" ", "_") or "completion" in result.stderr
+    # --ignore-eos: exactly 4 tokens, so the finish reason is length whatever the random model samples.
+    summary = result.stderr.splitlines()
+    assert "finish_reason: length" in summary and "completion_tokens: 4" in summary
 
 
 def test_grpcurl_examples_from_the_readme(stack):

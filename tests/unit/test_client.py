@@ -26,13 +26,26 @@ def request(*argv: str) -> gateway_pb2.GenerateRequest:
     return build_request(parse_args(list(argv)))
 
 
-def test_plain_prompt_leaves_every_optional_unset():
+def test_plain_prompt_leaves_every_optional_but_max_tokens_unset():
     req = request("Once upon a time")
     assert req.prompt == "Once upon a time"
     assert len(req.messages) == 0
-    for name in (*SAMPLING_FIELDS, "enable_thinking", "skip_special_tokens"):
+    for name in (*SAMPLING_FIELDS[1:], "enable_thinking", "skip_special_tokens"):
         assert not req.HasField(name), name
     assert list(req.stop) == [] and not req.ignore_eos
+    # Unset, the server would run to the end of the context: the client asks for 256, and says so.
+    assert req.HasField("max_tokens") and req.max_tokens == 256
+    assert not request("hi", "--max-tokens", "0").HasField("max_tokens")
+
+
+def test_help_states_the_max_tokens_default_and_version_is_reported(capsys):
+    for flag in ("--help", "--version"):
+        with pytest.raises(SystemExit) as done:
+            parse_args([flag])
+        assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "default: 256" in out.replace("\n", " ").replace("  ", " ")
+    assert "gateway.client (vllm-v0) 0." in out
 
 
 def test_given_flags_are_set_including_zeros():
@@ -59,7 +72,7 @@ def test_given_flags_are_set_including_zeros():
 def test_only_the_given_sampling_flag_is_set():
     req = request("hi", "--top-k", "40")
     assert req.top_k == 40
-    assert [name for name in SAMPLING_FIELDS if req.HasField(name)] == ["top_k"]
+    assert [name for name in SAMPLING_FIELDS[1:] if req.HasField(name)] == ["top_k"]
 
 
 def test_stops_and_other_switches():
@@ -117,8 +130,14 @@ class FakeGateway(gateway_pb2_grpc.GatewayServiceServicer):
         self.metadata.append(dict(context.invocation_metadata()))
         if request.prompt == "fail":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1], got 2")
-        yield gateway_pb2.GenerateResponse(text="Hel", token_ids=[1], request_id="r-9")
-        yield gateway_pb2.GenerateResponse(text="lo", token_ids=[2])
+        if request.prompt == "huge":  # what grpc itself answers a message over the server's limit
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (9 vs. 4)")
+        logprobs = [gateway_pb2.Logprobs(chosen=gateway_pb2.TokenLogprob(token_id=t, logprob=-0.5),
+                                         top=[gateway_pb2.TokenLogprob(token_id=9, logprob=-1.5)])
+                    for t in (1, 2)] if request.HasField("logprobs") else [None, None]
+        yield gateway_pb2.GenerateResponse(text="Hel", token_ids=[1], request_id="r-9",
+                                           logprobs=logprobs[:1] if logprobs[0] else [])
+        yield gateway_pb2.GenerateResponse(text="lo", token_ids=[2], logprobs=logprobs[1:] if logprobs[1] else [])
         yield gateway_pb2.GenerateResponse(
             finish_reason=gateway_pb2.FINISH_REASON_STOP,
             stop_reason="END",
@@ -144,7 +163,8 @@ def test_streams_text_then_summary(fake_gateway, capsys):
     code = main(["Say hi", "--addr", addr, "--api-key", "k1", "--timeout", "10", "--stop", "END"])
     out, err = capsys.readouterr()
     assert code == 0
-    assert out == "Hello"
+    assert out == "Hello"  # piped: exactly the completion
+    assert err.startswith("\nfinish_reason: stop")  # the summary does not run into the text
     for expected in ("finish_reason: stop", "stop_reason: 'END'", "prompt_tokens: 3",
                      "completion_tokens: 2", "time_to_first_token: 0.250 s"):  # fmt: skip
         assert expected in err
@@ -173,3 +193,18 @@ def test_unreachable_gateway_is_an_error(capsys):
     _, err = capsys.readouterr()
     assert code != 0
     assert "error: UNAVAILABLE" in err or "error: DEADLINE_EXCEEDED" in err
+
+
+def test_logprobs_show_each_token_text(fake_gateway, capsys):
+    _, addr = fake_gateway
+    assert main(["hi", "--addr", addr, "--logprobs", "1"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    lines = [line.split() for line in err if line.strip().startswith(("1 ", "2 "))]
+    assert lines == [["1", "'Hel'", "-0.5000", "9:-1.500"], ["2", "'lo'", "-0.5000", "9:-1.500"]]
+
+
+def test_an_oversized_request_names_the_limit_and_says_not_to_retry(fake_gateway, capsys):
+    _, addr = fake_gateway
+    assert main(["huge", "--addr", addr]) != 0
+    err = capsys.readouterr().err
+    assert "RESOURCE_EXHAUSTED" in err and "--max-message-bytes" in err and "retrying will not help" in err

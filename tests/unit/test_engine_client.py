@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from rpcserver.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.model_worker import ipc
 from services.model_worker.core_process import CoreProcess, CoreStartError
 from services.model_worker.engine import EngineConfig
 from services.model_worker.engine_client import EngineClient
@@ -181,6 +182,38 @@ def test_an_error_outside_a_step_ends_the_core_loudly_like_a_death(checkpoint, c
     assert run_client(checkpoint, scenario, restart_delay_s=(60.0, 60.0)) is False
     err = capfd.readouterr().err
     assert "the engine core failed outside a step" in err and "unknown command 'no such command'" in err
+
+
+def test_an_add_that_raises_a_non_service_error_kills_the_core_which_is_restarted(checkpoint, capfd):
+    """Any failure outside a step: exit 1 with the traceback logged, open streams UNAVAILABLE,
+    serving turns off (health NOT_SERVING in the worker) and back on once a new core is ready."""
+    serving_changes = []
+
+    async def on_serving(serving: bool) -> None:
+        serving_changes.append(serving)
+
+    async def scenario(client: EngineClient):
+        stream = client.generate("open", [1, 2, 3], greedy(400))
+        await stream.__anext__()
+        failed = client.process
+        # A prompt of text, not ids: the engine's add raises TypeError, no ServiceError.
+        failed.send({"type": "add", "id": "bad", "prompt": "abc", "params": ipc.params_to_dict(greedy(2))})
+        with pytest.raises(Unavailable, match="exited with code 1"):
+            await asyncio.wait_for(collect_rest(stream), WAIT_S)
+        assert failed.popen.returncode == 1
+        assert await eventually(lambda: not client.serving and serving_changes[-1] is False)
+        assert await eventually(lambda: client.serving, START_S)
+        assert serving_changes == [True, False, True] and client.process is not failed
+        return await collect(client, "again", [3, 1, 4], greedy(6))
+
+    async def collect_rest(stream):
+        async for _ in stream:
+            pass
+
+    tokens = run_client(checkpoint, scenario, on_serving=on_serving, restart_delay_s=(0.05, 0.1))
+    assert tokens == make_engine(checkpoint).generate([[3, 1, 4]], greedy(6))[0]
+    err = capfd.readouterr().err
+    assert "the engine core failed outside a step" in err and "Traceback" in err and "TypeError" in err
 
 
 def test_core_exits_when_the_worker_goes(checkpoint):

@@ -27,3 +27,16 @@ def test_every_rpc_and_field_has_a_comment():
                     missing.append(f"{proto.name}:{i + 1}: {line.strip()}")
     assert seen > 60  # the pattern really finds the declarations
     assert not missing, "undocumented: " + "; ".join(missing)
+
+
+def test_worker_info_shows_its_live_counters_even_at_zero():
+    from google.protobuf.json_format import MessageToDict
+
+    from vllm_v0.worker.v1 import worker_pb2
+
+    shown = MessageToDict(worker_pb2.GetInfoResponse(max_context=4096, running=0, waiting=0, kv_blocks_used=0,
+                                                     kv_blocks_free=10, prefix_cache_hit_rate=0.0,
+                                                     tokens_after_cancel=0, max_logprobs=20))
+    for name in ("running", "waiting", "kvBlocksUsed", "prefixCacheHitRate", "tokensAfterCancel"):
+        assert name in shown, (name, shown)
+    assert shown["maxLogprobs"] == 20

@@ -1,6 +1,7 @@
 """The shared server shape: a port already taken is an error at start, never a second listener beside the first."""
 import asyncio
 
+import grpc
 import pytest
 
 from rpcserver.config import ServerConfig
@@ -27,3 +28,22 @@ def test_a_second_server_on_a_taken_port_fails_at_start():
         await third.server.stop(None)
 
     asyncio.run(main())
+
+
+def test_one_status_mapping_for_logs_and_metrics():
+    from rpcserver.errors import InvalidArgument
+    from rpcserver.status import code_for
+
+    class Context:
+        def code(self):
+            return None
+
+    context = Context()
+    # Inside a servicer method, grpc_errors turns an unexpected exception into INTERNAL ...
+    assert code_for(RuntimeError("bug"), context) == grpc.StatusCode.INTERNAL
+    assert code_for(InvalidArgument("x"), context) == grpc.StatusCode.INVALID_ARGUMENT
+    # ... while one that escaped the method reaches the client as grpc.aio's UNKNOWN.
+    assert code_for(RuntimeError("bug"), context, handled=False) == grpc.StatusCode.UNKNOWN
+    for handled in (True, False):
+        assert code_for(asyncio.CancelledError(), context, handled) == grpc.StatusCode.CANCELLED
+        assert code_for(None, context, handled) == grpc.StatusCode.OK

@@ -12,10 +12,32 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from services.model_worker.sampler import Sampler, apply_penalties, apply_sampling_masks
+from services.model_worker.sampler import Sampler, _scale, _truncate, apply_penalties
 from services.model_worker.sampling_params import SamplingParams
 
 NO_IDS = torch.empty(0, dtype=torch.long)
+
+
+def apply_sampling_masks(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature-scaled logits with -inf outside the tokens a row can emit; greedy rows keep only
+    their argmax: the sampler's own masking (_scale, _truncate), laid out over the whole vocabulary."""
+    logits = logits.float()
+    out = torch.full_like(logits, float("-inf"))
+    for i, p in enumerate(params):
+        if p.is_greedy:
+            best = logits[i].argmax()
+            out[i, best] = logits[i, best]
+    sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if sampled_rows:
+        scaled = _scale(logits[sampled_rows], [params[i] for i in sampled_rows])
+        for rows, candidates, ids in _truncate(scaled, [params[i] for i in sampled_rows]):
+            target = [sampled_rows[r] for r in rows]
+            if ids is None:
+                out[target] = candidates
+            else:
+                spread = torch.full_like(out[target], float("-inf"))
+                out[target] = spread.scatter(1, ids, candidates)
+    return out
 
 
 def support(masked_row: torch.Tensor) -> set[int]:

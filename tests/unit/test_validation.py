@@ -8,6 +8,7 @@ from gateway.convert import from_proto
 from gateway.validation import GenerationRequest, Limits, check_prompt_length, validate
 from rpcserver.errors import InvalidArgument
 from vllm_v0.gateway.v1 import gateway_pb2
+from vllm_v0.worker.v1 import worker_pb2
 
 LIMITS = Limits(max_context=4096)
 
@@ -185,13 +186,27 @@ def test_seed_out_of_range():
 
 
 def test_max_tokens_zero():
-    rejects(prompt(max_tokens=0), "max_tokens", "[1, 4096]", "0")
+    rejects(prompt(max_tokens=0), "max_tokens", ">= 1", "0")
 
 
-def test_max_tokens_above_limit():
+def test_max_tokens_above_limit_names_the_range_this_prompt_leaves():
     limits = Limits(max_context=4096, max_tokens_limit=1000)
-    validate(prompt(max_tokens=1000), limits)
-    rejects(prompt(max_tokens=1001), "max_tokens", "1000", "1001", limits=limits)
+    validate(prompt(max_tokens=5000), limits)  # the bound waits for the prompt's length
+    assert check_prompt_length(10, 1000, limits) == 1000
+    with pytest.raises(InvalidArgument) as info:
+        check_prompt_length(10, 1001, limits)
+    assert str(info.value) == ("max_tokens must be in [1, 1000] for this prompt of 10 tokens (context 4096 "
+                               "tokens, max_tokens limit 1000), got 1001")
+    with pytest.raises(InvalidArgument, match=r"in \[1, 4095\] for this prompt of 1 tokens"):
+        check_prompt_length(1, 4096, LIMITS)
+
+
+def test_max_logprobs_is_capped_by_the_worker():
+    worker = worker_pb2.GetInfoResponse(max_context=4096, max_logprobs=20)
+    assert Limits.for_worker(worker, max_logprobs=50).max_logprobs == 20
+    assert Limits.for_worker(worker, max_logprobs=5).max_logprobs == 5
+    assert Limits.for_worker(worker).max_logprobs == 20
+    rejects(prompt(logprobs=21), "logprobs", "[0, 20]", limits=Limits.for_worker(worker, max_logprobs=50))
 
 
 def test_too_many_stop_strings():
@@ -238,8 +253,8 @@ def test_prompt_plus_max_tokens_over_context():
     with pytest.raises(InvalidArgument) as info:
         check_prompt_length(60, 50, SMALL)
     assert str(info.value) == (
-        "prompt (60 tokens) + max_tokens (50) exceeds the model's context of 100 tokens; "
-        "lower max_tokens to at most 40"
+        "max_tokens must be in [1, 40] for this prompt of 60 tokens (context 100 tokens, max_tokens limit 100), "
+        "got 50"
     )
 
 

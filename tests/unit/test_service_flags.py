@@ -1,0 +1,49 @@
+"""Flags every service shares: --version, and range checks that name the flag at start."""
+import pytest
+
+from gateway.main import parse_args as gateway_args
+from services.model_worker.main import parse_args as worker_args
+from services.tokenizer.main import parse_args as tokenizer_args
+from rpcserver.version import VERSION
+
+SERVICES = {"gateway": gateway_args, "tokenizer": tokenizer_args, "worker": worker_args}
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_version(name, capsys):
+    with pytest.raises(SystemExit) as done:
+        SERVICES[name](["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip().endswith(f"(vllm-v0) {VERSION}")
+
+
+@pytest.mark.parametrize("name", SERVICES)
+@pytest.mark.parametrize("flag, value, message", [
+    ("--port", "70000", "--port must be in [0, 65535], got 70000"),
+    ("--max-message-bytes", "0", "--max-message-bytes must be >= 1, got 0"),
+    ("--grace-period", "-1", "--grace-period must be >= 0, got -1.0"),
+    ("--keepalive-time", "0", "--keepalive-time must be >= 0.001, got 0.0"),
+])
+def test_server_flags_out_of_range_are_refused_by_name(name, flag, value, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        SERVICES[name]([flag, value])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-logprobs", "-1", "--max-logprobs must be >= 0, got -1"),
+    ("--max-stop-string-chars", "0", "--max-stop-string-chars must be >= 1, got 0"),
+    ("--max-prompt-chars", "0", "--max-prompt-chars must be >= 1, got 0"),
+    ("--max-tokens-limit", "-5", "--max-tokens-limit must be >= 0, got -5"),
+    ("--health-interval", "0", "--health-interval must be >= 0.01, got 0.0"),
+])
+def test_gateway_flags_out_of_range_are_refused_by_name(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gateway_args([flag, value])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_max_message_bytes_takes_a_size():
+    assert tokenizer_args(["--max-message-bytes", "16MiB"]).max_message_bytes == 16 << 20
