@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.model_worker.kernels import cpu_attention
-
+from services.model_worker.kernels import cpu_attention, triton_attention
 
 
 @dataclass
@@ -99,8 +98,9 @@ class AttentionMetadata:
         seq_of_row = torch.searchsorted(query_start[1:], rows, right=True)  # repeat_interleave is far slower
         positions = (context - q_lens)[seq_of_row] + rows - query_start[seq_of_row]
         slots = table[seq_of_row, positions // block_size].long() * block_size + positions % block_size
+        backend = backend or default_backend(device)
         mixed = {}
-        if max(query_lens) > 1:
+        if max(query_lens) > 1 and not backend.whole_step:
             decode_seqs = torch.nonzero(q_lens == 1).flatten()
             prefill = PrefillLayout.build(query_start, q_lens, context, table, block_size)
             mixed = dict(decode_seqs=decode_seqs.to(device), decode_rows=query_start[decode_seqs].long().to(device),
@@ -110,13 +110,19 @@ class AttentionMetadata:
             return t.to(device, non_blocking=True)
 
         return cls(move(slots), move(query_start), move(context), move(table), block_size, max(query_lens),
-                   max(context_lens), backend or default_backend(device), **mixed)
+                   max(context_lens), backend, **mixed)
 
 
 class AttentionBackend:
     """Computes attention for one layer of a step, given q and this step's k, v (already in the cache)."""
 
     name = "base"
+    whole_step = False  # True: attend() takes decodes and prefills together, no layout needed
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: "AttentionMetadata",
+               scale: float) -> torch.Tensor:
+        """q: (T, H, D) for the whole step, its keys already in the cache. Returns (T, H, D)."""
+        raise NotImplementedError
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                block_tables: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
@@ -157,6 +163,17 @@ class CpuPagedAttention(TorchAttention):
                                                     block_size, scale)
 
 
+class TritonPagedAttention(AttentionBackend):
+    """The whole step, decodes and prefills, in one Triton kernel per layer (the GPU backend)."""
+
+    name = "triton"
+    whole_step = True
+
+    def attend(self, q, k_cache, v_cache, meta, scale):
+        return triton_attention.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.context_lens,
+                                                meta.block_tables, meta.block_size, meta.max_query_len, scale)
+
+
 def _slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     """(N, length) cache slots of positions 0..length-1 of each sequence (past a table's end: its last block)."""
     j = torch.arange(length, device=block_tables.device)
@@ -172,7 +189,9 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor, batch: int) -> torch.Tenso
 
 @functools.lru_cache(maxsize=None)
 def default_backend(device: torch.device) -> AttentionBackend:
-    """The fastest backend that runs here: the C kernel on CPU (for float32 and bfloat16), else PyTorch."""
+    """The fastest backend that runs here: Triton on CUDA, the C kernel on CPU (float32, bfloat16), else PyTorch."""
+    if device.type == "cuda" and triton_attention.available():
+        return TritonPagedAttention()
     if device.type == "cpu":
         library = cpu_attention.load()
         if library is not None:
@@ -185,6 +204,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: (T, H, D); k, v: (T, Hkv, D); caches: (Hkv, slots, D). Writes k, v to the cache; returns (T, H, D)."""
     k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if meta.backend.whole_step:
+        return meta.backend.attend(q, k_cache, v_cache, meta, scale)
     if meta.max_query_len == 1:  # a pure decode step, the common case
         return meta.backend.decode(q, k_cache, v_cache, meta.context_lens, meta.block_tables, meta.block_size, scale)
     out = torch.empty_like(q)

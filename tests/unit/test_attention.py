@@ -1,4 +1,5 @@
 """Batched paged attention (both backends) against a float64 reference, over random mixes of step kinds."""
+import os
 import random
 
 import pytest
@@ -7,8 +8,8 @@ import torch.nn.functional as F
 
 from services.model_worker import attention
 from services.model_worker.attention import (AttentionMetadata, CpuPagedAttention, TorchAttention,
-                                             paged_attention)
-from services.model_worker.kernels import build, cpu_attention
+                                             TritonPagedAttention, paged_attention)
+from services.model_worker.kernels import build, cpu_attention, triton_attention
 
 HEAD_DIM = 16
 NUM_BLOCKS = 160
@@ -21,8 +22,14 @@ def kernel():
     return library
 
 
-@pytest.fixture(scope="module", params=["torch", "cpu-paged"])
+@pytest.fixture(scope="module", params=["torch", "cpu-paged", "triton"])
 def backend(request, kernel):
+    if request.param == "triton":
+        # The GPU backend's kernel, run by Triton's interpreter on CPU tensors (tests/conftest.py).
+        assert triton_attention.available(), "triton is part of the test dependencies"
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("compiled Triton needs CUDA tensors: the cuda-marked test covers it")
+        return TritonPagedAttention()
     return TorchAttention() if request.param == "torch" else CpuPagedAttention(kernel)
 
 
