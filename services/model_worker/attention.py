@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from services.model_worker.kernels import cpu_attention, triton_attention
+from services.model_worker.step_inputs import StepInputs
 
 
 @dataclass
@@ -85,32 +86,24 @@ class AttentionMetadata:
               block_size: int, device: torch.device, backend: "AttentionBackend | None" = None
               ) -> "AttentionMetadata":
         """context_lens count each sequence's tokens after this step (cached + new)."""
-        used = [-(-n // block_size) for n in context_lens]  # a table may hold blocks past its context
-        max_blocks = max(used)
-        table = torch.tensor([blocks[:n] + [0] * (max_blocks - n) for blocks, n in zip(block_tables, used)],
-                             dtype=torch.int32)
-        context = torch.tensor(context_lens, dtype=torch.int32)
-        q_lens = torch.tensor(query_lens, dtype=torch.int32)
-        query_start = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=query_start[1:])
-        # Each new token's position, then its slot through its sequence's block table.
-        rows = torch.arange(int(query_start[-1]), dtype=torch.int32)
-        seq_of_row = torch.searchsorted(query_start[1:], rows, right=True)  # repeat_interleave is far slower
-        positions = (context - q_lens)[seq_of_row] + rows - query_start[seq_of_row]
-        slots = table[seq_of_row, positions // block_size].long() * block_size + positions % block_size
-        backend = backend or default_backend(device)
+        host = StepInputs.build([[0] * n for n in query_lens], block_tables, context_lens, block_size)
+        return cls.from_inputs(host.to(device), host, block_size, backend or default_backend(device))
+
+    @classmethod
+    def from_inputs(cls, inputs: StepInputs, host: StepInputs, block_size: int, backend: "AttentionBackend"
+                    ) -> "AttentionMetadata":
+        """inputs: the step's tensors on the device; host: the same on the CPU, for the mixed-step layout."""
         mixed = {}
-        if max(query_lens) > 1 and not backend.whole_step:
+        if host.max_query_len > 1 and not backend.whole_step:
+            device = inputs.slot_mapping.device
+            q_lens = host.query_start_loc.diff()
             decode_seqs = torch.nonzero(q_lens == 1).flatten()
-            prefill = PrefillLayout.build(query_start, q_lens, context, table, block_size)
-            mixed = dict(decode_seqs=decode_seqs.to(device), decode_rows=query_start[decode_seqs].long().to(device),
-                         prefill=prefill.to(device))
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
-
-        return cls(move(slots), move(query_start), move(context), move(table), block_size, max(query_lens),
-                   max(context_lens), backend, **mixed)
+            prefill = PrefillLayout.build(host.query_start_loc, q_lens, host.context_lens, host.block_tables,
+                                          block_size)
+            mixed = dict(decode_seqs=decode_seqs.to(device),
+                         decode_rows=host.query_start_loc[decode_seqs].long().to(device), prefill=prefill.to(device))
+        return cls(inputs.slot_mapping, inputs.query_start_loc, inputs.context_lens, inputs.block_tables, block_size,
+                   host.max_query_len, host.max_context_len, backend, **mixed)
 
 
 class AttentionBackend:

@@ -13,6 +13,8 @@ from services.model_worker.block_manager import BlockManager
 from services.model_worker.config import GenerationDefaults, Qwen3Config
 from services.model_worker.kv_cache import KVCache
 from services.model_worker.loader import load_model, resolve_device, resolve_dtype
+from services.model_worker.memory import plan_kv_cache
+from services.model_worker.profile import profile_step_memory
 from services.model_worker.model_runner import ModelRunner
 from services.model_worker.kernels import cpu_linear, cpu_norm
 from services.model_worker.optimize import (pack_linears, packing_supported, use_norm_kernel,
@@ -21,6 +23,7 @@ from services.model_worker.sampler import Sampler
 from services.model_worker.sampling_params import SamplingParams
 from services.model_worker.scheduler import Scheduler, SchedulerLimits
 from services.model_worker.sequence import FinishReason, Sequence
+from services.model_worker.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,8 @@ class EngineConfig:
     small_batch_kernel: bool | None = None
     # RMSNorm in a C kernel on CPU (same arithmetic, one call instead of about ten ops). None: where it builds.
     norm_kernel: bool | None = None
+    # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
+    enforce_eager: bool = False
     limits: SchedulerLimits = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -90,19 +95,28 @@ class LLMEngine:
         self.model = load_model(self.checkpoint_dir, self.config, self.device, self.dtype)
         self._speed_up_cpu(config)
 
-        num_blocks = config.num_blocks or self._blocks_from_budget()
-        self.kv_cache = KVCache(self.config, num_blocks, config.block_size, self.dtype, self.device)
+        self.sampler = Sampler()
+        on_cuda = self.device.type == "cuda"
+        if config.num_blocks:
+            num_blocks = config.num_blocks
+        elif on_cuda:
+            num_blocks = self._blocks_by_profiling()
+        else:
+            num_blocks = self._blocks_from_budget()
+        graphs = on_cuda and not config.enforce_eager
+        self.kv_cache = KVCache(self.config, num_blocks, config.block_size, self.dtype, self.device,
+                                spare_block=graphs)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.limits)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
-        self.sampler = Sampler()
-        self.max_model_len = min(self.config.max_position_embeddings, num_blocks * config.block_size,
-                                 config.max_model_len or self.config.max_position_embeddings)
+        self.max_model_len = min(self._max_len(), num_blocks * config.block_size)
         self.eos_ids = frozenset(self.generation.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         log.info("KV cache: %d blocks of %d tokens (%.2f GB); max context %d tokens", num_blocks,
                  config.block_size, num_blocks * KVCache.bytes_per_block(self.config, config.block_size, self.dtype) / 1e9,
                  self.max_model_len)
+        if graphs:
+            self.runner.capture_graphs(config.limits.max_num_seqs, self.max_model_len)
 
     def _speed_up_cpu(self, config: EngineConfig) -> None:
         on_cpu = self.device.type == "cpu"
@@ -121,19 +135,26 @@ class LLMEngine:
         if pack and packing_supported(self.device, self.dtype):
             pack_linears(self.model, include_lm_head=config.pack_lm_head)
 
+    def _max_len(self) -> int:
+        return min(self.config.max_position_embeddings,
+                   self.engine_config.max_model_len or self.config.max_position_embeddings)
+
     def _blocks_from_budget(self) -> int:
+        """CPU: --kv-cache-bytes, at most what every sequence at full length could use."""
         per_block = KVCache.bytes_per_block(self.config, self.engine_config.block_size, self.dtype)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Leave the rest of the budget's headroom for activations and the sampler.
-            budget = free - (1 - self.engine_config.gpu_memory_utilization) * total
-        else:
-            budget = self.engine_config.kv_cache_bytes
-        # Never more than every sequence at full length could use: small models need far less than the budget.
-        max_len = min(self.config.max_position_embeddings,
-                      self.engine_config.max_model_len or self.config.max_position_embeddings)
-        ceiling = self.engine_config.limits.max_num_seqs * -(-max_len // self.engine_config.block_size)
-        return max(min(int(budget // per_block), ceiling), 1)
+        ceiling = self.engine_config.limits.max_num_seqs * -(-self._max_len() // self.engine_config.block_size)
+        return max(min(self.engine_config.kv_cache_bytes // per_block, ceiling), 1)
+
+    def _blocks_by_profiling(self) -> int:
+        """CUDA: run the largest step once, measure its peak, and give the cache what is left."""
+        config = self.engine_config
+        memory = profile_step_memory(self.model, self.sampler, self.config, self.device, self.dtype,
+                                     config.block_size, config.limits)
+        plan = plan_kv_cache(memory, config.gpu_memory_utilization,
+                             KVCache.bytes_per_block(self.config, config.block_size, self.dtype),
+                             config.block_size, self._max_len(), config.limits.max_num_seqs)
+        log.info("%s", plan.summary)
+        return plan.num_blocks
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -187,8 +208,7 @@ class LLMEngine:
         if seqs:
             # Token histories matter only to penalties; skip building them for the common case.
             none = torch.empty(0, dtype=torch.long, device=self.device)
-            history = [(torch.tensor(s.prompt_ids, device=self.device),
-                        torch.tensor(s.output_ids, dtype=torch.long, device=self.device))
+            history = [(to_device(s.prompt_ids, torch.long, self.device), to_device(s.output_ids, torch.long, self.device))
                        if s.params.has_penalties else (none, none) for s in seqs]
             sampled = self.sampler(logits, [s.params for s in seqs], [h[0] for h in history],
                                    [h[1] for h in history], [s.generator for s in seqs])

@@ -11,15 +11,19 @@ class KVCache:
 
     Slot s of block b is column b * block_size + s. Head-major, so that one head's keys over a run
     of consecutive blocks are one contiguous stretch that attention reads in place. One tensor
-    pair per layer rather than one for all layers: compiled code then updates a layer's cache
-    in place instead of copying a shared buffer.
+    pair per layer rather than one for all layers, so that a layer's cache is one plain tensor
+    the attention kernels index directly.
+
+    spare_block: one block more than the block manager hands out (pad_block), written and read
+    only by the padding rows of a CUDA-graph batch.
     """
 
     def __init__(self, config: Qwen3Config, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, spare_block: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (config.num_key_value_heads, num_blocks * block_size, config.head_dim)
+        self.pad_block = num_blocks if spare_block else None
+        shape = (config.num_key_value_heads, (num_blocks + spare_block) * block_size, config.head_dim)
         # Zeros, not empty: attention reads masked slots too (weighted 0), which must hold finite values.
         self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(config.num_hidden_layers)]

@@ -32,12 +32,15 @@ def parse_args(argv=None) -> argparse.Namespace:
              "bfloat16 on a CPU that supports it)")
     add_flag(parser, "--block-size", 16, "tokens per KV cache block")
     add_flag(parser, "--kv-cache-bytes", 2 << 30, "KV cache size on CPU, in bytes")
-    add_flag(parser, "--gpu-memory-utilization", 0.85, "fraction of GPU memory for weights plus KV cache")
+    add_flag(parser, "--gpu-memory-utilization", 0.85, "fraction of the GPU's memory this worker may use: weights, "
+             "the largest step's activations (measured at start) and the KV cache, which gets the rest")
     add_flag(parser, "--max-model-len", 0, "cap on prompt + completion tokens (0: the model's own limit)")
     add_flag(parser, "--max-num-seqs", 64, "most sequences decoded together in one step")
     add_flag(parser, "--max-num-batched-tokens", 2048, "most tokens computed in one step (prefill chunk size)")
     add_flag(parser, "--max-waiting", 256, "most queued requests; beyond it requests get RESOURCE_EXHAUSTED")
     add_flag(parser, "--prefix-caching", True, "reuse cached KV blocks of shared prompt prefixes")
+    add_flag(parser, "--enforce-eager", False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs "
+             "captured at start (slower; starts sooner)")
     add_flag(parser, "--stats-interval", 10.0, "seconds between log lines on load, KV cache and throughput "
              "while busy (0: none)")
     args = parser.parse_args(argv)
@@ -54,7 +57,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         device=args.device, dtype=args.dtype, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len or None,
-        enable_prefix_caching=args.prefix_caching,
+        enable_prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
         limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting))
 
 
