@@ -23,3 +23,8 @@ def test_defaults_and_edges_are_accepted():
     args = parse_args(["--gpu-memory-utilization", "1", "--block-size", "1", "--max-model-len", "0"])
     config = engine_config(args)
     assert (config.block_size, config.gpu_memory_utilization, config.max_model_len) == (1, 1.0, None)
+
+
+def test_enforce_eager_reaches_the_engine():
+    assert engine_config(parse_args([])).enforce_eager is False
+    assert engine_config(parse_args(["--enforce-eager"])).enforce_eager is True
