@@ -73,3 +73,27 @@ def test_profiling_on_the_gpu_measures_a_peak_and_sizes_a_cache(tmp_path):
     free, total = torch.cuda.mem_get_info()
     used = engine.kv_cache.num_blocks * engine.kv_cache.bytes_per_block(engine.config, 16, torch.float32)
     assert engine.kv_cache.num_blocks >= 32 and used <= 0.3 * total
+
+
+def test_profiling_runs_the_largest_step_and_reports_what_it_measured(tmp_path, monkeypatch):
+    """The profiling pass on CPU, with torch.cuda's memory readings faked: what it runs and returns."""
+    from services.model_worker import profile
+    from services.model_worker.engine import EngineConfig, LLMEngine
+    from services.model_worker.scheduler import SchedulerLimits
+    from tests.checkpoints import make_checkpoint
+    make_checkpoint(tmp_path)
+    engine = LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="float32", num_blocks=8, block_size=16))
+    allocated = iter([100 * MIB, 103 * MIB])  # before the warm-up cache, then with it (3 MiB)
+    readings = dict(memory_allocated=lambda device: next(allocated), max_memory_allocated=lambda device: 150 * MIB,
+                    mem_get_info=lambda device: (60 * GIB, 80 * GIB), synchronize=lambda device=None: None,
+                    empty_cache=lambda: None, reset_peak_memory_stats=lambda device: None)
+    for name, fake in readings.items():
+        monkeypatch.setattr(profile.torch.cuda, name, fake)
+    steps = []
+    forward = engine.model.forward
+    monkeypatch.setattr(engine.model, "forward", lambda ids, *a: steps.append(ids.shape[0]) or forward(ids, *a))
+    limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=200)
+    memory = profile.profile_step_memory(engine.model, engine.sampler, engine.config, engine.device, torch.float32,
+                                         16, limits)
+    assert steps == [200]  # one forward of --max-num-batched-tokens tokens
+    assert memory == GpuMemory(total=80 * GIB, free=60 * GIB, weights=100 * MIB, peak_activations=47 * MIB)

@@ -79,7 +79,7 @@ if triton is not None:
             n_ok = n < num_keys
             block = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + n // PAGE, mask=n_ok, other=0)
             slot = block.to(tl.int64) * PAGE + n % PAGE
-            k = tl.load(k_cache_ptr + kv_head * stride_kh + slot[None, :] * stride_ks + d[:, None],
+            k = tl.load(k_cache_ptr + kv_head.to(tl.int64) * stride_kh + slot[None, :] * stride_ks + d[:, None],
                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)                    # (D, N)
             s = _dot(q, k, IEEE, UPCAST)
             s = s * scale
@@ -90,7 +90,7 @@ if triton is not None:
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(s - shift[:, None])
             alpha = tl.exp(m - shift)
-            v = tl.load(v_cache_ptr + kv_head * stride_vh + slot[:, None] * stride_vs + d[None, :],
+            v = tl.load(v_cache_ptr + kv_head.to(tl.int64) * stride_vh + slot[:, None] * stride_vs + d[None, :],
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)                    # (N, D)
             pv = _dot(p.to(v.dtype), v, IEEE, UPCAST)
             acc = acc * alpha[:, None] + pv
