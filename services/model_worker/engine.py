@@ -19,6 +19,8 @@ from services.model_worker.model_runner import ModelRunner
 from services.model_worker.kernels import cpu_linear, cpu_norm
 from services.model_worker.optimize import (pack_linears, packing_supported, use_norm_kernel,
                                             use_small_batch_kernel)
+from services.model_worker.parallel import check_divisible, local_config
+from services.model_worker.ranks import RankGroup, Rendezvous, StepChannel, device_for_rank
 from services.model_worker.sampler import Sampler
 from services.model_worker.sampling_params import SamplingParams
 from services.model_worker.scheduler import Scheduler, SchedulerLimits
@@ -52,6 +54,8 @@ class EngineConfig:
     norm_kernel: bool | None = None
     # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
     enforce_eager: bool = False
+    # Ranks (processes, one device each) the model is split across; rank 0 is the engine itself.
+    tensor_parallel_size: int = 1
     limits: SchedulerLimits = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -69,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 @dataclass
@@ -82,17 +88,31 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, checkpoint_dir: str | pathlib.Path, config: EngineConfig | None = None):
+    """The engine; under tensor parallelism, rank 0's engine starts the other ranks (rendezvous None),
+    and each of those builds an engine of its own with its Rendezvous that only runs forwards (ranks.py)."""
+
+    def __init__(self, checkpoint_dir: str | pathlib.Path, config: EngineConfig | None = None,
+                 rendezvous: Rendezvous | None = None):
         self.engine_config = config = config or EngineConfig()
         self.checkpoint_dir = pathlib.Path(checkpoint_dir)
         self.config = Qwen3Config.from_json(self.checkpoint_dir)
+        tp_size = config.tensor_parallel_size
+        check_divisible(self.config, tp_size)
         self.generation = GenerationDefaults.from_dir(self.checkpoint_dir)
         # The offline demo checkpoint (demo/checkpoint.py) marks its config: its weights are random.
         self.is_demo_checkpoint = "vllm_v0_demo_checkpoint" in json.loads(
             (self.checkpoint_dir / "config.json").read_text())
         self.device = resolve_device(config.device)
+        self.group: RankGroup | None = None
+        if tp_size > 1:
+            self.device = device_for_rank(self.device, rendezvous.rank if rendezvous else 0)
+            self.group = (RankGroup.join(rendezvous, tp_size, self.device) if rendezvous
+                          else RankGroup.launch(self.checkpoint_dir, config, self.device))
+        tp = self.group.tp if self.group else None
         self.dtype = resolve_dtype(config.dtype, self.config, self.device)
-        self.model = load_model(self.checkpoint_dir, self.config, self.device, self.dtype)
+        self.model = load_model(self.checkpoint_dir, self.config, self.device, self.dtype, tp)
+        # This rank's share of the heads: what its KV cache holds.
+        self.rank_config = local_config(self.config, tp_size)
         self._speed_up_cpu(config)
 
         self.sampler = Sampler()
@@ -103,8 +123,11 @@ class LLMEngine:
             num_blocks = self._blocks_by_profiling()
         else:
             num_blocks = self._blocks_from_budget()
-        graphs = on_cuda and not config.enforce_eager
-        self.kv_cache = KVCache(self.config, num_blocks, config.block_size, self.dtype, self.device,
+        if tp is not None:
+            num_blocks = tp.min(num_blocks)  # every rank holds the same blocks (its own heads of them)
+        # CUDA graphs under tensor parallelism would capture NCCL all-reduces: untested, so eager there.
+        graphs = on_cuda and not config.enforce_eager and tp_size == 1
+        self.kv_cache = KVCache(self.rank_config, num_blocks, config.block_size, self.dtype, self.device,
                                 spare_block=graphs)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.limits)
@@ -112,11 +135,24 @@ class LLMEngine:
         self.max_model_len = min(self._max_len(), num_blocks * config.block_size)
         self.eos_ids = frozenset(self.generation.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
-        log.info("KV cache: %d blocks of %d tokens (%.2f GB); max context %d tokens", num_blocks,
-                 config.block_size, num_blocks * KVCache.bytes_per_block(self.config, config.block_size, self.dtype) / 1e9,
-                 self.max_model_len)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GB%s); max context %d tokens", num_blocks,
+                 config.block_size,
+                 num_blocks * KVCache.bytes_per_block(self.rank_config, config.block_size, self.dtype) / 1e9,
+                 " per rank" if tp_size > 1 else "", self.max_model_len)
         if graphs:
             self.runner.capture_graphs(config.limits.max_num_seqs, self.max_model_len)
+        self.step_channel: StepChannel | None = None
+        if self.group is not None:
+            limits = config.limits
+            self.step_channel = StepChannel(self.group.step_group, limits.max_num_batched_tokens,
+                                            limits.max_num_seqs, -(-self.max_model_len // config.block_size))
+            if rendezvous is None:
+                self.runner.step_sender = self.step_channel.send
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (rank 0)."""
+        if self.group is not None:
+            self.group.close()
 
     def _speed_up_cpu(self, config: EngineConfig) -> None:
         on_cpu = self.device.type == "cpu"
@@ -141,17 +177,17 @@ class LLMEngine:
 
     def _blocks_from_budget(self) -> int:
         """CPU: --kv-cache-bytes, at most what every sequence at full length could use."""
-        per_block = KVCache.bytes_per_block(self.config, self.engine_config.block_size, self.dtype)
+        per_block = KVCache.bytes_per_block(self.rank_config, self.engine_config.block_size, self.dtype)
         ceiling = self.engine_config.limits.max_num_seqs * -(-self._max_len() // self.engine_config.block_size)
         return max(min(self.engine_config.kv_cache_bytes // per_block, ceiling), 1)
 
     def _blocks_by_profiling(self) -> int:
         """CUDA: run the largest step once, measure its peak, and give the cache what is left."""
         config = self.engine_config
-        memory = profile_step_memory(self.model, self.sampler, self.config, self.device, self.dtype,
+        memory = profile_step_memory(self.model, self.sampler, self.rank_config, self.device, self.dtype,
                                      config.block_size, config.limits)
         plan = plan_kv_cache(memory, config.gpu_memory_utilization,
-                             KVCache.bytes_per_block(self.config, config.block_size, self.dtype),
+                             KVCache.bytes_per_block(self.rank_config, config.block_size, self.dtype),
                              config.block_size, self._max_len(), config.limits.max_num_seqs)
         log.info("%s", plan.summary)
         return plan.num_blocks

@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--prefix-caching", True, "reuse cached KV blocks of shared prompt prefixes")
     add_flag(parser, "--enforce-eager", False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs "
              "captured at start (slower; starts sooner)")
+    add_flag(parser, "--tensor-parallel-size", 1, "split the model across this many ranks, one process each: "
+             "cuda:0..N-1 (NCCL) on a GPU host, N CPU ranks (gloo) on CPU; heads, KV heads, intermediate size "
+             "and vocabulary must divide by it")
     add_flag(parser, "--stats-interval", 10.0, "seconds between log lines on load, KV cache and throughput "
              "while busy (0: none)")
     args = parser.parse_args(argv)
@@ -58,6 +61,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device, dtype=args.dtype, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len or None,
         enable_prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
         limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting))
 
 

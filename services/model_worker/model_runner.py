@@ -1,6 +1,8 @@
 """Turns a scheduled batch into one flat forward pass and returns the logits to sample from."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from services.model_worker.attention import AttentionBackend, AttentionMetadata, default_backend
@@ -20,6 +22,8 @@ class ModelRunner:
         self.device = device
         self.attention = attention or default_backend(device)
         self.graphs: DecodeGraphs | None = None
+        # Tensor parallelism, rank 0: hands each step's inputs to the other ranks, which run the same forward.
+        self.step_sender: Callable[[StepInputs], None] | None = None
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Decode steps replay CUDA graphs from now on; the cache's spare block takes the padding rows."""
@@ -50,6 +54,8 @@ class ModelRunner:
 
     def forward(self, host: StepInputs) -> torch.Tensor:
         """The final hidden states of the rows to sample, (S, hidden): replayed from a graph where one fits."""
+        if self.step_sender is not None:
+            self.step_sender(host)
         bucket = self.graphs.bucket_for(host) if self.graphs else None
         if bucket is not None:
             padded = host.padded(bucket, self.graphs.table_width, self.kv_cache.pad_block,

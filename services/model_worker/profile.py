@@ -32,10 +32,12 @@ def profile_step_memory(model, sampler: Sampler, config: Qwen3Config, device: to
     runner = ModelRunner(model, cache, device, default_backend(device))
     host = StepInputs.build([[0] * tokens], [list(range(num_blocks))], [tokens], block_size)
     hidden = runner.forward(host)
-    logits = model.compute_logits(hidden.expand(limits.max_num_seqs, -1)).float()
-    params = [SamplingParams(temperature=1.0, top_p=0.9, logprobs=20)] * limits.max_num_seqs
-    none = torch.empty(0, dtype=torch.long, device=device)
-    sampler(logits, params, [none] * len(params), [none] * len(params), [None] * len(params))
+    logits = model.compute_logits(hidden.expand(limits.max_num_seqs, -1))
+    logits = logits.float() if logits is not None else None
+    if logits is not None:  # None on tensor-parallel ranks other than 0, which never sample
+        params = [SamplingParams(temperature=1.0, top_p=0.9, logprobs=20)] * limits.max_num_seqs
+        none = torch.empty(0, dtype=torch.long, device=device)
+        sampler(logits, params, [none] * len(params), [none] * len(params), [None] * len(params))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - weights - cache_bytes
     del cache, runner, hidden, logits
