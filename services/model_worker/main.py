@@ -23,6 +23,10 @@ from vllm_v0.worker.v1 import worker_pb2
 log = logging.getLogger("model_worker")
 
 
+class WorkerFailed(Exception):
+    """The engine can no longer serve and will not be restarted (a tensor-parallel rank died)."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.model_worker", description=__doc__.split(":", 1)[1])
     add_server_flags(parser, default_port=50053)
@@ -84,7 +88,15 @@ async def serve(args: argparse.Namespace) -> None:
         if info["is_demo_checkpoint"]:
             log.warning("%s is the demo checkpoint: its weights are RANDOM, so generated text is gibberish",
                         checkpoint)
-        await server.run_until_signal(on_stop=client.close)
+        serving = asyncio.ensure_future(server.run_until_signal(on_stop=client.close))
+        failed = asyncio.ensure_future(client.failed.wait())
+        await asyncio.wait([serving, failed], return_when=asyncio.FIRST_COMPLETED)
+        if not serving.done():  # the engine is gone for good: its streams already got UNAVAILABLE
+            serving.cancel()
+            await server.set_serving(False)
+            await server.server.stop(1.0)
+            raise WorkerFailed(client.failure)
+        failed.cancel()
     finally:
         await client.close()  # whatever ended serving, never leave the engine core behind
 
@@ -96,6 +108,8 @@ def main(argv=None) -> None:
         asyncio.run(serve(args))
     except (ConfigError, CoreStartError) as e:
         raise SystemExit(f"cannot serve {args.model}: {e}") from None
+    except WorkerFailed as e:
+        raise SystemExit(f"stopped serving {args.model}: {e}") from None
 
 
 if __name__ == "__main__":
