@@ -156,7 +156,8 @@ class RankGroup:
 
     def _collective_failed(self, error: Exception) -> None:
         if not self.closing:
-            log.error("a tensor-parallel collective failed on rank %d: %s", self.tp.rank, error)
+            log.error("a tensor-parallel collective failed on rank %d (another rank is gone or stuck): %s",
+                      self.tp.rank, error)
             self._exit()
 
     def _exit(self) -> None:
