@@ -1,6 +1,14 @@
 """Shared fixtures: the demo checkpoint's tokenizer files, built once per test session."""
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels then run in Triton's interpreter, on CPU tensors. It is chosen when triton is
+    # first imported, so it must be set before any test module imports it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from demo.vocab import write_tokenizer_files
 from services.tokenizer.core import TokenizerCore

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.model_worker.kernels import cpu_attention
-
+from services.model_worker.kernels import cpu_attention, triton_attention
+from services.model_worker.step_inputs import StepInputs
 
 
 @dataclass
@@ -86,37 +86,36 @@ class AttentionMetadata:
               block_size: int, device: torch.device, backend: "AttentionBackend | None" = None
               ) -> "AttentionMetadata":
         """context_lens count each sequence's tokens after this step (cached + new)."""
-        used = [-(-n // block_size) for n in context_lens]  # a table may hold blocks past its context
-        max_blocks = max(used)
-        table = torch.tensor([blocks[:n] + [0] * (max_blocks - n) for blocks, n in zip(block_tables, used)],
-                             dtype=torch.int32)
-        context = torch.tensor(context_lens, dtype=torch.int32)
-        q_lens = torch.tensor(query_lens, dtype=torch.int32)
-        query_start = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=query_start[1:])
-        # Each new token's position, then its slot through its sequence's block table.
-        rows = torch.arange(int(query_start[-1]), dtype=torch.int32)
-        seq_of_row = torch.searchsorted(query_start[1:], rows, right=True)  # repeat_interleave is far slower
-        positions = (context - q_lens)[seq_of_row] + rows - query_start[seq_of_row]
-        slots = table[seq_of_row, positions // block_size].long() * block_size + positions % block_size
+        host = StepInputs.build([[0] * n for n in query_lens], block_tables, context_lens, block_size)
+        return cls.from_inputs(host.to(device), host, block_size, backend or default_backend(device))
+
+    @classmethod
+    def from_inputs(cls, inputs: StepInputs, host: StepInputs, block_size: int, backend: "AttentionBackend"
+                    ) -> "AttentionMetadata":
+        """inputs: the step's tensors on the device; host: the same on the CPU, for the mixed-step layout."""
         mixed = {}
-        if max(query_lens) > 1:
+        if host.max_query_len > 1 and not backend.whole_step:
+            device = inputs.slot_mapping.device
+            q_lens = host.query_start_loc.diff()
             decode_seqs = torch.nonzero(q_lens == 1).flatten()
-            prefill = PrefillLayout.build(query_start, q_lens, context, table, block_size)
-            mixed = dict(decode_seqs=decode_seqs.to(device), decode_rows=query_start[decode_seqs].long().to(device),
-                         prefill=prefill.to(device))
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
-
-        return cls(move(slots), move(query_start), move(context), move(table), block_size, max(query_lens),
-                   max(context_lens), backend or default_backend(device), **mixed)
+            prefill = PrefillLayout.build(host.query_start_loc, q_lens, host.context_lens, host.block_tables,
+                                          block_size)
+            mixed = dict(decode_seqs=decode_seqs.to(device),
+                         decode_rows=host.query_start_loc[decode_seqs].long().to(device), prefill=prefill.to(device))
+        return cls(inputs.slot_mapping, inputs.query_start_loc, inputs.context_lens, inputs.block_tables, block_size,
+                   host.max_query_len, host.max_context_len, backend, **mixed)
 
 
 class AttentionBackend:
     """Computes attention for one layer of a step, given q and this step's k, v (already in the cache)."""
 
     name = "base"
+    whole_step = False  # True: attend() takes decodes and prefills together, no layout needed
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: "AttentionMetadata",
+               scale: float) -> torch.Tensor:
+        """q: (T, H, D) for the whole step, its keys already in the cache. Returns (T, H, D)."""
+        raise NotImplementedError
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                block_tables: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
@@ -157,6 +156,17 @@ class CpuPagedAttention(TorchAttention):
                                                     block_size, scale)
 
 
+class TritonPagedAttention(AttentionBackend):
+    """The whole step, decodes and prefills, in one Triton kernel per layer (the GPU backend)."""
+
+    name = "triton"
+    whole_step = True
+
+    def attend(self, q, k_cache, v_cache, meta, scale):
+        return triton_attention.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.context_lens,
+                                                meta.block_tables, meta.block_size, meta.max_query_len, scale)
+
+
 def _slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     """(N, length) cache slots of positions 0..length-1 of each sequence (past a table's end: its last block)."""
     j = torch.arange(length, device=block_tables.device)
@@ -172,7 +182,9 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor, batch: int) -> torch.Tenso
 
 @functools.lru_cache(maxsize=None)
 def default_backend(device: torch.device) -> AttentionBackend:
-    """The fastest backend that runs here: the C kernel on CPU (for float32 and bfloat16), else PyTorch."""
+    """The fastest backend that runs here: Triton on CUDA, the C kernel on CPU (float32, bfloat16), else PyTorch."""
+    if device.type == "cuda" and triton_attention.available():
+        return TritonPagedAttention()
     if device.type == "cpu":
         library = cpu_attention.load()
         if library is not None:
@@ -185,6 +197,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: (T, H, D); k, v: (T, Hkv, D); caches: (Hkv, slots, D). Writes k, v to the cache; returns (T, H, D)."""
     k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if meta.backend.whole_step:
+        return meta.backend.attend(q, k_cache, v_cache, meta, scale)
     if meta.max_query_len == 1:  # a pure decode step, the common case
         return meta.backend.decode(q, k_cache, v_cache, meta.context_lens, meta.block_tables, meta.block_size, scale)
     out = torch.empty_like(q)

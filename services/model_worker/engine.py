@@ -13,14 +13,19 @@ from services.model_worker.block_manager import BlockManager
 from services.model_worker.config import GenerationDefaults, Qwen3Config
 from services.model_worker.kv_cache import KVCache
 from services.model_worker.loader import load_model, resolve_device, resolve_dtype
+from services.model_worker.memory import plan_kv_cache
+from services.model_worker.profile import profile_step_memory
 from services.model_worker.model_runner import ModelRunner
 from services.model_worker.kernels import cpu_linear, cpu_norm
 from services.model_worker.optimize import (pack_linears, packing_supported, use_norm_kernel,
                                             use_small_batch_kernel)
+from services.model_worker.parallel import check_divisible, local_config
+from services.model_worker.ranks import RankGroup, Rendezvous, StepChannel, device_for_rank
 from services.model_worker.sampler import Sampler
 from services.model_worker.sampling_params import SamplingParams
 from services.model_worker.scheduler import Scheduler, SchedulerLimits
 from services.model_worker.sequence import FinishReason, Sequence
+from services.model_worker.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +50,10 @@ class EngineConfig:
     small_batch_kernel: bool | None = None
     # RMSNorm in a C kernel on CPU (same arithmetic, one call instead of about ten ops). None: where it builds.
     norm_kernel: bool | None = None
+    # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
+    enforce_eager: bool = False
+    # Ranks (processes, one device each) the model is split across; rank 0 is the engine itself.
+    tensor_parallel_size: int = 1
     limits: SchedulerLimits = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -62,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 @dataclass
@@ -75,32 +86,71 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, checkpoint_dir: str | pathlib.Path, config: EngineConfig | None = None):
+    """The engine; under tensor parallelism, rank 0's engine starts the other ranks (rendezvous None),
+    and each of those builds an engine of its own with its Rendezvous that only runs forwards (ranks.py)."""
+
+    def __init__(self, checkpoint_dir: str | pathlib.Path, config: EngineConfig | None = None,
+                 rendezvous: Rendezvous | None = None):
         self.engine_config = config = config or EngineConfig()
         self.checkpoint_dir = pathlib.Path(checkpoint_dir)
         self.config = Qwen3Config.from_json(self.checkpoint_dir)
+        tp_size = config.tensor_parallel_size
+        check_divisible(self.config, tp_size)
         self.generation = GenerationDefaults.from_dir(self.checkpoint_dir)
         # The offline demo checkpoint (demo/checkpoint.py) marks its config: its weights are random.
         self.is_demo_checkpoint = "vllm_v0_demo_checkpoint" in json.loads(
             (self.checkpoint_dir / "config.json").read_text())
         self.device = resolve_device(config.device)
+        self.group: RankGroup | None = None
+        if tp_size > 1:
+            self.device = device_for_rank(self.device, rendezvous.rank if rendezvous else 0)
+            self.group = (RankGroup.join(rendezvous, tp_size, self.device) if rendezvous
+                          else RankGroup.launch(self.checkpoint_dir, config, self.device))
+        tp = self.group.tp if self.group else None
         self.dtype = resolve_dtype(config.dtype, self.config, self.device)
-        self.model = load_model(self.checkpoint_dir, self.config, self.device, self.dtype)
+        self.model = load_model(self.checkpoint_dir, self.config, self.device, self.dtype, tp)
+        # This rank's share of the heads: what its KV cache holds.
+        self.rank_config = local_config(self.config, tp_size)
         self._speed_up_cpu(config)
 
-        num_blocks = config.num_blocks or self._blocks_from_budget()
-        self.kv_cache = KVCache(self.config, num_blocks, config.block_size, self.dtype, self.device)
+        self.sampler = Sampler()
+        on_cuda = self.device.type == "cuda"
+        if config.num_blocks:
+            num_blocks = config.num_blocks
+        elif on_cuda:
+            num_blocks = self._blocks_by_profiling()
+        else:
+            num_blocks = self._blocks_from_budget()
+        if tp is not None:
+            num_blocks = tp.min(num_blocks)  # every rank holds the same blocks (its own heads of them)
+        # CUDA graphs under tensor parallelism would capture NCCL all-reduces: untested, so eager there.
+        graphs = on_cuda and not config.enforce_eager and tp_size == 1
+        self.kv_cache = KVCache(self.rank_config, num_blocks, config.block_size, self.dtype, self.device,
+                                spare_block=graphs)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.limits)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
-        self.sampler = Sampler()
-        self.max_model_len = min(self.config.max_position_embeddings, num_blocks * config.block_size,
-                                 config.max_model_len or self.config.max_position_embeddings)
+        self.max_model_len = min(self._max_len(), num_blocks * config.block_size)
         self.eos_ids = frozenset(self.generation.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
-        log.info("KV cache: %d blocks of %d tokens (%.2f GB); max context %d tokens", num_blocks,
-                 config.block_size, num_blocks * KVCache.bytes_per_block(self.config, config.block_size, self.dtype) / 1e9,
-                 self.max_model_len)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GB%s); max context %d tokens", num_blocks,
+                 config.block_size,
+                 num_blocks * KVCache.bytes_per_block(self.rank_config, config.block_size, self.dtype) / 1e9,
+                 " per rank" if tp_size > 1 else "", self.max_model_len)
+        if graphs:
+            self.runner.capture_graphs(config.limits.max_num_seqs, self.max_model_len)
+        self.step_channel: StepChannel | None = None
+        if self.group is not None:
+            limits = config.limits
+            self.step_channel = StepChannel(self.group.step_group, limits.max_num_batched_tokens,
+                                            limits.max_num_seqs, -(-self.max_model_len // config.block_size))
+            if rendezvous is None:
+                self.runner.step_sender = self.step_channel.send
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (rank 0)."""
+        if self.group is not None:
+            self.group.close()
 
     def _speed_up_cpu(self, config: EngineConfig) -> None:
         on_cpu = self.device.type == "cpu"
@@ -119,19 +169,26 @@ class LLMEngine:
         if pack and packing_supported(self.device, self.dtype):
             pack_linears(self.model)
 
+    def _max_len(self) -> int:
+        return min(self.config.max_position_embeddings,
+                   self.engine_config.max_model_len or self.config.max_position_embeddings)
+
     def _blocks_from_budget(self) -> int:
-        per_block = KVCache.bytes_per_block(self.config, self.engine_config.block_size, self.dtype)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Leave the rest of the budget's headroom for activations and the sampler.
-            budget = free - (1 - self.engine_config.gpu_memory_utilization) * total
-        else:
-            budget = self.engine_config.kv_cache_bytes
-        # Never more than every sequence at full length could use: small models need far less than the budget.
-        max_len = min(self.config.max_position_embeddings,
-                      self.engine_config.max_model_len or self.config.max_position_embeddings)
-        ceiling = self.engine_config.limits.max_num_seqs * -(-max_len // self.engine_config.block_size)
-        return max(min(int(budget // per_block), ceiling), 1)
+        """CPU: --kv-cache-bytes, at most what every sequence at full length could use."""
+        per_block = KVCache.bytes_per_block(self.rank_config, self.engine_config.block_size, self.dtype)
+        ceiling = self.engine_config.limits.max_num_seqs * -(-self._max_len() // self.engine_config.block_size)
+        return max(min(self.engine_config.kv_cache_bytes // per_block, ceiling), 1)
+
+    def _blocks_by_profiling(self) -> int:
+        """CUDA: run the largest step once, measure its peak, and give the cache what is left."""
+        config = self.engine_config
+        memory = profile_step_memory(self.model, self.sampler, self.rank_config, self.device, self.dtype,
+                                     config.block_size, config.limits)
+        plan = plan_kv_cache(memory, config.gpu_memory_utilization,
+                             KVCache.bytes_per_block(self.rank_config, config.block_size, self.dtype),
+                             config.block_size, self._max_len(), config.limits.max_num_seqs)
+        log.info("%s", plan.summary)
+        return plan.num_blocks
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -185,8 +242,7 @@ class LLMEngine:
         if seqs:
             # Token histories matter only to penalties; skip building them for the common case.
             none = torch.empty(0, dtype=torch.long, device=self.device)
-            history = [(torch.tensor(s.prompt_ids, device=self.device),
-                        torch.tensor(s.output_ids, dtype=torch.long, device=self.device))
+            history = [(to_device(s.prompt_ids, torch.long, self.device), to_device(s.output_ids, torch.long, self.device))
                        if s.params.has_penalties else (none, none) for s in seqs]
             sampled = self.sampler(logits, [s.params for s in seqs], [h[0] for h in history],
                                    [h[1] for h in history], [s.generator for s in seqs])

@@ -13,6 +13,7 @@ from services.model_worker.config import GenerationDefaults, Qwen3Config
 from services.model_worker.core_process import CoreProcess, CoreStartError, describe_exit
 from services.model_worker.engine import EngineConfig, StepOutput
 from services.model_worker.load_feed import LoadFeed
+from services.model_worker.parallel import check_divisible
 from services.model_worker.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class EngineClient:
         # Cheap to read here, so requests are validated without a trip to the core.
         self.model_config = Qwen3Config.from_json(checkpoint)
         self.generation = GenerationDefaults.from_dir(checkpoint)
+        check_divisible(self.model_config, config.tensor_parallel_size)  # refuse before starting any process
         self.log_level = log_level
         self.stats_interval_s = stats_interval_s
         self.on_serving = on_serving
@@ -61,6 +63,9 @@ class EngineClient:
         self._request_ids: set[str] = set()
         self._adds_sent = 0  # to this core; with its adds_applied, the adds still on their way
         self._supervisor: asyncio.Task | None = None
+        # Set when the core is gone for good (tensor parallelism): the worker should exit, non-zero.
+        self.failed = asyncio.Event()
+        self.failure = ""
         self._closing = False
 
     @property
@@ -163,6 +168,14 @@ class EngineClient:
             while True:
                 await self._pump(core)
                 why = await self._went_down(core)
+                if self.config.tensor_parallel_size > 1:
+                    # A lost rank usually means a lost device, which a restart on the same devices
+                    # will not cure: stop, and let whatever runs the worker decide.
+                    log.error("%s; a tensor-parallel worker does not restart its ranks: the worker stops", why)
+                    self._down_reason = f"{why}; the worker is stopping"
+                    self.failure = why
+                    self.failed.set()
+                    return
                 delay = first_delay
                 while True:
                     log.error("%s; restarting it in %.0f s", why, delay)

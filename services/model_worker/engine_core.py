@@ -150,7 +150,8 @@ def ready_info(engine: LLMEngine) -> dict:
     return {"dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
             "max_model_len": engine.max_model_len, "vocab_size": engine.config.vocab_size,
             "eos_token_ids": sorted(engine.eos_ids), "block_size": engine.kv_cache.block_size,
-            "is_demo_checkpoint": engine.is_demo_checkpoint}
+            "is_demo_checkpoint": engine.is_demo_checkpoint,
+            "tensor_parallel_size": engine.engine_config.tensor_parallel_size}
 
 
 def load_engine(checkpoint: str, config_json: str) -> tuple[LLMEngine | None, str]:
@@ -206,6 +207,9 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001 - never die silently: the worker turns this exit into UNAVAILABLE
         log.exception("the engine core failed outside a step; exiting")
         return 1
+    finally:
+        if engine is not None:
+            engine.close()  # the other tensor-parallel ranks, if any, stop with this one
     return 0
 
 

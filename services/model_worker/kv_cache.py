@@ -13,13 +13,17 @@ class KVCache:
     of consecutive blocks are one contiguous stretch that attention reads in place. One tensor
     pair per layer rather than one for all layers: a layer's writes then touch its own tensors
     only (with one shared buffer, torch.compile was seen to copy the whole buffer every layer).
+
+    spare_block: one block more than the block manager hands out (pad_block), written and read
+    only by the padding rows of a CUDA-graph batch.
     """
 
     def __init__(self, config: Qwen3Config, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, spare_block: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (config.num_key_value_heads, num_blocks * block_size, config.head_dim)
+        self.pad_block = num_blocks if spare_block else None
+        shape = (config.num_key_value_heads, (num_blocks + spare_block) * block_size, config.head_dim)
         # Zeros, not empty: attention reads masked slots too (weighted 0), which must hold finite values.
         self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(config.num_hidden_layers)]

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from services.model_worker.config import Qwen3Config
 from services.model_worker.models.qwen3 import Qwen3ForCausalLM
+from services.model_worker.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,9 @@ def weight_files(checkpoint_dir: pathlib.Path) -> dict[str, list[str]]:
     raise LoadError(f"no model.safetensors or model.safetensors.index.json in {checkpoint_dir}{hint}")
 
 
-def _target(model: Qwen3ForCausalLM, name: str) -> tuple[str, torch.Tensor, slice | None] | None:
-    """Our parameter (and the slice of it) that a checkpoint tensor fills; None if it has no place."""
+def _target(model: Qwen3ForCausalLM, name: str) -> tuple[str, torch.Tensor, slice | None, int | None] | None:
+    """Our parameter (and the slice of it) that a checkpoint tensor fills, and the dim it is split
+    along across tensor-parallel ranks (None: whole on every rank); None if it has no place."""
     module_path, _, leaf = name.rpartition(".")
     parent, _, module_name = module_path.rpartition(".")
     shard = None
@@ -60,7 +62,29 @@ def _target(model: Qwen3ForCausalLM, name: str) -> tuple[str, torch.Tensor, slic
         return None
     if not isinstance(param, torch.Tensor):
         return None
-    return f"{module_path}.{leaf}", param, part
+    split_dim = model.tp_split_dims.get(module_path.rpartition(".")[2])
+    if split_dim is not None and split_dim >= param.dim():
+        split_dim = None  # a row-parallel layer's bias: whole, added by rank 0 alone (see _read_shard)
+    return f"{module_path}.{leaf}", param, part, split_dim
+
+
+def _read_shard(f, name: str, dest: torch.Tensor, split_dim: int | None, tp: TensorParallel,
+                row_parallel_bias: bool) -> torch.Tensor | str:
+    """This rank's slice of a checkpoint tensor, read alone from the file; or why its shape is wrong."""
+    shape = list(f.get_slice(name).get_shape())
+    want = list(dest.shape)
+    if split_dim is not None:
+        want[split_dim] *= tp.size
+    if shape != want:
+        return f"{name}: checkpoint {shape}, config expects {want}"
+    if split_dim is None:
+        if row_parallel_bias and tp.rank != 0:
+            return torch.zeros_like(dest)  # the ranks' outputs are summed: the bias must count once
+        return f.get_tensor(name)
+    rows = dest.shape[split_dim]
+    index = [slice(None)] * len(shape)
+    index[split_dim] = slice(tp.rank * rows, (tp.rank + 1) * rows)
+    return f.get_slice(name)[tuple(index)]
 
 
 def expected_tensors(model: Qwen3ForCausalLM) -> set[str]:
@@ -77,8 +101,10 @@ def expected_tensors(model: Qwen3ForCausalLM) -> set[str]:
 
 
 def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: torch.device,
-               dtype: torch.dtype) -> Qwen3ForCausalLM:
+               dtype: torch.dtype, tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
+    """The model, or this rank's shard of it: each rank reads only its slices of the tensors."""
     checkpoint_dir = pathlib.Path(checkpoint_dir)
+    tp = tp or TensorParallel()
     start = time.perf_counter()
     files = weight_files(checkpoint_dir)
     # Build without memory, then allocate once on the target device: no second full copy is ever held.
@@ -86,7 +112,7 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = Qwen3ForCausalLM(config)
+            model = Qwen3ForCausalLM(config, tp)
     finally:
         torch.set_default_dtype(previous_dtype)
     model.to_empty(device=device)
@@ -116,13 +142,14 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
                         if target is None or name not in expected:
                             unexpected.append(name)
                             continue
-                        _, param, part = target
+                        our_name, param, part, split_dim = target
                         dest = param.data if part is None else param.data[part]
-                        shape = tuple(f.get_slice(name).get_shape())
-                        if shape != tuple(dest.shape):
-                            misshapen.append(f"{name}: checkpoint {list(shape)}, config expects {list(dest.shape)}")
+                        row_parallel_bias = (our_name.endswith(".bias")
+                                             and model.tp_split_dims.get(our_name.split(".")[-2]) == 1)
+                        tensor = _read_shard(f, name, dest, split_dim, tp, row_parallel_bias)
+                        if isinstance(tensor, str):
+                            misshapen.append(tensor)
                             continue
-                        tensor = f.get_tensor(name)
                         dest.copy_(tensor)
                         seen.add(name)
                         progress.update(tensor.numel() * tensor.element_size())

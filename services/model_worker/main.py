@@ -24,6 +24,10 @@ from vllm_v0.worker.v1 import worker_pb2
 log = logging.getLogger("model_worker")
 
 
+class WorkerFailed(Exception):
+    """The engine can no longer serve and will not be restarted (a tensor-parallel rank died)."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.model_worker", description=__doc__.split(":", 1)[1])
     add_server_flags(parser, default_port=50053)
@@ -34,12 +38,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--block-size", 16, "tokens per KV cache block")
     add_flag(parser, "--kv-cache-bytes", 2 << 30, "KV cache size on CPU: bytes, or a size such as 512MiB or 2GiB",
              type=parse_size)
-    add_flag(parser, "--gpu-memory-utilization", 0.85, "fraction of GPU memory for weights plus KV cache")
+    add_flag(parser, "--gpu-memory-utilization", 0.85, "fraction of the GPU's memory this worker may use: weights, "
+             "the largest step's activations (measured at start) and the KV cache, which gets the rest")
     add_flag(parser, "--max-model-len", 0, "cap on prompt + completion tokens (0: the model's own limit)")
     add_flag(parser, "--max-num-seqs", 64, "most sequences decoded together in one step")
     add_flag(parser, "--max-num-batched-tokens", 2048, "most tokens computed in one step (prefill chunk size)")
     add_flag(parser, "--max-waiting", 256, "most queued requests; beyond it requests get RESOURCE_EXHAUSTED")
     add_flag(parser, "--prefix-caching", True, "reuse cached KV blocks of shared prompt prefixes")
+    add_flag(parser, "--enforce-eager", False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs "
+             "captured at start (slower; starts sooner)")
+    add_flag(parser, "--tensor-parallel-size", 1, "split the model across this many ranks, one process each: "
+             "cuda:0..N-1 (NCCL) on a GPU host, N CPU ranks (gloo) on CPU; heads, KV heads, intermediate size "
+             "and vocabulary must divide by it")
     add_flag(parser, "--stats-interval", 10.0, "seconds between log lines on load, KV cache and throughput "
              "while busy (0: none)")
     args = parser.parse_args(argv)
@@ -57,7 +67,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         device=args.device, dtype=args.dtype, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len or None,
-        enable_prefix_caching=args.prefix_caching,
+        enable_prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
         limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting))
 
 
@@ -80,7 +91,16 @@ async def serve(args: argparse.Namespace) -> None:
         if info["is_demo_checkpoint"]:
             log.warning("%s is the demo checkpoint: its weights are RANDOM, so generated text is gibberish",
                         checkpoint)
-        await server.run_until_signal(on_stop=client.close, on_drain=client.load_feed.aclose)
+        serving = asyncio.ensure_future(server.run_until_signal(on_stop=client.close,
+                                                                   on_drain=client.load_feed.aclose))
+        failed = asyncio.ensure_future(client.failed.wait())
+        await asyncio.wait([serving, failed], return_when=asyncio.FIRST_COMPLETED)
+        if not serving.done():  # the engine is gone for good: its streams already got UNAVAILABLE
+            serving.cancel()
+            await server.set_serving(False)
+            await server.server.stop(1.0)
+            raise WorkerFailed(client.failure)
+        failed.cancel()
     finally:
         await client.close()  # whatever ended serving, never leave the engine core behind
 
@@ -92,6 +112,8 @@ def main(argv=None) -> None:
         asyncio.run(serve(args))
     except (ConfigError, CoreStartError) as e:
         raise SystemExit(f"cannot serve {args.model}: {e}") from None
+    except WorkerFailed as e:
+        raise SystemExit(f"stopped serving {args.model}: {e}") from None
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 """Turns a scheduled batch into one flat forward pass and returns the logits to sample from."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from services.model_worker.attention import AttentionBackend, AttentionMetadata, default_backend
+from services.model_worker.cuda_graphs import DecodeGraphs
 from services.model_worker.kv_cache import KVCache
 from services.model_worker.models.qwen3 import Qwen3ForCausalLM
 from services.model_worker.scheduler import ScheduledBatch
 from services.model_worker.sequence import Sequence
+from services.model_worker.step_inputs import StepInputs
 
 
 class ModelRunner:
@@ -17,27 +21,47 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.attention = attention or default_backend(device)
+        self.graphs: DecodeGraphs | None = None
+        # Tensor parallelism, rank 0: hands each step's inputs to the other ranks, which run the same forward.
+        self.step_sender: Callable[[StepInputs], None] | None = None
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Decode steps replay CUDA graphs from now on; the cache's spare block takes the padding rows."""
+        assert self.kv_cache.pad_block is not None, "the KV cache needs a spare block for padding rows"
+        width = -(-max_model_len // self.kv_cache.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.attention, self.device, max_num_seqs,
+                                   width, self.kv_cache.block_size, self.kv_cache.pad_block)
+        with torch.inference_mode():
+            self.graphs.capture()
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
         """Compute this step's tokens; return the sequences that now need a next token, and their logits."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        context_lens, sample_rows, sample_seqs = [], [], []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
+        token_ids, context_lens, sampled = [], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start = seq.num_cached_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
+            token_ids.append(seq.token_ids[start:start + n])
             context_lens.append(start + n)
             # A prompt prefilled in chunks yields a token only after its last chunk.
             if start + n == len(seq):
-                sample_rows.append(len(input_ids) - 1)
-                sample_seqs.append(seq)
-        meta = AttentionMetadata.build([s.block_table for s in batch.seqs], context_lens, batch.num_tokens,
-                                       self.kv_cache.block_size, self.device, self.attention)
-        hidden = self.model(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
-                            self.kv_cache.layers, meta)
-        if not sample_seqs:
+                sampled.append(i)
+        host = StepInputs.build(token_ids, [s.block_table for s in batch.seqs], context_lens,
+                                self.kv_cache.block_size, sampled)
+        hidden = self.forward(host)
+        if not sampled:
             return [], None
-        rows = torch.tensor(sample_rows, device=self.device)
-        return sample_seqs, self.model.compute_logits(hidden[rows]).float()
+        return [batch.seqs[i] for i in sampled], self.model.compute_logits(hidden).float()
+
+    def forward(self, host: StepInputs) -> torch.Tensor:
+        """The final hidden states of the rows to sample, (S, hidden): replayed from a graph where one fits."""
+        if self.step_sender is not None:
+            self.step_sender(host)
+        bucket = self.graphs.bucket_for(host) if self.graphs else None
+        if bucket is not None:
+            padded = host.padded(bucket, self.graphs.table_width, self.kv_cache.pad_block,
+                                 self.kv_cache.block_size).to(self.device)
+            return self.graphs.replay(padded)[padded.sample_rows]
+        inputs = host.to(self.device)
+        meta = AttentionMetadata.from_inputs(inputs, host, self.kv_cache.block_size, self.attention)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, meta)
+        return hidden[inputs.sample_rows]

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from services.model_worker.sampling_params import SamplingParams
+from services.model_worker.transfer import to_device
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Sampler:
             scores = apply_penalties(logits.float(), params, prompt_ids, output_ids)
             token_ids = scores.argmax(dim=-1)
             if sampled_rows:
-                rows = torch.tensor(sampled_rows, device=logits.device)
+                rows = to_device(sampled_rows, torch.long, logits.device)
                 drawn = _sample(
                     scores[rows],
                     [params[i] for i in sampled_rows],
@@ -114,7 +115,7 @@ def _sample(
     noise = _exponential_noise(scores.shape, generators, scores.device)
     token_ids = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
     for rows, candidates, ids in _truncate(_scale(scores, params), params):
-        rows_t = torch.tensor(rows, device=scores.device)
+        rows_t = to_device(rows, torch.long, scores.device)
         row_noise = noise[rows_t] if ids is None else noise[rows_t].gather(1, ids)
         choice = candidates.softmax(dim=-1).div_(row_noise).argmax(dim=-1, keepdim=True)
         chosen = choice if ids is None else ids.gather(1, choice)
@@ -135,21 +136,22 @@ def _truncate(
     Rows with a top_k take a cheap topk(k + 1) instead of sorting the vocabulary: the k + 1-th value
     proves nothing outside is tied with the k-th. Rows are grouped by their own k so the width a
     row is computed at never depends on another row; rows with a tie there, or with top_p/min_p but
-    no top_k, sort the whole vocabulary. Checking for ties costs one device sync per distinct k.
+    no top_k, sort the whole vocabulary. Checking for ties costs one device sync per distinct k, so
+    on a GPU (where sorting the vocabulary is cheap and a sync is not) every masked row is sorted.
     """
     vocab = logits.shape[1]
     device = logits.device
     plain, full, by_k = [], [], {}
     for r, p in enumerate(params):
-        if 0 < p.top_k < vocab:
+        if 0 < p.top_k < vocab and device.type == "cpu":
             by_k.setdefault(p.top_k, []).append(r)
-        elif p.top_p < 1.0 or p.min_p > 0.0:
+        elif p.top_p < 1.0 or p.min_p > 0.0 or 0 < p.top_k < vocab:
             full.append(r)
         else:
             plain.append(r)
     groups = []
     if plain:
-        groups.append((plain, logits[plain], None))
+        groups.append((plain, logits[to_device(plain, torch.long, device)], None))
     for k, rows in by_k.items():
         values, ids = logits[rows].topk(k + 1, dim=-1)  # sorted, largest first
         tied = (values[:, k] == values[:, k - 1]).tolist()
@@ -162,7 +164,7 @@ def _truncate(
             groups.append((kept_rows, masked, ids))
     if full:
         # Stable, so that among equal logits the lower token id ranks first.
-        values, ids = logits[full].sort(dim=-1, descending=True, stable=True)
+        values, ids = logits[to_device(full, torch.long, device)].sort(dim=-1, descending=True, stable=True)
         groups.append((full, _mask_sorted(values, [params[r] for r in full], None), ids))
     return groups
 
@@ -178,7 +180,7 @@ def _mask_sorted(
         k = [p.top_k if 0 < p.top_k < width else width for p in params]
     else:
         k = [width_k] * len(params)
-    kth = values.gather(1, torch.tensor(k, device=device).unsqueeze(1) - 1)
+    kth = values.gather(1, to_device(k, torch.long, device).unsqueeze(1) - 1)
     values = values.masked_fill(values < kth, float("-inf"))
     probs = values.softmax(dim=-1)
     # Mass of each token and all ranked below it: the ascending cumulative sum TopPLogitsWarper
@@ -209,7 +211,7 @@ def _exponential_noise(
         else:
             noise[r].exponential_(generator=generator)
     if default_rows:
-        noise[default_rows] = torch.empty(len(default_rows), shape[1], device=device).exponential_()
+        noise[to_device(default_rows, torch.long, device)] = torch.empty(len(default_rows), shape[1], device=device).exponential_()
     # A zero draw would turn prob / noise into inf or nan; the smallest normal float is as likely.
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
@@ -221,18 +223,25 @@ def _with_logprobs(
     chosen: list[float | None] = [None] * batch
     top: list[list[tuple[int, float]]] = [[] for _ in range(batch)]
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if rows:
-        rows_t = torch.tensor(rows, device=logits.device)
-        logprobs = logits[rows_t].float().log_softmax(dim=-1)
-        chosen_values = logprobs.gather(1, token_ids[rows_t].unsqueeze(1)).squeeze(1).tolist()
-        n = min(max(params[i].logprobs for i in rows), logprobs.shape[1])
-        top_values, top_ids = logprobs.topk(n, dim=-1)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        for j, i in enumerate(rows):
-            chosen[i] = chosen_values[j]
-            want = params[i].logprobs
-            top[i] = list(zip(top_ids[j][:want], top_values[j][:want]))
-    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=chosen, top_logprobs=top)
+    if not rows:
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=chosen, top_logprobs=top)
+    rows_t = to_device(rows, torch.long, logits.device)
+    logprobs = logits[rows_t].float().log_softmax(dim=-1)
+    chosen_values = logprobs.gather(1, token_ids[rows_t].unsqueeze(1)).squeeze(1)
+    n = min(max(params[i].logprobs for i in rows), logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(n, dim=-1)
+    # One read back for everything: float64 holds the float32 logprobs and the token ids exactly.
+    packed = torch.cat((token_ids.double(), chosen_values.double(), top_values.double().flatten(),
+                        top_ids.double().flatten())).tolist()
+    ids = [int(t) for t in packed[:batch]]
+    chosen_values = packed[batch:batch + len(rows)]
+    flat = packed[batch + len(rows):]
+    top_values, top_ids = flat[:len(rows) * n], flat[len(rows) * n:]
+    for j, i in enumerate(rows):
+        chosen[i] = chosen_values[j]
+        want = params[i].logprobs
+        top[i] = [(int(t), v) for t, v in zip(top_ids[j * n:j * n + want], top_values[j * n:j * n + want])]
+    return SamplerOutput(token_ids=ids, logprobs=chosen, top_logprobs=top)
 
 
 def _flat_indices(
@@ -241,12 +250,12 @@ def _flat_indices(
     lengths = [t.numel() for t in ids]
     # output_size spares a device sync on cuda.
     row_index = torch.repeat_interleave(
-        torch.tensor(rows, device=device),
-        torch.tensor(lengths, device=device),
+        to_device(rows, torch.long, device),
+        to_device(lengths, torch.long, device),
         output_size=sum(lengths),
     )
     return row_index, torch.cat(ids).to(device)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return to_device(values, torch.float32, device).unsqueeze(1)

@@ -1,4 +1,5 @@
 """Batched paged attention (both backends) against a float64 reference, over random mixes of step kinds."""
+import os
 import random
 
 import pytest
@@ -7,8 +8,8 @@ import torch.nn.functional as F
 
 from services.model_worker import attention
 from services.model_worker.attention import (AttentionMetadata, CpuPagedAttention, TorchAttention,
-                                             paged_attention)
-from services.model_worker.kernels import build, cpu_attention
+                                             TritonPagedAttention, paged_attention)
+from services.model_worker.kernels import build, cpu_attention, triton_attention
 
 HEAD_DIM = 16
 NUM_BLOCKS = 160
@@ -21,8 +22,14 @@ def kernel():
     return library
 
 
-@pytest.fixture(scope="module", params=["torch", "cpu-paged"])
+@pytest.fixture(scope="module", params=["torch", "cpu-paged", "triton"])
 def backend(request, kernel):
+    if request.param == "triton":
+        # The GPU backend's kernel, run by Triton's interpreter on CPU tensors (tests/conftest.py).
+        assert triton_attention.available(), "triton is part of the test dependencies"
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("compiled Triton needs CUDA tensors: the cuda-marked test covers it")
+        return TritonPagedAttention()
     return TorchAttention() if request.param == "torch" else CpuPagedAttention(kernel)
 
 
@@ -72,7 +79,8 @@ def random_step(rng: random.Random, block_size: int, scattered: bool, num_seqs: 
     return cases
 
 
-def run(backend, cases, block_size: int, heads: int, kv_heads: int, dtype=torch.float32, seed: int = 0):
+def run(backend, cases, block_size: int, heads: int, kv_heads: int, dtype=torch.float32, seed: int = 0,
+        device: str = "cpu"):
     gen = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(kv_heads, NUM_BLOCKS * block_size, HEAD_DIM, generator=gen).to(dtype)  # stale data
     v_cache = torch.randn(kv_heads, NUM_BLOCKS * block_size, HEAD_DIM, generator=gen).to(dtype)
@@ -86,11 +94,13 @@ def run(backend, cases, block_size: int, heads: int, kv_heads: int, dtype=torch.
             k_cache[:, slot], v_cache[:, slot] = keys[pos], values[pos]
         seqs.append((q, keys, values))
     meta = AttentionMetadata.build([c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases],
-                                   block_size, torch.device("cpu"), backend)
-    q = torch.cat([s[0] for s in seqs])
-    new_k = torch.cat([k[c[1] - c[2]:] for (_, k, _), c in zip(seqs, cases)])
-    new_v = torch.cat([v[c[1] - c[2]:] for (_, _, v), c in zip(seqs, cases)])
-    out = paged_attention(q, new_k, new_v, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+                                   block_size, torch.device(device), backend)
+    q = torch.cat([s[0] for s in seqs]).to(device)
+    new_k = torch.cat([k[c[1] - c[2]:] for (_, k, _), c in zip(seqs, cases)]).to(device)
+    new_v = torch.cat([v[c[1] - c[2]:] for (_, _, v), c in zip(seqs, cases)]).to(device)
+    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+    out = paged_attention(q, new_k, new_v, k_cache, v_cache, meta, HEAD_DIM ** -0.5).cpu()
+    k_cache, v_cache = k_cache.cpu(), v_cache.cpu()
     expected = torch.cat([reference(q_, k, v, c[1] - c[2]) for (q_, k, v), c in zip(seqs, cases)])
     return out, expected, k_cache, v_cache, seqs
 
@@ -201,3 +211,42 @@ def test_a_kernel_build_is_cached_by_source_and_machine(monkeypatch, tmp_path):
     mtime = first.stat().st_mtime_ns
     assert build.build(cpu_attention.SOURCE) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
     assert first.parent == tmp_path / "kernels"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_triton_kernel_on_the_gpu_matches_the_reference(group, dtype):
+    rng = random.Random(f"cuda-{group}")
+    cases = random_step(rng, 16, True, 12, MIXES["everything"])
+    out, expected, *_ = run(TritonPagedAttention(), cases, 16, 2 * group, 2, dtype, device="cuda")
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -8 * 4 + 1e-3
+    assert (out.double() - expected).abs().max().item() <= tolerance
+
+
+def _transposed_layout(t: torch.Tensor) -> torch.Tensor:
+    """The same values with the last two dims stored transposed, as CUDA's memory-efficient SDPA returns."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def test_non_contiguous_attention_outputs_change_nothing(tmp_path, monkeypatch):
+    from services.model_worker.engine import EngineConfig, LLMEngine
+    from services.model_worker.models import qwen3
+    from services.model_worker.sampling_params import SamplingParams
+    from tests.checkpoints import make_checkpoint
+
+    make_checkpoint(tmp_path, num_attention_heads=8, num_key_value_heads=2)  # grouped heads, as in every Qwen3
+    engine = LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="float32", num_blocks=64, block_size=8))
+    engine.runner.attention = TorchAttention()  # decodes and prefills through SDPA
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3], [8]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = engine.generate(prompts, params)
+
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda *a, **k: _transposed_layout(sdpa(*a, **k)))
+    layer_attention = qwen3.paged_attention
+    monkeypatch.setattr(qwen3, "paged_attention", lambda *a, **k: _transposed_layout(layer_attention(*a, **k)))
+    assert not _transposed_layout(torch.zeros(2, 3, 4)).is_contiguous()
+    assert engine.generate(prompts, params) == expected

@@ -188,3 +188,13 @@ def test_healthcheck_runs_as_a_module(health_server):
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_tensor_parallel_override_reserves_one_gpu_per_rank():
+    worker = compose_config("-f", "docker-compose.tp.yml", env={"TP_SIZE": "4"})["services"]["worker"]
+    command = worker["command"]
+    assert command[command.index("--tensor-parallel-size") + 1] == "4"
+    (devices,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert devices["count"] == 4 and devices["capabilities"] == ["gpu"]
+    default = compose_config("-f", "docker-compose.tp.yml")["services"]["worker"]
+    assert default["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 2

@@ -37,3 +37,8 @@ def test_a_size_that_is_not_one_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--kv-cache-bytes", "2 lots"])
     assert "--kv-cache-bytes" in capsys.readouterr().err
+
+
+def test_enforce_eager_reaches_the_engine():
+    assert engine_config(parse_args([])).enforce_eager is False
+    assert engine_config(parse_args(["--enforce-eager"])).enforce_eager is True

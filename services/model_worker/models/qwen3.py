@@ -10,6 +10,7 @@ from torch import nn
 from services.model_worker.attention import AttentionMetadata, paged_attention
 from services.model_worker.config import Qwen3Config
 from services.model_worker.kernels import cpu_norm
+from services.model_worker.parallel import TensorParallel, VocabParallelEmbedding
 
 # Checkpoint tensors that our fused parameters are made of: (checkpoint name part, our name part, shard).
 PACKED_MODULES = {
@@ -18,6 +19,18 @@ PACKED_MODULES = {
     "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+}
+
+# Under tensor parallelism, the dim along which each module's weight is split across ranks: 0 for
+# column-parallel (each rank computes some outputs), 1 for row-parallel (each rank sums part of the
+# inputs; its bias is added by rank 0 alone). Modules not named here are whole on every rank.
+TP_SPLIT_DIMS = {
+    "qkv_proj": 0,
+    "gate_up_proj": 0,
+    "o_proj": 1,
+    "down_proj": 1,
+    "embed_tokens": 0,
+    "lm_head": 0,
 }
 
 
@@ -125,10 +138,12 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, tp: TensorParallel):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        # This rank's heads: q and kv heads split alike, so each rank's queries find their KV heads locally.
+        self.num_heads = config.num_attention_heads // tp.size
+        self.num_kv_heads = config.num_key_value_heads // tp.size
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -155,29 +170,30 @@ class Qwen3Attention(nn.Module):
         q, k = apply_rotary(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(tokens, self.q_size)))
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, tp: TensorParallel):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate_size = config.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def shard_slice(self, shard: int) -> slice:
         return slice(shard * self.intermediate_size, (shard + 1) * self.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, tp: TensorParallel):
         super().__init__()
-        self.self_attn = Qwen3Attention(config)
-        self.mlp = Qwen3MLP(config)
+        self.self_attn = Qwen3Attention(config, tp)
+        self.mlp = Qwen3MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -187,10 +203,10 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -205,12 +221,15 @@ class Qwen3Model(nn.Module):
 
 class Qwen3ForCausalLM(nn.Module):
     packed_modules = PACKED_MODULES
+    tp_split_dims = TP_SPLIT_DIMS
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, tp: TensorParallel | None = None):
         super().__init__()
         self.config = config
-        self.model = Qwen3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp = tp or TensorParallel()
+        self.model = Qwen3Model(config, tp)
+        # Split by vocabulary like the embedding, so a tied head shares this rank's slice of it.
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // tp.size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -219,6 +238,7 @@ class Qwen3ForCausalLM(nn.Module):
         """input_ids, positions: (T,) flat over the batch. Returns final hidden states (T, hidden)."""
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(rows, vocab) on rank 0, which samples; None on the other ranks, which only send their slice."""
         # Callers pass only the rows whose next token is wanted: the vocab projection is the costliest matmul.
-        return self.lm_head(hidden)
+        return self.tp.gather_logits(self.lm_head(hidden))
