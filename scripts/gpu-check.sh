@@ -20,7 +20,7 @@
 #   pip download -d wheels --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -r PINS
-# About 67 MiB for Python 3.12, numpy 16 MiB of it; GPU_CHECK_SKIP_WHEELS="numpy" leaves out wheels of
+# About 67 MiB for Python 3.12, 51 MiB without numpy; GPU_CHECK_SKIP_WHEELS="numpy" leaves out wheels of
 # packages the GPU machine already has. Copy wheels/ (git-ignored) with the checkout to the GPU machine.
 # There, packages whose version the committed gRPC stubs or the tests depend on (grpcio*, protobuf,
 # transformers, pytest) are installed at exactly their pins; any other package already installed is used
@@ -43,7 +43,7 @@ pins() {
 if [[ "${1:-}" == "--download-wheels" ]]; then
     python_version=${2:?"usage: scripts/gpu-check.sh --download-wheels PYTHON_VERSION (the GPU machine's, e.g. 3.12)"}
     mkdir -p "$WHEELS"
-    pip download -d "$WHEELS" --only-binary=:all: --python-version "$python_version" "${PLATFORMS[@]}" \
+    "${PYTHON:-python3}" -m pip download -d "$WHEELS" --only-binary=:all: --python-version "$python_version" "${PLATFORMS[@]}" \
         -r <(pins) || exit 1
     for name in ${GPU_CHECK_SKIP_WHEELS:-}; do rm -f "$WHEELS/$name"-*.whl; done
     du -sh "$WHEELS"
@@ -108,8 +108,13 @@ if ! "$PYTHON" -c 'import torch' 2>/dev/null; then
 fi
 # Installs go into a virtualenv that still sees the system's packages (torch above all), unless one is active.
 if ! "$PYTHON" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
-    "$PYTHON" -m venv --system-site-packages .gpu-venv || exit 2
-    PYTHON=.gpu-venv/bin/python
+    if "$PYTHON" -m venv --system-site-packages .gpu-venv; then
+        PYTHON=.gpu-venv/bin/python
+    else
+        # Debian's Python without python3-venv: install next to the system's packages instead.
+        echo "gpu-check: no virtualenv (python3-venv missing?); installing into $PYTHON's own site-packages" >&2
+        export PIP_BREAK_SYSTEM_PACKAGES=1
+    fi
 fi
 if ! "$PYTHON" -c 'import torch' 2>/dev/null; then
     "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" torch || exit 2
@@ -152,7 +157,7 @@ for line in sys.stdin:
 if [[ -n "$NEEDED" ]]; then
     # shellcheck disable=SC2086  # one pin per word
     run deps 120 "$PYTHON" -m pip install --no-index --find-links "$WHEELS" $NEEDED
-    note "installed from $WHEELS/: $(echo $NEEDED | tr '\n' ' ')"
+    note "$(echo "$NEEDED" | wc -l) pinned packages from $WHEELS/ (list in $LOG_DIR/deps.log)"
     if [[ "${STATUS[-1]}" != ok ]]; then
         echo "gpu-check: could not install from $WHEELS/ (see $LOG_DIR/deps.log; the header says how to make" \
              "the folder)" >&2
