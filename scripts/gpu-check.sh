@@ -20,7 +20,7 @@
 #   pip download -d wheels --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -r PINS
-# About 67 MiB for Python 3.12, 51 MiB without numpy; GPU_CHECK_SKIP_WHEELS="numpy" leaves out wheels of
+# About 71 MiB for Python 3.12, 55 MiB without numpy; GPU_CHECK_SKIP_WHEELS="numpy" leaves out wheels of
 # packages the GPU machine already has. Copy wheels/ (git-ignored) with the checkout to the GPU machine.
 # There, packages whose version the committed gRPC stubs or the tests depend on (grpcio*, protobuf,
 # transformers, pytest) are installed at exactly their pins; any other package already installed is used
