@@ -4,7 +4,10 @@ On a random checkpoint with Qwen3-0.6B's exact config (bf16 weights, run in each
 interleaved in one run (ours, transformers, naive, ours, transformers, ...) on the same prompts:
   - prefill time (time to the first token) and decode tokens/s (after the first token) for a
     128-token prompt and 64 greedy new tokens;
-  - our decode time per token at a 2048-token context against a 64-token one (16 new tokens each).
+  - our decode time per token at a 2048-token context against a 64-token one (16 new tokens each);
+  - with --streams N (on by default on a GPU, N = 64): N greedy requests of that prompt length at
+    once, ours stepping them as one batch against transformers `generate` on the same N prompts
+    as one batch; output tokens/s over the whole run, first token included.
 Medians with min-max ranges; the last line printed is one JSON object with every figure and ratio.
 
 The naive loop calls transformers' model on the whole sequence at every step (use_cache=False)
@@ -13,6 +16,7 @@ and takes the argmax of the last position's logits (logits_to_keep=1).
     python -m bench.bench_engine                     # full run, bf16 and fp32 (~6 minutes on 2 idle cores)
     python -m bench.bench_engine --dtypes bfloat16   # bf16 only
     python -m bench.bench_engine --quick             # a smoke check on a tiny checkpoint
+    python -m bench.bench_engine --device cuda --dtypes bfloat16   # on a GPU, with 64 concurrent streams
 """
 from __future__ import annotations
 
@@ -42,6 +46,8 @@ DEFAULT_CHECKPOINT = ROOT / ".cache" / "bench-qwen3-0.6b"
 # From the issue: decode speed over transformers', prefill time over transformers', ctx 2048 over ctx 64.
 TARGETS = {"decode_speedup_vs_transformers": 2.0, "prefill_time_vs_transformers": 0.8,
            "ctx2048_vs_ctx64_time_per_token": 1.25}
+# On one H200, 0.6B shape in bf16 (issue 9): single-stream decode, its ratio to transformers, 64 streams' output.
+CUDA_TARGETS = {"ours_decode_tps": 400.0, "decode_speedup_vs_transformers": 5.0, "ours_streams_output_tps": 10_000.0}
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
 
@@ -128,7 +134,7 @@ def run_transformers(model, prompt: list[int], new_tokens: int) -> Run:
     stamps = _Stamps()
     with torch.inference_mode():
         start = time.perf_counter()
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, eos_token_id=None, pad_token_id=0,
                              stopping_criteria=StoppingCriteriaList([stamps]))
     tokens = out[0, len(prompt):].tolist()
@@ -136,7 +142,7 @@ def run_transformers(model, prompt: list[int], new_tokens: int) -> Run:
 
 
 def run_naive(model, prompt: list[int], new_tokens: int) -> Run:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     stamps = []
     with torch.inference_mode():
         start = time.perf_counter()
@@ -145,6 +151,55 @@ def run_naive(model, prompt: list[int], new_tokens: int) -> Run:
             ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
             stamps.append(time.perf_counter())
     return Run(stamps[0] - start, stamps[-1] - stamps[0], ids[0, len(prompt):].tolist())
+
+
+@dataclass
+class StreamsRun:
+    """N sequences generated together: output tokens over the wall time from submission to the last token."""
+
+    wall_s: float
+    tokens: list[list[int]]
+
+    @property
+    def output_tps(self) -> float:
+        return sum(len(t) for t in self.tokens) / self.wall_s
+
+
+def run_ours_streams(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> StreamsRun:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    ids = [f"bench-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    start = time.perf_counter()
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id].append(out.token_id)
+    return StreamsRun(time.perf_counter() - start, [tokens[i] for i in ids])
+
+
+def run_transformers_streams(model, prompts: list[list[int]], new_tokens: int) -> StreamsRun:
+    """One `generate` call on all prompts as a batch (equal lengths, so no padding is involved)."""
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(torch.tensor(prompts, device=model.device), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        tokens = out[:, len(prompts[0]):].tolist()  # .tolist() waits for the device
+    return StreamsRun(time.perf_counter() - start, tokens)
+
+
+def engine_config(args: argparse.Namespace, dtype: str) -> EngineConfig:
+    if args.device == "cpu":
+        return EngineConfig(device="cpu", dtype=dtype)
+    # A GPU may be shared: take a fraction of it and a context only as long as the runs need.
+    longest = max(args.prompt_len + args.new_tokens, args.long_context + args.context_new_tokens)
+    return EngineConfig(device=args.device, dtype=dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+                        max_model_len=longest)
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def agreeing_prefix(a: list[int], b: list[int]) -> int:
@@ -162,10 +217,11 @@ def bench_dtype(checkpoint: pathlib.Path, dtype: str, args: argparse.Namespace, 
     generator = torch.Generator().manual_seed(1234)
 
     start = time.perf_counter()
-    engine = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype=dtype))
+    engine = LLMEngine(checkpoint, engine_config(args, dtype))
     ours_load = time.perf_counter() - start
     start = time.perf_counter()
-    reference = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype).eval()
+    reference = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype).to(args.device).eval()
+    synchronize(args.device)
     transformers_load = time.perf_counter() - start
 
     # Warm both up (first-call allocations, oneDNN kernel creation) on a throwaway prompt.
@@ -176,8 +232,9 @@ def bench_dtype(checkpoint: pathlib.Path, dtype: str, args: argparse.Namespace, 
 
     series = {name: Series() for name in (
         "ours_prefill_s", "ours_decode_tps", "transformers_prefill_s", "transformers_decode_tps",
-        "naive_prefill_s", "naive_decode_tps", "ours_ms_per_token_ctx_short", "ours_ms_per_token_ctx_long")}
-    agreement = []
+        "naive_prefill_s", "naive_decode_tps", "ours_ms_per_token_ctx_short", "ours_ms_per_token_ctx_long",
+        "ours_streams_output_tps", "transformers_streams_output_tps")}
+    agreement, streams_agreement = [], []
     for r in range(repeats):
         prompt = random_prompt(args.prompt_len, vocab, generator)
         ours = run_ours(engine, prompt, args.new_tokens)
@@ -193,6 +250,18 @@ def bench_dtype(checkpoint: pathlib.Path, dtype: str, args: argparse.Namespace, 
             series["naive_decode_tps"].add(naive.decode_tps)
         print(f"  {dtype} repeat {r + 1}/{repeats}: ours {ours.decode_tps:.2f} tok/s, ttft {ours.ttft:.3f} s; "
               f"transformers {theirs.decode_tps:.2f} tok/s, ttft {theirs.ttft:.3f} s", file=sys.stderr)
+    if args.streams:
+        run_ours_streams(engine, [warm] * args.streams, 4)  # the first full batch pays one-time costs
+        run_transformers_streams(reference, [warm] * args.streams, 4)
+    for r in range(args.stream_repeats if args.streams else 0):
+        prompts = [random_prompt(args.prompt_len, vocab, generator) for _ in range(args.streams)]
+        ours = run_ours_streams(engine, prompts, args.new_tokens)
+        theirs = run_transformers_streams(reference, prompts, args.new_tokens)
+        series["ours_streams_output_tps"].add(ours.output_tps)
+        series["transformers_streams_output_tps"].add(theirs.output_tps)
+        streams_agreement.append(statistics.median(agreeing_prefix(a, b) for a, b in zip(ours.tokens, theirs.tokens)))
+        print(f"  {dtype} {args.streams} streams repeat {r + 1}/{args.stream_repeats}: ours {ours.output_tps:.0f} "
+              f"output tok/s, transformers {theirs.output_tps:.0f}", file=sys.stderr)
     del reference
     gc.collect()
 
@@ -207,17 +276,23 @@ def bench_dtype(checkpoint: pathlib.Path, dtype: str, args: argparse.Namespace, 
     del engine
     gc.collect()
 
+    series = {name: s for name, s in series.items() if s.values}
     med = {name: s.median for name, s in series.items()}
+    ratios = {
+        "decode_speedup_vs_transformers": med["ours_decode_tps"] / med["transformers_decode_tps"],
+        "prefill_time_vs_transformers": med["ours_prefill_s"] / med["transformers_prefill_s"],
+        "decode_speedup_vs_naive": med["ours_decode_tps"] / med["naive_decode_tps"],
+        "prefill_time_vs_naive": med["ours_prefill_s"] / med["naive_prefill_s"],
+        "ctx2048_vs_ctx64_time_per_token": med["ours_ms_per_token_ctx_long"] / med["ours_ms_per_token_ctx_short"],
+    }
+    if args.streams:
+        ratios["streams_output_vs_transformers"] = (med["ours_streams_output_tps"]
+                                                    / med["transformers_streams_output_tps"])
     return {
         "figures": {name: s.summary() for name, s in series.items()},
-        "ratios": {
-            "decode_speedup_vs_transformers": med["ours_decode_tps"] / med["transformers_decode_tps"],
-            "prefill_time_vs_transformers": med["ours_prefill_s"] / med["transformers_prefill_s"],
-            "decode_speedup_vs_naive": med["ours_decode_tps"] / med["naive_decode_tps"],
-            "prefill_time_vs_naive": med["ours_prefill_s"] / med["naive_prefill_s"],
-            "ctx2048_vs_ctx64_time_per_token": med["ours_ms_per_token_ctx_long"] / med["ours_ms_per_token_ctx_short"],
-        },
+        "ratios": ratios,
         "greedy_tokens_agreeing_with_transformers": agreement,
+        "streams_median_tokens_agreeing_with_transformers": streams_agreement,
         "load_s": {"ours": ours_load, "transformers": transformers_load},
         "repeats": repeats,
         "_series": series,
@@ -238,8 +313,17 @@ def print_table(results: dict, args: argparse.Namespace) -> None:
               f"at {args.long_context}: {s['ours_ms_per_token_ctx_long'].text('.1f')}")
         print(f"  greedy tokens agreeing with transformers (per repeat): "
               f"{res['greedy_tokens_agreeing_with_transformers']} of {args.new_tokens}")
+        if args.streams:
+            print(f"  {args.streams} concurrent streams, output tok/s: ours {s['ours_streams_output_tps'].text('.0f')}, "
+                  f"transformers (one batch) {s['transformers_streams_output_tps'].text('.0f')}; median tokens "
+                  f"agreeing per stream {res['streams_median_tokens_agreeing_with_transformers']}")
+        if args.device != "cpu":
+            for name, target in CUDA_TARGETS.items():
+                value = ratios[name] if name in ratios else s[name].median if name in s else None
+                if value is not None:
+                    print(f"  goal {name} >= {target:g}: {value:.1f} {'met' if value >= target else 'MISSED'}")
         for name, value in ratios.items():
-            target = TARGETS.get(name)
+            target = TARGETS.get(name) if args.device == "cpu" else None
             verdict = ""
             if target is not None:
                 met = value >= target if name.startswith("decode") else value <= target
@@ -262,16 +346,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-context", type=int, default=2048)
     p.add_argument("--context-new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where ours and transformers both run")
+    p.add_argument("--streams", type=int, default=None,
+                   help="concurrent streams to measure output tok/s with (default: 64 on a GPU, 0 = none on CPU)")
+    p.add_argument("--stream-repeats", type=int, default=3, help="interleaved repeats of the concurrent run")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                   help="our engine's share of the GPU (transformers shares the same GPU)")
     p.add_argument("--quick", action="store_true", help="a tiny checkpoint and short runs: checks the script works")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for dtype in args.dtypes:
         if dtype not in ("bfloat16", "float32"):
             p.error(f"unknown dtype {dtype!r}")
+    if args.streams is None:
+        args.streams = 0 if args.device == "cpu" else 64
     if args.quick:
-        args.repeats = args.fp32_repeats = args.naive_repeats = args.context_repeats = 1
+        args.repeats = args.fp32_repeats = args.naive_repeats = args.context_repeats = args.stream_repeats = 1
         args.prompt_len, args.new_tokens, args.short_context, args.long_context = 16, 8, 8, 64
         args.context_new_tokens = 4
+        args.streams = min(args.streams, 4)
     return args
 
 
@@ -304,11 +397,12 @@ def main(argv: list[str] | None = None) -> None:
         "checkpoint": "random, Qwen3-0.6B config" if not args.quick else "random, tiny config (--quick)",
         "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__, "load_average_before": load_before,
-                    "load_average_after": os.getloadavg()},
+                    "load_average_after": os.getloadavg(),
+                    "gpu": torch.cuda.get_device_name(args.device) if args.device != "cpu" else None},
         "settings": {k: getattr(args, k) for k in (
-            "prompt_len", "new_tokens", "short_context", "long_context", "context_new_tokens", "naive_repeats",
-            "context_repeats")},
-        "targets": TARGETS,
+            "device", "prompt_len", "new_tokens", "short_context", "long_context", "context_new_tokens",
+            "naive_repeats", "context_repeats", "streams", "stream_repeats")},
+        "targets": TARGETS if args.device == "cpu" else CUDA_TARGETS,
         "results": {dtype: {k: v for k, v in res.items() if not k.startswith("_")} for dtype, res in results.items()},
         "wall_s": time.perf_counter() - started,
     }

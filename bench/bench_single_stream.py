@@ -12,6 +12,7 @@ prefill is the time to the first token. Medians with min-max; the last line is o
 
     python -m bench.bench_single_stream            # about 5 minutes on 2 cores
     python -m bench.bench_single_stream --quick    # a smoke check
+    python -m bench.bench_single_stream --device cuda   # the worker, in-process engine and transformers on a GPU
 """
 from __future__ import annotations
 
@@ -85,6 +86,10 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process engine and transformers")
     p.add_argument("--worker-flag", action="append", default=[], help="extra worker flag, e.g. --worker-flag=--x=1")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, for the worker, in-process engine and "
+                   "transformers alike")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                   help="on a GPU, the share each of the two engines (worker, in-process) takes")
     p.add_argument("--quick", action="store_true", help="a tiny checkpoint and one short round")
     args = p.parse_args(argv)
     if args.quick:
@@ -101,9 +106,17 @@ def main(argv=None) -> None:
           f"load average {' '.join(f'{x:.2f}' for x in load_before)} on {os.cpu_count()} CPUs", flush=True)
 
     from transformers import Qwen3ForCausalLM
-    reference = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
-    engine = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16"))
-    stack = make_stack(str(checkpoint), tmp, worker_flags=["--dtype", "bfloat16", *args.worker_flag])
+    reference = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(args.device).eval()
+    device_flags = ["--device", args.device]
+    config = EngineConfig(device=args.device, dtype="bfloat16")
+    if args.device != "cpu":
+        # Two engines and transformers share the GPU: each engine takes a fraction, and a short context.
+        max_len = 4 * (len(prompt_ids) + args.new_tokens)
+        config = EngineConfig(device=args.device, dtype="bfloat16", max_model_len=max_len,
+                              gpu_memory_utilization=args.gpu_memory_utilization)
+        device_flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-model-len", str(max_len)]
+    engine = LLMEngine(checkpoint, config)
+    stack = make_stack(str(checkpoint), tmp, worker_flags=["--dtype", "bfloat16", *device_flags, *args.worker_flag])
     stack.start(timeout=600)
     runs: dict[str, list[Run]] = {"gateway": [], "worker": [], "in-process": [], "transformers": []}
     try:
@@ -145,9 +158,10 @@ def main(argv=None) -> None:
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(json.dumps({"benchmark": "bench_single_stream", "machine": {
         "cpu": cpu_name(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "load_average_before": load_before, "load_average_after": os.getloadavg()},
-        "settings": {"prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens, "repeats": args.repeats,
-                     "worker_flags": args.worker_flag},
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "gpu": torch.cuda.get_device_name(args.device) if args.device != "cpu" else None},
+        "settings": {"device": args.device, "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens,
+                     "repeats": args.repeats, "worker_flags": args.worker_flag},
         "results": results, "ratios": ratios, "targets": TARGETS, "wall_s": time.perf_counter() - started}))
 
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: the demo checkpoint's tokenizer files, built once per test session."""
+"""Shared fixtures (the demo checkpoint's tokenizer files, built once per session) and the `cuda` marker's skip."""
 
 import os
 
@@ -23,3 +23,17 @@ def demo_tokenizer_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_tokenizer(demo_tokenizer_dir):
     return TokenizerCore.from_dir(demo_tokenizer_dir)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked `cuda` where torch sees no CUDA device, so the same suite runs on CPU-only CI."""
+    marked = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not marked:
+        return
+    import torch  # only when a collected test asks for a GPU
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU: torch sees no CUDA device")
+    for item in marked:
+        item.add_marker(skip)

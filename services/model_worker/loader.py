@@ -177,11 +177,26 @@ def _some(items: list[str], limit: int = 8) -> str:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The torch device for --device, checked at start: a missing or out-of-range GPU fails here, with the reason."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise LoadError("--device cuda was asked for, but no CUDA GPU is visible to torch")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise LoadError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise LoadError(f"--device {name}: only cpu and cuda are supported")
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        # The usual cause in a container: a torch build for a newer CUDA than the host's driver supports.
+        build = f"this torch is built for CUDA {torch.version.cuda}" if torch.version.cuda else "this torch is a CPU build"
+        raise LoadError(f"--device {name} was asked for, but no CUDA GPU is visible to torch ({build}; check "
+                        "nvidia-smi, the driver version this build needs, and that the GPU is passed to the container)")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise LoadError(f"--device {name}: there is no GPU {device.index}; torch sees {count} "
+                        f"(cuda:0 to cuda:{count - 1}; CUDA_VISIBLE_DEVICES renumbers them from 0)")
     return device
 
 

@@ -54,13 +54,13 @@ def config() -> dict:
     return compose_config()
 
 
-def test_three_services_by_default(config):
-    assert sorted(config["services"]) == ["gateway", "tokenizer", "worker"]
+def test_three_services_and_the_checkpoint_check_by_default(config):
+    assert sorted(config["services"]) == ["gateway", "model-check", "tokenizer", "worker"]
 
 
 def test_demo_profile_adds_the_checkpoint_writer():
     services = compose_config("--profile", "demo")["services"]
-    assert sorted(services) == ["demo", "gateway", "tokenizer", "worker"]
+    assert sorted(services) == ["demo", "gateway", "model-check", "tokenizer", "worker"]
     demo = services["demo"]
     assert demo["command"][:5] == ["python", "-m", "demo.checkpoint", "--out", "/models/demo"]
     assert any(v["source"] == "models" and v["target"] == "/models" for v in demo["volumes"])
@@ -114,13 +114,14 @@ def test_commands_and_addresses(config):
     assert services["worker"]["command"] == [
         "python", "-m", "services.model_worker", "--host", "0.0.0.0", "--port", "50053",
         "--model", "/models/demo", "--device", "cuda", "--dtype", "auto",
+        "--gpu-memory-utilization", "0.5", "--max-model-len", "8192",
     ]  # fmt: skip
 
 
 def test_model_and_key_come_from_the_environment():
     config = compose_config(env={"MODEL": "/models/qwen3", "VLLM_V0_API_KEY": "k"})
     services = config["services"]
-    for name in ("tokenizer", "worker"):
+    for name in ("tokenizer", "worker", "model-check"):
         command = services[name]["command"]
         assert command[command.index("--model") + 1] == "/models/qwen3", name
     assert services["gateway"]["environment"]["VLLM_V0_API_KEY"] == "k"
@@ -140,6 +141,78 @@ def test_weights_and_hf_cache_volumes(config):
         assert {("models", "/models"), ("hf-cache", "/hf-cache")} <= mounts, name
         assert service["environment"]["HF_HOME"] == "/hf-cache", name
     assert "volumes" not in config["services"]["gateway"]
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_worker_gpu_share_and_context_suit_a_shared_gpu_and_come_from_the_environment(config):
+    command = config["services"]["worker"]["command"]
+    assert float(flag(command, "--gpu-memory-utilization")) == 0.5
+    assert int(flag(command, "--max-model-len")) == 8192
+    command = compose_config(env={"GPU_MEMORY_UTILIZATION": "0.9", "MAX_MODEL_LEN": "32768"})["services"]["worker"]["command"]
+    assert flag(command, "--gpu-memory-utilization") == "0.9"
+    assert flag(command, "--max-model-len") == "32768"
+
+
+def test_worker_flags_parse_as_the_worker_reads_them(config):
+    from services.model_worker.main import parse_args
+
+    command = config["services"]["worker"]["command"]
+    args = parse_args(command[3:])  # after `python -m services.model_worker`
+    assert (args.device, args.gpu_memory_utilization, args.max_model_len) == ("cuda", 0.5, 8192)
+
+
+def test_a_worker_that_cannot_start_is_not_restarted_forever(config):
+    assert config["services"]["worker"]["restart"] == "on-failure:3"
+
+
+def test_torch_build_is_a_build_argument_shared_by_worker_and_demo():
+    default = "https://download.pytorch.org/whl/cu126"
+    services = compose_config("--profile", "demo")["services"]
+    for name in ("worker", "demo"):
+        assert services[name]["build"]["args"]["TORCH_INDEX_URL"] == default, name
+        assert services[name]["image"] == "vllm-v0/worker", name
+    cu130 = "https://download.pytorch.org/whl/cu130"
+    services = compose_config("--profile", "demo", env={"TORCH_INDEX_URL": cu130})["services"]
+    assert services["worker"]["build"]["args"]["TORCH_INDEX_URL"] == cu130
+    assert services["demo"]["build"]["args"]["TORCH_INDEX_URL"] == cu130
+
+
+def test_worker_image_has_a_c_compiler_and_defaults_to_the_cuda_12_build():
+    dockerfile = (ROOT / "docker" / "worker.Dockerfile").read_text()
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126" in dockerfile
+    install = next(line for line in dockerfile.splitlines() if "apt-get install" in line)
+    assert "gcc" in install.split() and "libc6-dev" in install.split()
+
+
+def test_model_check_gates_the_services_that_read_the_checkpoint(config):
+    services = config["services"]
+    check = services["model-check"]
+    assert check["command"][:5] == ["python", "-m", "rpcserver.check_model", "--model", "/models/demo"]
+    assert check["restart"] == "no"
+    assert "ports" not in check and "expose" not in check
+    assert [(v["source"], v["target"], v.get("read_only")) for v in check["volumes"]] == [("models", "/models", True)]
+    # It runs in the tokenizer image, which has rpcserver/ and no torch.
+    assert check["image"] == services["tokenizer"]["image"]
+    for name in ("tokenizer", "worker"):
+        depends_on = services[name]["depends_on"]["model-check"]
+        assert depends_on["condition"] == "service_completed_successfully", name
+        assert depends_on.get("required", True), name
+    # With the demo profile it waits for the checkpoint writer.
+    demo = compose_config("--profile", "demo")["services"]["model-check"]["depends_on"]["demo"]
+    assert demo["condition"] == "service_completed_successfully"
+
+
+def test_model_check_command_fails_with_what_to_do_when_the_volume_is_empty(config, tmp_path):
+    command = config["services"]["model-check"]["command"]
+    command[command.index("--model") + 1] = str(tmp_path / "demo")  # the empty volume's /models/demo
+    result = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "does not exist" in result.stderr
+    assert "docker compose --profile demo up demo" in result.stderr
+    assert "set MODEL" in result.stderr
 
 
 def test_dockerfiles_exist_for_every_build(config):

@@ -407,7 +407,7 @@ def test_sampler_leaves_float32_logits_untouched():
     assert torch.equal(logits, before)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_rows_match_cpu_masks_and_are_reproducible_in_a_batch():
     gen = torch.Generator().manual_seed(31)
     vocab = 4096
