@@ -1,10 +1,14 @@
 """The gateway's request object and the checks it must pass before any work is done."""
 
+import functools
+import logging
 import math
 from dataclasses import dataclass, field
 
 from rpcserver.errors import InvalidArgument
 from rpcserver.shared import MAX_SEED
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -27,6 +31,12 @@ class Limits:
         """Limits for a worker's GetInfo: its context, and top logprobs capped at what it serves."""
         if info.max_logprobs:  # 0: a worker that does not say
             overrides["max_logprobs"] = min(overrides.get("max_logprobs", cls.max_logprobs), info.max_logprobs)
+        # A flag set beyond the worker's context (known only once it answers) is capped there, not
+        # turned into a failure of every request.
+        for name, ceiling in (("max_prompt_tokens", info.max_context - 1), ("max_tokens_limit", info.max_context)):
+            if overrides.get(name) is not None and overrides[name] > ceiling:
+                _warn_capped(name, overrides[name], ceiling)
+                overrides[name] = ceiling
         return cls(max_context=info.max_context, **overrides)
 
     def __post_init__(self) -> None:
@@ -45,6 +55,11 @@ class Limits:
             raise ValueError(
                 f"max_tokens_limit must be in [1, {self.max_context}], got {self.max_tokens_limit}"
             )
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_capped(name: str, value: int, ceiling: int) -> None:
+    log.warning("--%s %d is beyond what the worker's context allows; using %d", name.replace("_", "-"), value, ceiling)
 
 
 @dataclass

@@ -209,6 +209,15 @@ def test_max_logprobs_is_capped_by_the_worker():
     rejects(prompt(logprobs=21), "logprobs", "[0, 20]", limits=Limits.for_worker(worker, max_logprobs=50))
 
 
+def test_gateway_limits_beyond_the_workers_context_are_capped_there(caplog):
+    """Known only once the worker answers: capped with a warning, never a failure of every request."""
+    worker = worker_pb2.GetInfoResponse(max_context=4096)
+    limits = Limits.for_worker(worker, max_prompt_tokens=8000, max_tokens_limit=9000)
+    assert (limits.max_prompt_tokens, limits.max_tokens_limit) == (4095, 4096)
+    assert "--max-prompt-tokens 8000 is beyond what the worker's context allows; using 4095" in caplog.text
+    assert Limits.for_worker(worker, max_prompt_tokens=100).max_prompt_tokens == 100
+
+
 def test_too_many_stop_strings():
     rejects(prompt(stop=["a"] * 9), "stop", "9", "8")
 
