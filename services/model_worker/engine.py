@@ -44,9 +44,10 @@ class EngineConfig:
     # Weights pre-packed for oneDNN at load time (same numerics, faster CPU matmuls), the vocab
     # projection included. None: on for CPU, off elsewhere; False gives tests the plain model.
     pack_weights: bool | None = None
-    # bf16 on CPU: matmuls of up to 4 rows (decode steps of a few sequences) in a C kernel that
-    # streams the weights near memory speed; the weights stay unpacked. Where it is used, packing
-    # is not. None: on where it builds (a CPU with AVX512-BF16 and a C compiler).
+    # bf16 on CPU: the matmuls of decode steps (up to 64 rows) in C kernels that stream the weights
+    # near memory speed: AVX512-BF16 dot products for 1-2 rows, AMX tiles for 3-64 where the CPU
+    # has AMX; the weights stay unpacked. Where it is used, packing is not. None: on where it
+    # builds (a CPU with AVX512-BF16 and a C compiler).
     small_batch_kernel: bool | None = None
     # RMSNorm in a C kernel on CPU (same arithmetic, one call instead of about ten ops). None: where it builds.
     norm_kernel: bool | None = None
@@ -161,7 +162,7 @@ class LLMEngine:
         if config.small_batch_kernel is not False and on_cpu and self.dtype == torch.bfloat16:
             library = cpu_linear.load()
             if library is not None:
-                use_small_batch_kernel(self.model, library)
+                use_small_batch_kernel(self.model, library, cpu_linear.load_amx())
                 return
             if config.small_batch_kernel:
                 raise ValueError("small_batch_kernel needs a C compiler and a CPU with AVX512-BF16")

@@ -66,39 +66,49 @@ def pack_linears(model: nn.Module, include_lm_head: bool = True) -> int:
 
 
 class SmallBatchLinear(nn.Module):
-    """An nn.Linear (bf16, CPU) whose matmul runs in a C kernel when few rows come in.
+    """An nn.Linear (bf16, CPU) whose matmul runs in a C kernel when a decode batch's rows come in.
 
-    A decode step of one to a few sequences only streams the weights, which the kernel does at
-    close to memory speed and oneDNN at about half that (kernels/small_batch_linear.c); more rows
-    (prefill, large batches) are compute-bound and go to F.linear. The weight stays in its plain
-    layout, shared with the checkpoint's tensor: no second copy.
+    A decode step of up to a few dozen sequences only streams the weights: the small-batch kernel
+    (kernels/small_batch_linear.c) does that at close to memory speed for one or two rows, the AMX
+    kernel (kernels/amx_linear.c) from there to 32 rows, and oneDNN at about half that speed. More
+    rows (prefill) are compute-bound and go to F.linear. The weight stays in its plain layout,
+    shared with the checkpoint's tensor: no second copy.
     """
 
-    MAX_ROWS = 4  # measured: faster than oneDNN up to 4 rows here, slower from 8
+    MAX_ROWS = 4       # the AVX512-BF16 kernel: faster than oneDNN up to 4 rows here, slower from 8
+    AMX_MIN_ROWS = 3   # measured: the AMX kernel beats the AVX512-BF16 one from 3 rows
+    AMX_MAX_ROWS = 32  # measured: at 64 rows (two passes over the weights) oneDNN is faster
 
-    def __init__(self, linear: nn.Linear, library):
+    def __init__(self, linear: nn.Linear, library, amx=None):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.library = library
+        self.amx = amx if amx is not None and self.weight.shape[0] % 32 == 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // x.shape[-1] > self.MAX_ROWS:
+        rows = x.numel() // x.shape[-1]
+        if self.amx is not None and self.AMX_MIN_ROWS <= rows <= self.AMX_MAX_ROWS:
+            out = cpu_linear.amx_linear(self.amx, x, self.weight)
+        elif rows <= self.MAX_ROWS:
+            out = cpu_linear.small_batch_linear(self.library, x, self.weight)
+        else:
             return F.linear(x, self.weight, self.bias)
-        out = cpu_linear.small_batch_linear(self.library, x, self.weight)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, bias={self.bias is not None}"
+        return (f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, "
+                f"bias={self.bias is not None}, amx={self.amx is not None}")
 
 
-def use_small_batch_kernel(model: nn.Module, library) -> int:
+def use_small_batch_kernel(model: nn.Module, library, amx=None) -> int:
     """Swap every bf16 nn.Linear whose shape the kernel takes for a SmallBatchLinear; returns how many."""
     swaps = [(name, module) for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and cpu_linear.supports(module.weight)]
     for name, module in swaps:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, SmallBatchLinear(module, library))
-    log.info("small-batch matmul kernel for %d linear weights", len(swaps))
+        setattr(model.get_submodule(parent_name), child, SmallBatchLinear(module, library, amx))
+    log.info("small-batch matmul kernels for %d linear weights (AMX for 3-64 rows: %s)", len(swaps),
+             "yes" if amx is not None else "no")
     return len(swaps)
 
 

@@ -107,3 +107,49 @@ def test_engine_with_the_kernel_generates_text_like_the_plain_one(checkpoint):
     expected = make_engine(checkpoint, False).generate([prompt], params)[0]
     got = make_engine(checkpoint, True).generate([prompt], params)[0]
     assert len(got) == 16 and got[:4] == expected[:4]
+
+
+HAS_AMX = "amx_bf16" in build.cpu_features()
+needs_amx = pytest.mark.skipif(not HAS_AMX, reason="the CPU has no AMX-BF16")
+
+
+@pytest.fixture(scope="module")
+def amx():
+    library = cpu_linear.load_amx()
+    assert library is not None, "the AMX kernel must build and run on a CPU with AMX-BF16"
+    return library
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 3, 15, 16, 17, 31, 32, 33, 64, 70])
+@pytest.mark.parametrize("out_features,in_features", [(32, 32), (352, 1024), (96, 3072)])
+def test_amx_kernel_matches_float64(amx, rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    reference = x.double() @ w.double().T
+    out = cpu_linear.amx_linear(amx, x, w)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    # Every row and column lands in its place (a transposed or shifted tile would be far off), each
+    # the float32 sum rounded once, as F.linear's.
+    assert (out.double() - reference).abs().max().item() <= (F.linear(x, w).double() - reference).abs().max() * 2
+
+
+@needs_amx
+def test_decode_batches_go_to_amx_and_prefills_to_oneDNN(library, amx, monkeypatch):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=True).bfloat16()
+    module = SmallBatchLinear(linear, library, amx)
+    calls = []
+    for name in ("amx_linear", "small_batch_linear"):
+        kernel = getattr(cpu_linear, name)
+        monkeypatch.setattr(cpu_linear, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
+    for rows, path in [(1, "small_batch_linear"), (2, "small_batch_linear"), (3, "amx_linear"),
+                       (16, "amx_linear"), (64, "amx_linear"), (65, None)]:
+        calls.clear()
+        x = torch.randn(rows, 64).bfloat16()
+        out = module(x)
+        assert calls == ([path] if path else [])
+        reference = x.double() @ linear.weight.double().T + linear.bias.double()
+        assert (out.double() - reference).abs().max().item() <= rounding_bound(reference) * 2
+    assert SmallBatchLinear(nn.Linear(64, 48).bfloat16(), library, amx).amx is None  # 48 outputs: not whole tiles

@@ -1,0 +1,149 @@
+/* y = x W^T for up to a few dozen rows of x on AMX tiles, reading the weights in place.
+ *
+ * A decode step of 8 to 64 sequences still only streams the weights once, but it is too much
+ * arithmetic for AVX-512 dot products (small_batch_linear.c) and oneDNN reads the weights at about
+ * two thirds of memory speed there. AMX multiplies a 16 x 32 bf16 tile by a 32 x 16 one per
+ * instruction. The weights take the A side, straight from their plain (N, K) layout: a tile is 16
+ * weight rows of 32 values. The activations take the B side, which AMX wants in pairs along K
+ * ("VNNI"); they are small, so they are repacked once per call. The result comes out transposed
+ * (output columns by input rows) and is written back row-major, rounded to bf16 once, to nearest
+ * even, as torch rounds.
+ *
+ * Built only where the compiler targets AMX-BF16; amx_linear_supported() also asks the kernel for
+ * the tile state (Linux's arch_prctl), which a process must do once before using AMX.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define CHUNK 32  /* input rows per pass over the weights: two groups of 16 */
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) tile_config;
+
+int amx_linear_supported(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* Tiles 0-3: results (two 16-column stretches of the output by two groups of input rows);
+ * 4-5: the two weight tiles; 6-7: the two activation groups. */
+static void configure(int rows0, int rows1) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    const int group_rows[2] = {rows0, rows1};
+    for (int n = 0; n < 2; n++) {
+        for (int g = 0; g < 2; g++) {
+            cfg.rows[n * 2 + g] = 16;
+            cfg.colsb[n * 2 + g] = (uint16_t)(group_rows[g] * 4);
+        }
+        cfg.rows[4 + n] = 16;
+        cfg.colsb[4 + n] = 64;
+    }
+    for (int g = 0; g < 2; g++) {
+        cfg.rows[6 + g] = 16;
+        cfg.colsb[6 + g] = (uint16_t)(group_rows[g] * 4);
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Input rows [m0, m0 + rows) of x (M, K) as B tiles: for each 32-wide step along K, 16 pairs by
+ * 16 rows, a pair being two consecutive K values of one row (one 32-bit word). */
+static void pack_rows(const uint16_t *x, uint32_t *packed, int m0, int rows, int64_t k) {
+    const int64_t steps = k / 32;
+    memset(packed, 0, (size_t)steps * 16 * 16 * sizeof(uint32_t));
+    for (int j = 0; j < rows; j++) {
+        const uint32_t *row = (const uint32_t *)(x + (int64_t)(m0 + j) * k);
+        for (int64_t s = 0; s < steps; s++)
+            for (int p = 0; p < 16; p++) packed[(s * 16 + p) * 16 + j] = row[s * 16 + p];
+    }
+}
+
+/* A result tile c (16 output columns by `rows` input rows) into out's rows m0.., columns n0..n0+15:
+ * a column of c is gathered into one vector, rounded to bf16 (nearest even) and stored as a row. */
+static void write_out(const float *c, uint16_t *out, int rows, int64_t n0, int64_t n, int m0) {
+    const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    for (int j = 0; j < rows; j++) {
+        const __m512 column = _mm512_i32gather_ps(across, c + j, 4);
+        _mm256_storeu_si256((__m256i *)(out + (int64_t)(m0 + j) * n + n0), (__m256i)_mm512_cvtneps_pbh(column));
+    }
+}
+
+/* x: (m, k) bf16; w: (n, k) bf16; out: (m, n) bf16. n and k multiples of 32. Returns 0, or -1. */
+int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
+    if (n % 32 || k % 32) return -1;
+    const int64_t steps = k / 32;
+    uint32_t *packed = aligned_alloc(64, (size_t)2 * steps * 16 * 16 * sizeof(uint32_t));
+    if (!packed) return -1;
+    for (int m0 = 0; m0 < m; m0 += CHUNK) {
+        const int rows = m - m0 < CHUNK ? m - m0 : CHUNK;
+        const int rows0 = rows < 16 ? rows : 16, rows1 = rows - rows0;
+        uint32_t *b0 = packed, *b1 = packed + steps * 256;
+        pack_rows(x, b0, m0, rows0, k);
+        if (rows1) pack_rows(x, b1, m0 + 16, rows1, k);
+#pragma omp parallel
+        {
+            configure(rows0, rows1 ? rows1 : 1);
+            float c[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+            for (int64_t n0 = 0; n0 < n; n0 += 32) {
+                const uint16_t *w0 = w + n0 * k, *w1 = w + (n0 + 16) * k;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t s = 0; s < steps; s++) {
+                    _tile_loadd(4, w0 + s * 32, k * 2);
+                    _tile_loadd(5, w1 + s * 32, k * 2);
+                    _tile_loadd(6, b0 + s * 256, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (rows1) {
+                        _tile_loadd(7, b1 + s * 256, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, c[0], 64);
+                _tile_stored(2, c[2], 64);
+                write_out(c[0], out, rows0, n0, n, m0);
+                write_out(c[2], out, rows0, n0 + 16, n, m0);
+                if (rows1) {
+                    _tile_stored(1, c[1], 64);
+                    _tile_stored(3, c[3], 64);
+                    write_out(c[1], out, rows1, n0, n, m0 + 16);
+                    write_out(c[3], out, rows1, n0 + 16, n, m0 + 16);
+                }
+            }
+            _tile_release();
+        }
+    }
+    free(packed);
+    return 0;
+}
+
+#else
+
+int amx_linear_supported(void) { return 0; }
+
+int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
+    (void)x, (void)w, (void)out, (void)m, (void)n, (void)k;
+    return -1;
+}
+
+#endif
