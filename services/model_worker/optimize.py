@@ -107,7 +107,7 @@ def use_small_batch_kernel(model: nn.Module, library, amx=None) -> int:
     for name, module in swaps:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, SmallBatchLinear(module, library, amx))
-    log.info("small-batch matmul kernels for %d linear weights (AMX for 3-64 rows: %s)", len(swaps),
+    log.info("small-batch matmul kernels for %d linear weights (AMX for 3-32 rows: %s)", len(swaps),
              "yes" if amx is not None else "no")
     return len(swaps)
 
