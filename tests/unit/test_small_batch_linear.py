@@ -145,7 +145,7 @@ def test_decode_batches_go_to_amx_and_prefills_to_oneDNN(library, amx, monkeypat
         kernel = getattr(cpu_linear, name)
         monkeypatch.setattr(cpu_linear, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
     for rows, path in [(1, "small_batch_linear"), (2, "small_batch_linear"), (3, "amx_linear"),
-                       (16, "amx_linear"), (64, "amx_linear"), (65, None)]:
+                       (16, "amx_linear"), (32, "amx_linear"), (33, None), (64, None)]:
         calls.clear()
         x = torch.randn(rows, 64).bfloat16()
         out = module(x)
