@@ -44,9 +44,9 @@ class EngineConfig:
     # Weights pre-packed for oneDNN at load time (same numerics, faster CPU matmuls), the vocab
     # projection included. None: on for CPU, off elsewhere; False gives tests the plain model.
     pack_weights: bool | None = None
-    # bf16 on CPU: the matmuls of decode steps (up to 64 rows) in C kernels that stream the weights
-    # near memory speed: AVX512-BF16 dot products for 1-2 rows, AMX tiles for 3-64 where the CPU
-    # has AMX; the weights stay unpacked. Where it is used, packing is not. None: on where it
+    # bf16 on CPU: the matmuls of decode steps (up to 32 rows) in C kernels that stream the weights
+    # near memory speed: AVX512-BF16 dot products for 1-2 rows (up to 4 without AMX), AMX tiles for
+    # 3-32 where the CPU has AMX; the weights stay unpacked. Where it is used, packing is not. None: on where it
     # builds (a CPU with AVX512-BF16 and a C compiler).
     small_batch_kernel: bool | None = None
     # RMSNorm in a C kernel on CPU (same arithmetic, one call instead of about ten ops). None: where it builds.
@@ -243,7 +243,8 @@ class LLMEngine:
         if seqs:
             # Token histories matter only to penalties; skip building them for the common case.
             none = torch.empty(0, dtype=torch.long, device=self.device)
-            history = [(to_device(s.prompt_ids, torch.long, self.device), to_device(s.output_ids, torch.long, self.device))
+            history = [(to_device(s.prompt_ids, torch.long, self.device),
+                        to_device(s.output_ids, torch.long, self.device))
                        if s.params.has_penalties else (none, none) for s in seqs]
             sampled = self.sampler(logits, [s.params for s in seqs], [h[0] for h in history],
                                    [h[1] for h in history], [s.generator for s in seqs])

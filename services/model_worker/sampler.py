@@ -143,9 +143,10 @@ def _truncate(
     device = logits.device
     plain, full, by_k = [], [], {}
     for r, p in enumerate(params):
-        if 0 < p.top_k < vocab and device.type == "cpu":
+        has_top_k = 0 < p.top_k < vocab
+        if has_top_k and device.type == "cpu":
             by_k.setdefault(p.top_k, []).append(r)
-        elif p.top_p < 1.0 or p.min_p > 0.0 or 0 < p.top_k < vocab:
+        elif has_top_k or p.top_p < 1.0 or p.min_p > 0.0:
             full.append(r)
         else:
             plain.append(r)
@@ -211,7 +212,8 @@ def _exponential_noise(
         else:
             noise[r].exponential_(generator=generator)
     if default_rows:
-        noise[to_device(default_rows, torch.long, device)] = torch.empty(len(default_rows), shape[1], device=device).exponential_()
+        drawn = torch.empty(len(default_rows), shape[1], device=device).exponential_()
+        noise[to_device(default_rows, torch.long, device)] = drawn
     # A zero draw would turn prob / noise into inf or nan; the smallest normal float is as likely.
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
