@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
 import grpc  # noqa: E402
 
 from bench.bench_serving import make_text, word_pool  # noqa: E402
+from bench.cpu_meter import CpuMeter  # noqa: E402
 from demo.vocab import write_tokenizer_files  # noqa: E402
 from services.tokenizer.core import TokenizerCore  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
@@ -162,6 +163,16 @@ def show(values: dict) -> str:
     return f"{values['median']:9.3f} ({values['min']:.3f}-{values['max']:.3f})"
 
 
+async def measured(meter: CpuMeter, cpu: dict, mode: str, run) -> float:
+    """Run one measurement, adding each process's CPU milliseconds per token to cpu[mode]; returns its figure."""
+    meter.start()
+    figure, tokens = await run
+    used = meter.stop()
+    for name, seconds in used.items():
+        cpu[mode].setdefault(name, []).append(seconds * 1000 / tokens)
+    return figure
+
+
 async def run(args, stack, http_port: int, tokenizer: TokenizerCore) -> dict:
     rng = random.Random(0)
     words = word_pool(tokenizer)
@@ -170,12 +181,16 @@ async def run(args, stack, http_port: int, tokenizer: TokenizerCore) -> dict:
     clients = Clients(stack, http_port)
     single = {m: [] for m in MODES}
     batched = {m: [] for m in MODES}
+    cpu = {m: {} for m in MODES}  # CPU ms per token at 1 stream, by process
+    meter = CpuMeter({"tokenizer": stack.tokenizer.process.pid, "worker": stack.worker.process.pid,
+                      "gateway": stack.gateway.process.pid})
     try:
         for mode in MODES:  # untimed: connections, first-call allocations
             await one_stream(clients, mode, texts[0], prompts[0], 4)
         for round_ in range(args.repeats):
             for mode in MODES:
-                single[mode].append(await one_stream(clients, mode, texts[0], prompts[0], args.new_tokens))
+                single[mode].append(await measured(meter, cpu, mode, counted(
+                    one_stream(clients, mode, texts[0], prompts[0], args.new_tokens), args.new_tokens)))
             for mode in MODES:
                 batched[mode].append(await many_streams(clients, mode, texts, prompts, args.new_tokens))
             print(f"round {round_ + 1}: 1 stream ms/token " +
@@ -185,7 +200,12 @@ async def run(args, stack, http_port: int, tokenizer: TokenizerCore) -> dict:
         decode = await decode_per_token(stack.tokenizer.address, sample, args.repeats)
     finally:
         await clients.close()
-    return {"single_ms_per_token": single, "streams_tok_s": batched, "decode_us_per_token": decode}
+    return {"single_ms_per_token": single, "streams_tok_s": batched, "decode_us_per_token": decode,
+            "cpu_ms_per_token_1": cpu}
+
+
+async def counted(measurement, tokens: int) -> tuple[float, int]:
+    return await measurement, tokens
 
 
 def main(argv=None) -> None:
@@ -219,6 +239,12 @@ def main(argv=None) -> None:
     print(f"\n{'':14s}{'1 stream, ms/token':>28s}{f'{args.streams} streams, tok/s':>30s}")
     for mode in MODES:
         print(f"{mode:14s}{show(single[mode]):>28s}{show(batched[mode]):>30s}")
+    print("\nCPU ms per token at 1 stream, by process (the worker with its engine core; client: this script):")
+    names = list(next(iter(raw["cpu_ms_per_token_1"].values())))
+    print(f"{'':14s}" + "".join(f"{n:>12s}" for n in names))
+    for mode in MODES:
+        print(f"{mode:14s}" + "".join(f"{statistics.median(raw['cpu_ms_per_token_1'][mode][n]):12.3f}" for n in names))
+    cpu_1 = {m: {n: stats(v) for n, v in by_name.items()} for m, by_name in raw["cpu_ms_per_token_1"].items()}
     print("\ndetokenization alone, µs per token:")
     for name, value in decode.items():
         print(f"  {name:26s}{show(value)}")
@@ -244,7 +270,7 @@ def main(argv=None) -> None:
         "settings": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "streams": args.streams,
                      "repeats": args.repeats},
         "single_ms_per_token": single, "streams_tok_s": batched, "decode_us_per_token": decode,
-        "ratios": ratios, "targets": TARGETS, "wall_s": time.perf_counter() - started}))
+        "cpu_ms_per_token_1": cpu_1, "ratios": ratios, "targets": TARGETS, "wall_s": time.perf_counter() - started}))
 
 
 if __name__ == "__main__":

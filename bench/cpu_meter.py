@@ -1,0 +1,54 @@
+"""CPU seconds used by each service process (its children included) and by this process, from /proc.
+
+Benchmarks on two cores are decided by who takes the CPU: a service's per-token cost shows here
+even when its wall-clock effect is hidden in another process's slowdown.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in pathlib.Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids.extend(int(k) for k in (task / "children").read_text().split())
+        except OSError:
+            pass
+    return kids
+
+
+def process_tree_cpu(pid: int) -> float:
+    """User + system seconds of `pid` and its living descendants (a child that exited is not counted)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            fields = pathlib.Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / TICKS
+        todo.extend(_children(current))
+    return total
+
+
+class CpuMeter:
+    """CPU seconds per named process tree between `start()` and `stop()`, and this process's own as "client"."""
+
+    def __init__(self, pids: dict[str, int]):
+        self.pids = pids
+        self._before: dict[str, float] = {}
+
+    def _read(self) -> dict[str, float]:
+        return {**{name: process_tree_cpu(pid) for name, pid in self.pids.items()}, "client": time.process_time()}
+
+    def start(self) -> None:
+        self._before = self._read()
+
+    def stop(self) -> dict[str, float]:
+        after = self._read()
+        return {name: after[name] - self._before[name] for name in after}
