@@ -59,3 +59,37 @@ def test_engine_points_every_norm_at_the_kernel_on_cpu(tmp_path):
     off = LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="float32", num_blocks=16, block_size=8,
                                            norm_kernel=False))
     assert all(m.kernel is None for m in off.model.modules() if isinstance(m, RMSNorm))
+
+
+def rope_case(dtype):
+    """q and k heads cut from a fused projection, their norm weights, and the rotary tables at scattered positions."""
+    from services.model_worker.config import Qwen3Config
+    from services.model_worker.models.qwen3 import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads, kv_heads, dim = 6, 4, 2, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 2
+    x = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)[0].view(tokens, heads + kv_heads, dim)
+    weight = torch.cat((torch.randn(dim, generator=gen).expand(heads, -1),
+                        torch.randn(dim, generator=gen).expand(kv_heads, -1)))
+    config = Qwen3Config(vocab_size=64, hidden_size=heads * dim, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim,
+                         max_position_embeddings=4096, rope_theta=1e6)
+    rope = RotaryEmbedding(config)(torch.tensor([0, 3, 17, 511, 2047, 4000]), dtype)
+    return x.to(dtype), weight.to(dtype), rope
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_norm_and_rotary_equal_the_torch_ops(library, dtype):
+    from services.model_worker.models.qwen3 import apply_rotary, norm_and_rotate
+
+    x, weight, rope = rope_case(dtype)
+    assert cpu_norm.supports_rope(x, weight, rope)
+    fused = norm_and_rotate(x, weight, 1e-6, rope, library)
+    if dtype == torch.bfloat16:  # every step rounded as the torch ops round it
+        assert torch.equal(fused, apply_rotary(rms_norm(x, weight, 1e-6), rope))
+    else:  # the norm's sum may be ordered differently; the rotation adds no error of its own
+        unfused = apply_rotary(cpu_norm.rms_norm(library, x, weight, 1e-6), rope)
+        assert torch.equal(fused, unfused)
+        reference = apply_rotary(rms_norm(x.double(), weight.double(), 1e-6), tuple(t.double() for t in rope))
+        assert (fused.double() - reference).abs().max().item() <= 1e-5 * reference.abs().max().item()

@@ -137,6 +137,14 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
     return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin
 
 
+def norm_and_rotate(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: tuple[torch.Tensor, torch.Tensor],
+                    kernel=None) -> torch.Tensor:
+    """rms_norm then apply_rotary on (T, heads, D): one C call where the kernel takes the layout."""
+    if kernel is not None and cpu_norm.supports_rope(x, weight, rope):
+        return cpu_norm.rms_norm_rope(kernel, x, weight, eps, rope)
+    return apply_rotary(rms_norm(x, weight, eps, kernel), rope)
+
+
 class Qwen3Attention(nn.Module):
     def __init__(self, config: Qwen3Config, tp: TensorParallel):
         super().__init__()
@@ -152,6 +160,21 @@ class Qwen3Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self._qk_weight: tuple[tuple, torch.Tensor] | None = None
+
+    def qk_norm_weight(self) -> torch.Tensor:
+        """q_norm's weight for each q head, then k_norm's for each kv head: (H + Hkv, D).
+
+        Built once and reused: three ops a layer a step otherwise. Rebuilt when either weight is
+        replaced (a move to another device or dtype); weights are loaded before the first forward
+        and not written after it (inference tensors keep no version counter to tell).
+        """
+        q, k = self.q_norm.weight, self.k_norm.weight
+        key = (q.data_ptr(), k.data_ptr(), q.dtype, q.device)
+        if self._qk_weight is None or self._qk_weight[0] != key:
+            weight = torch.cat((q.detach().expand(self.num_heads, -1), k.detach().expand(self.num_kv_heads, -1)))
+            self._qk_weight = (key, weight)
+        return self._qk_weight[1]
 
     def shard_slice(self, shard: str) -> slice:
         start = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard]
@@ -163,11 +186,9 @@ class Qwen3Attention(nn.Module):
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # The q and k heads are normalised and rotated as one tensor (T, H + Hkv, D): the norm is
         # per head anyway, each with q_norm's or k_norm's weight; half the ops of doing them apart.
-        weight = torch.cat((self.q_norm.weight.expand(self.num_heads, -1),
-                            self.k_norm.weight.expand(self.num_kv_heads, -1)))
-        qk = rms_norm(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), weight, self.q_norm.eps,
-                      self.q_norm.kernel)
-        q, k = apply_rotary(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        qk = norm_and_rotate(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim),
+                             self.qk_norm_weight(), self.q_norm.eps, rope, self.q_norm.kernel)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(tokens, self.q_size)))
