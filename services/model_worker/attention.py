@@ -122,6 +122,12 @@ class AttentionBackend:
         """q: (N, H, D), one query per sequence at its last position. Returns (N, H, D)."""
         raise NotImplementedError
 
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """This step's keys and values, (T, Hkv, D), into their cache slots."""
+        k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
+
 
 class TorchAttention(AttentionBackend):
     """Plain PyTorch for every device: decodes are padded prefills of one query (SDPA over gathered keys)."""
@@ -148,6 +154,13 @@ class CpuPagedAttention(TorchAttention):
 
     def __init__(self, library):
         self.library = library
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        # One C call for four torch ops: at 16 sequences index_copy_ alone took about 3 ms a step.
+        if cpu_attention.can_write_kv(k, v, k_cache, v_cache, slot_mapping):
+            cpu_attention.write_kv(self.library, k, v, k_cache, v_cache, slot_mapping)
+        else:
+            super().write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def decode(self, q, k_cache, v_cache, context_lens, block_tables, block_size, scale):
         if not cpu_attention.supports(q.dtype):
@@ -195,8 +208,7 @@ def default_backend(device: torch.device) -> AttentionBackend:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: (T, H, D); k, v: (T, Hkv, D); caches: (Hkv, slots, D). Writes k, v to the cache; returns (T, H, D)."""
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    meta.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.backend.whole_step:
         return meta.backend.attend(q, k_cache, v_cache, meta, scale)
     if meta.max_query_len == 1:  # a pure decode step, the common case

@@ -250,3 +250,25 @@ def test_non_contiguous_attention_outputs_change_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(qwen3, "paged_attention", lambda *a, **k: _transposed_layout(layer_attention(*a, **k)))
     assert not _transposed_layout(torch.zeros(2, 3, 4)).is_contiguous()
     assert engine.generate(prompts, params) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_kernel_equals_index_copy(kernel, dtype):
+    """Keys and values cut from a fused projection (tokens strided) land where index_copy_ puts them."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, kv_heads, slots = 7, 2, 64
+    qkv = torch.randn(tokens, (4 + 2 * kv_heads) * HEAD_DIM, generator=gen).to(dtype)
+    _, k, v = qkv.split([4 * HEAD_DIM, kv_heads * HEAD_DIM, kv_heads * HEAD_DIM], dim=-1)
+    k, v = k.view(tokens, kv_heads, HEAD_DIM), v.view(tokens, kv_heads, HEAD_DIM)
+    slot_mapping = torch.tensor([63, 0, 17, 18, 40, 5, 33])
+    caches = [torch.randn(kv_heads, slots, HEAD_DIM, generator=gen).to(dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    TorchAttention().write_kv(k, v, *expected, slot_mapping)
+    assert cpu_attention.can_write_kv(k, v, *caches, slot_mapping)
+    CpuPagedAttention(kernel).write_kv(k, v, *caches, slot_mapping)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+    before = [c.clone() for c in caches]
+    with pytest.raises(IndexError):
+        cpu_attention.write_kv(kernel, k, v, *caches, torch.tensor([1, 2, 3, 4, 5, 6, slots]))
+    assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])  # nothing written

@@ -19,11 +19,34 @@ def load() -> ctypes.CDLL | None:
     if library is not None:
         library.paged_decode_attention.argtypes = _ARGTYPES
         library.paged_decode_attention.restype = ctypes.c_int
+        library.write_kv.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + \
+            [ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+        library.write_kv.restype = ctypes.c_int
     return library
 
 
 def supports(dtype: torch.dtype) -> bool:
     return dtype in _DTYPES
+
+
+def can_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> bool:
+    """k, v (T, Hkv, D) with each token's heads contiguous, contiguous caches of their dtype, int64 slots, on the CPU."""
+    return (k.device.type == "cpu" and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v)))
+
+
+def write_kv(library: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache[:, slot_mapping[t]] = k[t] (and v alike), as can_write_kv takes them; raises on a bad slot."""
+    num_kv_heads, num_slots, head_dim = k_cache.shape
+    status = library.write_kv(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
+                              v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], num_kv_heads, num_slots,
+                              head_dim, k.element_size())
+    if status != 0:
+        raise IndexError(f"a slot in the step's slot mapping is outside the cache's {num_slots} slots")
 
 
 def paged_decode_attention(library: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -255,3 +255,23 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     }
     return failed ? -2 : 0;
 }
+
+/* Each new token's K and V rows into its cache slot: torch's two index_copy_ calls and their
+ * transposes in one call, every layer of every step. k, v: token t's heads at k + t * k_stride
+ * (elements), heads contiguous within a token; caches: (num_kv_heads, num_slots, head_dim),
+ * contiguous; slots: (tokens,). Returns 0, or -1 (writing nothing) if a slot is out of range. */
+int write_kv(const void *k, const void *v, int64_t k_stride, int64_t v_stride, void *k_cache, void *v_cache,
+             const int64_t *slots, int64_t tokens, int num_kv_heads, int64_t num_slots, int head_dim,
+             int elem_size) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    const size_t row = (size_t)head_dim * elem_size;
+    for (int64_t t = 0; t < tokens; t++) {
+        for (int h = 0; h < num_kv_heads; h++) {
+            const size_t dst = ((size_t)h * num_slots + slots[t]) * row;
+            memcpy((char *)k_cache + dst, (const char *)k + (t * k_stride + (int64_t)h * head_dim) * elem_size, row);
+            memcpy((char *)v_cache + dst, (const char *)v + (t * v_stride + (int64_t)h * head_dim) * elem_size, row);
+        }
+    }
+    return 0;
+}
