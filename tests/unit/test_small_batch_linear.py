@@ -27,6 +27,17 @@ def rounding_bound(reference: torch.Tensor) -> float:
     return reference.abs().max().item() * 2 ** -8 + 1e-3
 
 
+def test_any_leading_shape_or_stride_gives_the_rows_of_the_flat_call(library):
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 64, generator=gen).bfloat16()
+    w = torch.randn(40, 64, generator=gen).bfloat16()
+    flat = cpu_linear.small_batch_linear(library, x, w)
+    assert torch.equal(cpu_linear.small_batch_linear(library, x.view(2, 3, 64), w), flat.view(2, 3, 40))
+    strided = torch.cat((x, x), dim=-1)[:, :64]  # rows 128 apart
+    assert not strided.is_contiguous()
+    assert torch.equal(cpu_linear.small_batch_linear(library, strided, w), flat)
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize("out_features,in_features", [(7, 32), (333, 1024), (1000, 96)])

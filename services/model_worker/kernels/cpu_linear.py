@@ -48,11 +48,13 @@ def amx_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> t
 
 
 def _call(kernel, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    # A decode step's activations are already (rows, K) and contiguous: no reshape or view ops then.
+    flat = x.dim() == 2 and x.is_contiguous()
+    rows = x if flat else x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.bfloat16)
     status = kernel(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], weight.shape[0],
                     weight.shape[1])
     if status != 0:
         raise RuntimeError(f"{kernel.__name__} failed with status {status} for {tuple(rows.shape)} x "
                            f"{tuple(weight.shape)}")
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out if flat else out.view(*x.shape[:-1], weight.shape[0])
