@@ -82,8 +82,9 @@ class BatchCall:
         self.loop = loop
         self.failure: str | None = None  # why the call is over, once it is
         self.items: list[tokenizer_pb2.DecodeBatchItem] = []  # the next message
-        self.replies: list[asyncio.Future] = []  # one per item of the next message that is not a close
-        self.in_flight: collections.deque[list[asyncio.Future]] = collections.deque()  # sent, unanswered
+        # (stream id, future) per item of the next message that is not a close; then of each one sent, unanswered.
+        self.replies: list[tuple[int, asyncio.Future]] = []
+        self.in_flight: collections.deque[list[tuple[int, asyncio.Future]]] = collections.deque()
         self.outbox: asyncio.Queue[tokenizer_pb2.DecodeBatchRequest] = asyncio.Queue()
         self.tasks = [loop.create_task(self._write()), loop.create_task(self._read())]
 
@@ -94,7 +95,7 @@ class BatchCall:
         reply = None
         if not item.close:
             reply = self.loop.create_future()
-            self.replies.append(reply)
+            self.replies.append((item.stream_id, reply))
         if not self.items:
             self.loop.call_soon(self._flush)
         self.items.append(item)
@@ -127,8 +128,7 @@ class BatchCall:
                     return
                 self._answer(response)
         except grpc.aio.AioRpcError as e:
-            self.fail(f"the tokenizer service ended the DecodeBatches call ({e.code().name}: "
-                             f"{e.details()}); retry")
+            self.fail(f"the tokenizer service ended the DecodeBatches call ({e.code().name}: {e.details()}); retry")
         except Exception as e:  # noqa: BLE001
             log.exception("DecodeBatches reader failed")
             self.fail(f"the gateway's DecodeBatches call failed ({type(e).__name__}: {e}); retry")
@@ -140,7 +140,9 @@ class BatchCall:
         if len(response.results) != len(replies):
             raise RuntimeError(f"the tokenizer service sent {len(response.results)} results for "
                                f"{len(replies)} items")
-        for reply, result in zip(replies, response.results):
+        for (stream_id, reply), result in zip(replies, response.results):
+            if result.stream_id != stream_id:
+                raise RuntimeError(f"the tokenizer service answered stream {result.stream_id} for {stream_id}")
             if not reply.done():  # its add was cancelled: the text goes nowhere
                 reply.set_result((result.text, list(result.pieces)))
 
@@ -153,7 +155,7 @@ class BatchCall:
         if self.failure is not None:
             return
         self.failure = reason
-        waiting = [*self.replies, *(r for replies in self.in_flight for r in replies)]
+        waiting = [reply for _, reply in [*self.replies, *(r for replies in self.in_flight for r in replies)]]
         self.items, self.replies = [], []
         self.in_flight.clear()
         for reply in waiting:

@@ -1,4 +1,4 @@
-"""The gateway's Detokenizer over a fake DecodeBatches call (no sockets): batching, per-stream text, failures, cancel."""
+"""The gateway's Detokenizer over a fake DecodeBatches call (no sockets): batching, text, failures, cancel."""
 from __future__ import annotations
 
 import asyncio
