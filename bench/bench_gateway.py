@@ -9,8 +9,9 @@ shows. In interleaved rounds it streams greedy completions (ignore_eos, fixed le
     so the client's own cost stays small);
 at 1 stream (time per token after the first) and at 16 concurrent streams (aggregate tok/s).
 It also times detokenization alone against the tokenizer service: one unary
-DecodeIncremental call per token (the gateway's old path) against one DecodeStream call per
-request. Medians with min-max; the last line is one JSON object.
+DecodeIncremental call per token (the gateway's first path), one DecodeStream call per
+request, and one DecodeBatches call carrying 16 streams, one message per step (the gateway's
+path now). Medians with min-max; the last line is one JSON object.
 
     python -m bench.bench_gateway            # a few minutes
     python -m bench.bench_gateway --quick    # a smoke check
@@ -46,6 +47,7 @@ from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
 TARGETS = {"overhead_ms_per_token_grpc_1": 0.3, "grpc_vs_worker_16": 0.95}
 MODES = ("worker", "gateway-grpc", "gateway-http")
+BATCH_STREAMS = 16  # streams per DecodeBatches message in the detokenization timing
 
 
 def tiny_checkpoint(path: pathlib.Path) -> pathlib.Path:
@@ -127,8 +129,9 @@ async def many_streams(clients: Clients, mode: str, texts: list[str], prompts: l
 
 
 async def decode_per_token(address: str, ids: list[int], repeats: int) -> dict[str, list[float]]:
-    """Microseconds per token to detokenize `ids` one at a time: unary DecodeIncremental vs DecodeStream."""
-    out = {"unary DecodeIncremental": [], "DecodeStream": []}
+    """Microseconds per token to detokenize `ids` one at a time: unary DecodeIncremental vs DecodeStream,
+    and DecodeBatches with BATCH_STREAMS streams of `ids` (one message per BATCH_STREAMS tokens)."""
+    out = {"unary DecodeIncremental": [], "DecodeStream": [], f"DecodeBatches, {BATCH_STREAMS} streams": []}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         for _ in range(repeats):
@@ -152,6 +155,19 @@ async def decode_per_token(address: str, ids: list[int], repeats: int) -> dict[s
             await call.done_writing()
             out["DecodeStream"].append((time.perf_counter() - start) * 1e6 / len(ids))
             assert "".join(texts) == unary_text
+
+            start, texts = time.perf_counter(), [[] for _ in range(BATCH_STREAMS)]
+            call = stub.DecodeBatches()
+            for i, token_id in enumerate(ids):
+                await call.write(tokenizer_pb2.DecodeBatchRequest(items=[tokenizer_pb2.DecodeBatchItem(
+                    stream_id=s, token_ids=[token_id], skip_special_tokens=True, final=i == len(ids) - 1)
+                    for s in range(BATCH_STREAMS)]))
+                for result in (await call.read()).results:
+                    texts[result.stream_id].append(result.text)
+            await call.done_writing()
+            out[f"DecodeBatches, {BATCH_STREAMS} streams"].append(
+                (time.perf_counter() - start) * 1e6 / (len(ids) * BATCH_STREAMS))
+            assert all("".join(t) == unary_text for t in texts)
     return out
 
 
@@ -255,6 +271,8 @@ def main(argv=None) -> None:
         "grpc_vs_worker_16": batched["gateway-grpc"]["median"] / worker_tps,
         "http_vs_worker_16": batched["gateway-http"]["median"] / worker_tps,
         "decode_stream_vs_unary": decode["DecodeStream"]["median"] / decode["unary DecodeIncremental"]["median"],
+        "decode_batches_vs_stream": decode[f"DecodeBatches, {BATCH_STREAMS} streams"]["median"]
+        / decode["DecodeStream"]["median"],
     }
     print()
     for name, value in ratios.items():

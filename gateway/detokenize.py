@@ -1,47 +1,168 @@
-"""One generation's text, from the tokenizer service over a single DecodeStream call."""
+"""Every generation's text, from the tokenizer service over one shared DecodeBatches call."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
+import logging
 
 import grpc
 
 from rpcserver.errors import Unavailable
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 
+log = logging.getLogger(__name__)
 
-class TextStream:
-    """Sends each new id on one open DecodeStream call and reads back its text delta.
 
-    The service keeps the window of ids (a character split across tokens is held back until
-    complete), so a token costs one small message each way on a stream that is already open,
-    instead of a unary call that re-sends the window. Replies come one per message, in order.
+class Detokenizer:
+    """Opens a TextStream per request; all of them share one lazily opened DecodeBatches call.
+
+    gRPC costs a fixed amount of CPU per message on each side, so the streams' new ids travel
+    together: one message per event-loop iteration for every stream that added ids in it.
+    A call that fails is dropped with its streams; the next `open` starts a new one.
     """
 
-    def __init__(self, tokenizer_stub, skip_special_tokens: bool, timeout: float | None):
-        self.call = tokenizer_stub.DecodeStream(timeout=timeout)
+    def __init__(self, tokenizer_stub):
+        self.stub = tokenizer_stub
+        self.batch: BatchCall | None = None
+        self.stream_ids = itertools.count(1)
+
+    def open(self, skip_special_tokens: bool) -> TextStream:
+        """A stream for one generation; call from the event loop that will use it."""
+        loop = asyncio.get_running_loop()
+        if self.batch is None or self.batch.failure is not None or self.batch.loop is not loop:
+            self.batch = BatchCall(self.stub.DecodeBatches(), loop)
+        return TextStream(self.batch, next(self.stream_ids), skip_special_tokens)
+
+    async def close(self) -> None:
+        batch, self.batch = self.batch, None
+        if batch is not None:
+            batch.fail("the gateway is shutting down")
+            if batch.loop is asyncio.get_running_loop():
+                await asyncio.gather(*batch.tasks, return_exceptions=True)
+
+
+class TextStream:
+    """One generation's text: `add` sends new ids and returns their text, as DecodeStream did per call."""
+
+    def __init__(self, batch: BatchCall, stream_id: int, skip_special_tokens: bool):
+        self.batch = batch
+        self.stream_id = stream_id
         self.skip_special_tokens = skip_special_tokens
-        self.first = True
+        self.opened = False  # an item of this stream has gone out: the service may hold its state
+        self.finished = False  # its final item has gone out: the service forgets it by itself
 
     async def add(self, token_ids: list[int], final: bool = False,
                   piece_ids: list[int] = ()) -> tuple[str, list[bytes]]:
         """(text delta, raw bytes of each id in piece_ids)."""
-        request = tokenizer_pb2.DecodeStreamRequest(token_ids=token_ids, final=final, piece_ids=piece_ids)
-        if self.first:
-            request.skip_special_tokens = self.skip_special_tokens
-            self.first = False
-        try:
-            await self.call.write(request)
-            reply = await self.call.read()
-        except asyncio.InvalidStateError:
-            # The call ended before this write (the service died between two tokens): its status says why.
-            raise Unavailable(f"the tokenizer service ended the DecodeStream call ({(await self.call.code()).name}: "
-                              f"{await self.call.details()}); retry") from None
-        if reply is grpc.aio.EOF:
-            raise Unavailable("the tokenizer service ended a DecodeStream call early")
-        if final:
-            await self.call.done_writing()
-            await self.call.code()  # the service ends the call after the final reply: let it end OK
-        return reply.text, list(reply.pieces)
+        item = tokenizer_pb2.DecodeBatchItem(stream_id=self.stream_id, token_ids=token_ids, final=final,
+                                             piece_ids=piece_ids)
+        if not self.opened:
+            item.skip_special_tokens = self.skip_special_tokens
+        reply = self.batch.submit(item)
+        self.opened = True
+        self.finished = final
+        return await reply
 
     def cancel(self) -> None:
+        """Let the service forget an unfinished stream; a no-op once it is finished or its call is gone."""
+        if self.opened and not self.finished and self.batch.failure is None:
+            self.batch.submit(tokenizer_pb2.DecodeBatchItem(stream_id=self.stream_id, close=True))
+        self.finished = True
+
+
+class BatchCall:
+    """One DecodeBatches call: items added in one loop iteration go out as one message, replies match in order.
+
+    The call has no deadline of its own: each request's deadline bounds its generation upstream.
+    """
+
+    def __init__(self, call, loop: asyncio.AbstractEventLoop):
+        self.call = call
+        self.loop = loop
+        self.failure: str | None = None  # why the call is over, once it is
+        self.items: list[tokenizer_pb2.DecodeBatchItem] = []  # the next message
+        # (stream id, future) per item of the next message that is not a close; then of each one sent, unanswered.
+        self.replies: list[tuple[int, asyncio.Future]] = []
+        self.in_flight: collections.deque[list[tuple[int, asyncio.Future]]] = collections.deque()
+        self.outbox: asyncio.Queue[tokenizer_pb2.DecodeBatchRequest] = asyncio.Queue()
+        self.tasks = [loop.create_task(self._write()), loop.create_task(self._read())]
+
+    def submit(self, item: tokenizer_pb2.DecodeBatchItem) -> asyncio.Future | None:
+        """Queue an item for this iteration's message; its future gets (text, pieces). A close gets no reply."""
+        if self.failure is not None:
+            raise Unavailable(self.failure)
+        reply = None
+        if not item.close:
+            reply = self.loop.create_future()
+            self.replies.append((item.stream_id, reply))
+        if not self.items:
+            self.loop.call_soon(self._flush)
+        self.items.append(item)
+        return reply
+
+    def _flush(self) -> None:
+        if self.failure is not None or not self.items:
+            return
+        self.outbox.put_nowait(tokenizer_pb2.DecodeBatchRequest(items=self.items))
+        self.in_flight.append(self.replies)
+        self.items, self.replies = [], []
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self.call.write(await self.outbox.get())
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            # The call ended between two messages (the service died or restarted): its status says why.
+            await self._fail_with_status()
+        except Exception as e:  # noqa: BLE001 - whatever it was, no add may wait forever
+            log.exception("DecodeBatches writer failed")
+            self.fail(f"the gateway's DecodeBatches call failed ({type(e).__name__}: {e}); retry")
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                response = await self.call.read()
+                if response is grpc.aio.EOF:
+                    await self._fail_with_status()
+                    return
+                self._answer(response)
+        except grpc.aio.AioRpcError as e:
+            self.fail(f"the tokenizer service ended the DecodeBatches call ({e.code().name}: {e.details()}); retry")
+        except Exception as e:  # noqa: BLE001
+            log.exception("DecodeBatches reader failed")
+            self.fail(f"the gateway's DecodeBatches call failed ({type(e).__name__}: {e}); retry")
+
+    def _answer(self, response: tokenizer_pb2.DecodeBatchResponse) -> None:
+        if not self.in_flight:
+            raise RuntimeError("the tokenizer service sent a DecodeBatches reply to no message")
+        replies = self.in_flight.popleft()
+        if len(response.results) != len(replies):
+            raise RuntimeError(f"the tokenizer service sent {len(response.results)} results for "
+                               f"{len(replies)} items")
+        for (stream_id, reply), result in zip(replies, response.results):
+            if result.stream_id != stream_id:
+                raise RuntimeError(f"the tokenizer service answered stream {result.stream_id} for {stream_id}")
+            if not reply.done():  # its add was cancelled: the text goes nowhere
+                reply.set_result((result.text, list(result.pieces)))
+
+    async def _fail_with_status(self) -> None:
+        code, details = await self.call.code(), await self.call.details()
+        self.fail(f"the tokenizer service ended the DecodeBatches call ({code.name}: {details}); retry")
+
+    def fail(self, reason: str) -> None:
+        """End the call: every waiting add and every later add on its streams raises Unavailable(reason)."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        waiting = [reply for _, reply in [*self.replies, *(r for replies in self.in_flight for r in replies)]]
+        self.items, self.replies = [], []
+        self.in_flight.clear()
+        for reply in waiting:
+            if not reply.done():
+                reply.set_exception(Unavailable(reason))
         self.call.cancel()
+        current = asyncio.current_task()
+        for task in self.tasks:
+            if task is not current:
+                task.cancel()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.detokenize import Detokenizer
 from gateway.fleet import Fleet, Worker, parse_targets
 from gateway.fleet_metrics import RETRIED, ROUTED
 from gateway.router import Router
@@ -119,6 +120,7 @@ class Downstreams:
         self._tokenizer_channel = open_channel(tokenizer_addr, tls)
         self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(self._tokenizer_channel)
         self._tokenizer_health = health_pb2_grpc.HealthStub(self._tokenizer_channel)
+        self.detokenizer = Detokenizer(self.tokenizer)  # one DecodeBatches call for every request's text
         self.fleet = Fleet(parse_targets(worker_targets), lambda address: open_channel(address, tls),
                            health_interval, router or Router())
         self.token_text: dict[int, str] = {}  # special token id -> text, for stop reasons
@@ -157,4 +159,5 @@ class Downstreams:
 
     async def close(self) -> None:
         await self.fleet.close()
+        await self.detokenizer.close()
         await self._tokenizer_channel.close()

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.convert import SAMPLING_FIELDS
-from gateway.detokenize import TextStream
 from gateway.metrics import RequestRecord
 from gateway.stop import StopStringMatcher
 from gateway.validation import GenerationRequest, Limits, check_prompt_length, validate
@@ -89,7 +88,7 @@ class GenerationCore:
         text = None
         worker_finished = False
         try:
-            text = TextStream(self.downstreams.tokenizer, req.skip_special_tokens, timeout())
+            text = self.downstreams.detokenizer.open(req.skip_special_tokens)
             async for step in stream:
                 record.add_token()
                 final = bool(step.finish_reason)
@@ -123,7 +122,7 @@ class GenerationCore:
             if not worker_finished:
                 stream.cancel()  # frees the worker's sequence on a stop string, an error or a client cancel
             if text is not None:
-                text.cancel()  # a no-op once the tokenizer's call has ended
+                text.cancel()  # a no-op once its final ids went out
 
 
 def worker_request(req: GenerationRequest, prompt_ids: list[int], max_tokens: int,

@@ -5,6 +5,7 @@ from rpcserver.errors import InvalidArgument, Unavailable
 from rpcserver.handlers import MalformedRequest
 from rpcserver.status import grpc_errors
 from services.tokenizer.core import TokenizerCore
+from services.tokenizer.decode_batches import DecodeBatchState
 from services.tokenizer.decode_stream import DecodeStreamState, TokenPieces
 from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -60,6 +61,25 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             yield tokenizer_pb2.DecodeStreamResponse(text=text, pieces=[self._pieces(i) for i in piece_ids])
             if request.final:
                 return
+
+    @grpc_errors
+    async def DecodeBatches(self, requests, context):
+        core = self.core
+        batch = DecodeBatchState(core)
+        async for request in requests:
+            if isinstance(request, MalformedRequest):
+                raise InvalidArgument(f"a DecodeBatches message does not parse: {request.error}")
+            results = []
+            for item in request.items:
+                token_ids, piece_ids = list(item.token_ids), list(item.piece_ids)
+                if item.close:
+                    batch.close(item.stream_id, token_ids, piece_ids)
+                    continue
+                core.check_ids(piece_ids)
+                text = batch.add(item.stream_id, token_ids, item.final, item.skip_special_tokens)
+                results.append(tokenizer_pb2.DecodeBatchResult(
+                    stream_id=item.stream_id, text=text, pieces=[self._pieces(i) for i in piece_ids]))
+            yield tokenizer_pb2.DecodeBatchResponse(results=results)
 
     @grpc_errors
     async def GetInfo(self, request, context) -> tokenizer_pb2.GetInfoResponse:

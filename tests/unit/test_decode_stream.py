@@ -75,25 +75,3 @@ def test_ids_outside_the_vocabulary_are_invalid_argument(demo_tokenizer, field):
     code, details = asyncio.run(with_server(demo_tokenizer, body))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in details
 
-
-def test_a_call_that_ended_between_tokens_is_unavailable_not_internal():
-    """The service died after the last reply: the next write finds the call over, and says so."""
-    from gateway.detokenize import TextStream
-    from rpcserver.errors import Unavailable
-
-    class EndedCall:
-        async def write(self, request):
-            raise asyncio.InvalidStateError("RPC already finished")
-
-        async def code(self):
-            return grpc.StatusCode.UNAVAILABLE
-
-        async def details(self):
-            return "Socket closed"
-
-    class Stub:
-        def DecodeStream(self, timeout=None):
-            return EndedCall()
-
-    with pytest.raises(Unavailable, match="UNAVAILABLE: Socket closed"):
-        asyncio.run(TextStream(Stub(), True, None).add([1]))

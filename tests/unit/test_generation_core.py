@@ -4,62 +4,78 @@ from __future__ import annotations
 import asyncio
 import unicodedata
 
+import grpc
 import pytest
 
 from demo.vocab import load_ranks, ranks_path
+from gateway.detokenize import Detokenizer
 from gateway.generation import GenerationCore
 from gateway.metrics import RequestRecord
 from gateway.validation import GenerationRequest
 from rpcserver.errors import InvalidArgument, Unavailable
-from services.tokenizer.decode_stream import DecodeStreamState, TokenPieces
+from services.tokenizer.decode_batches import DecodeBatchState
+from services.tokenizer.decode_stream import TokenPieces
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 from vllm_v0.worker.v1 import worker_pb2
 
 IM_END = 151645
 
 
-class FakeDecodeCall:
-    """DecodeStream as the servicer answers it, on the real tokenizer core, without a channel."""
+class FakeBatchCall:
+    """DecodeBatches as the servicer answers it, on the real tokenizer core, without a channel."""
 
     def __init__(self, core):
-        self.core, self.pieces, self.state = core, TokenPieces(core), None
-        self.replies: list = []
-        self.cancelled = self.finished = False
+        self.core, self.pieces, self.state = core, TokenPieces(core), DecodeBatchState(core)
+        self.requests: list[tokenizer_pb2.DecodeBatchRequest] = []
+        self.replies: asyncio.Queue = asyncio.Queue()
+        self.closed: list[int] = []  # stream ids of close items
+        self.cancelled = False
 
-    async def write(self, request: tokenizer_pb2.DecodeStreamRequest) -> None:
-        assert not self.finished and not self.cancelled
-        if self.state is None:
-            self.state = DecodeStreamState(self.core, request.skip_special_tokens)
-        text = self.state.add(list(request.token_ids), request.final)
-        self.replies.append(tokenizer_pb2.DecodeStreamResponse(
-            text=text, pieces=[self.pieces(i) for i in request.piece_ids]))
+    async def write(self, request: tokenizer_pb2.DecodeBatchRequest) -> None:
+        assert not self.cancelled
+        self.requests.append(request)
+        results = []
+        for item in request.items:
+            if item.close:
+                self.closed.append(item.stream_id)
+                self.state.close(item.stream_id, list(item.token_ids), list(item.piece_ids))
+                continue
+            text = self.state.add(item.stream_id, list(item.token_ids), item.final, item.skip_special_tokens)
+            results.append(tokenizer_pb2.DecodeBatchResult(
+                stream_id=item.stream_id, text=text, pieces=[self.pieces(i) for i in item.piece_ids]))
+        self.replies.put_nowait(tokenizer_pb2.DecodeBatchResponse(results=results))
 
     async def read(self):
-        return self.replies.pop(0)
-
-    async def done_writing(self) -> None:
-        self.finished = True
+        return await self.replies.get()
 
     async def code(self):
-        return 0
+        return grpc.StatusCode.CANCELLED if self.cancelled else grpc.StatusCode.OK
+
+    async def details(self):
+        return ""
 
     def cancel(self) -> bool:
-        self.cancelled = not self.finished
-        return self.cancelled
+        self.cancelled = True
+        return True
+
+    @property
+    def sent_items(self) -> list[tokenizer_pb2.DecodeBatchItem]:
+        return [item for request in self.requests for item in request.items]
 
 
 class FakeTokenizer:
     def __init__(self, core):
         self.core = core
-        self.calls: list[FakeDecodeCall] = []
+        self.calls: list[FakeBatchCall] = []
 
     async def Encode(self, request, timeout=None):
         # Chat is rendered as the plain concatenation of its contents: enough to count tokens.
         text = request.text or "".join(m.content for m in request.messages)
         return tokenizer_pb2.EncodeResponse(token_ids=self.core.encode(text))
 
-    def DecodeStream(self, timeout=None):
-        self.calls.append(FakeDecodeCall(self.core))
+    def DecodeBatches(self, timeout=None):
+        assert timeout is None  # the shared call has no deadline: each request's own bounds it upstream
+        self.calls.append(FakeBatchCall(self.core))
         return self.calls[-1]
 
 
@@ -95,6 +111,7 @@ class FakeWorkerStream:
 class FakeDownstreams:
     def __init__(self, core, ids, finish=worker_pb2.FINISH_REASON_LENGTH):
         self.tokenizer = FakeTokenizer(core)
+        self.detokenizer = Detokenizer(self.tokenizer)
         self.worker_info = worker_pb2.GetInfoResponse(model="fake", max_context=1024)
         self.token_text = {IM_END: "<|im_end|>"}
         self.ids, self.finish = ids, finish
@@ -108,9 +125,22 @@ class FakeDownstreams:
         return self.streams[-1]
 
 
+async def settle(detokenizer: Detokenizer) -> None:
+    """Wait until the items already added (a cancel's close among them) have reached the call."""
+    for _ in range(100):
+        batch = detokenizer.batch
+        if batch is None or (not batch.items and batch.outbox.empty()):
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the detokenizer's items never went out")
+
+
 def run(core: GenerationCore, req: GenerationRequest, with_pieces=False):
     async def collect():
-        return [d async for d in core.generate(req, RequestRecord("r1"), with_pieces=with_pieces)]
+        try:
+            return [d async for d in core.generate(req, RequestRecord("r1"), with_pieces=with_pieces)]
+        finally:
+            await settle(core.downstreams.detokenizer)
     return asyncio.run(collect())
 
 
@@ -132,7 +162,8 @@ def test_deltas_add_up_to_the_full_decode_and_end_with_usage(demo_tokenizer):
     assert downstreams.works[0].max_tokens == len(ids) and list(downstreams.works[0].prompt_token_ids) == \
         demo_tokenizer.encode("hi")
     assert not downstreams.streams[0].cancelled
-    assert not downstreams.tokenizer.calls[0].cancelled and downstreams.tokenizer.calls[0].finished
+    call = downstreams.tokenizer.calls[0]  # its final item ended the stream: no close, nothing left held
+    assert call.sent_items[-1].final and call.closed == [] and call.state.streams == {}
 
 
 def test_stop_string_cuts_the_text_and_cancels_the_worker(demo_tokenizer):
@@ -143,7 +174,8 @@ def test_stop_string_cuts_the_text_and_cancels_the_worker(demo_tokenizer):
     assert "".join(d.text for d in deltas) == "Emoji 🎉🚀 and "
     assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == "日本"
     assert downstreams.streams[0].cancelled and downstreams.streams[0].sent < len(ids)
-    assert downstreams.tokenizer.calls[0].cancelled
+    call = downstreams.tokenizer.calls[0]
+    assert call.closed == [call.sent_items[0].stream_id] and call.state.streams == {}
 
 
 def test_eos_names_the_token_and_special_tokens_are_skipped(demo_tokenizer):
@@ -181,7 +213,9 @@ def test_worker_stream_without_finish_is_unavailable_and_cancelled(demo_tokenize
     downstreams = FakeDownstreams(demo_tokenizer, demo_tokenizer.encode("cut short"), finish=None)
     with pytest.raises(Unavailable, match="without a finish reason"):
         run(GenerationCore(downstreams, {}), GenerationRequest(prompt="hi"))
-    assert downstreams.streams[0].cancelled and downstreams.tokenizer.calls[0].cancelled
+    assert downstreams.streams[0].cancelled
+    call = downstreams.tokenizer.calls[0]
+    assert call.closed == [call.sent_items[0].stream_id] and call.state.streams == {}
 
 
 def test_leaving_early_cancels_the_worker(demo_tokenizer):
@@ -191,10 +225,13 @@ def test_leaving_early_cancels_the_worker(demo_tokenizer):
         generation = GenerationCore(downstreams, {}).generate(GenerationRequest(prompt="hi"), RequestRecord("r"))
         got = [await anext(generation), await anext(generation)]
         await generation.aclose()  # what a client's disconnect does
+        await settle(downstreams.detokenizer)
         return got
 
     assert len(asyncio.run(first_two())) == 2
-    assert downstreams.streams[0].cancelled and downstreams.tokenizer.calls[0].cancelled
+    assert downstreams.streams[0].cancelled
+    call = downstreams.tokenizer.calls[0]
+    assert call.closed == [call.sent_items[0].stream_id] and call.state.streams == {}
 
 
 def test_no_worker_info_is_unavailable(demo_tokenizer):

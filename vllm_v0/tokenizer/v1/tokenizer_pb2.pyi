@@ -92,6 +92,44 @@ class DecodeStreamResponse(_message.Message):
     pieces: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, text: _Optional[str] = ..., pieces: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
+class DecodeBatchItem(_message.Message):
+    __slots__ = ("stream_id", "token_ids", "final", "skip_special_tokens", "piece_ids", "close")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PIECE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    final: bool
+    skip_special_tokens: bool
+    piece_ids: _containers.RepeatedScalarFieldContainer[int]
+    close: bool
+    def __init__(self, stream_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., final: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., piece_ids: _Optional[_Iterable[int]] = ..., close: _Optional[bool] = ...) -> None: ...
+
+class DecodeBatchRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[DecodeBatchItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[DecodeBatchItem, _Mapping]]] = ...) -> None: ...
+
+class DecodeBatchResult(_message.Message):
+    __slots__ = ("stream_id", "text", "pieces")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    text: str
+    pieces: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, stream_id: _Optional[int] = ..., text: _Optional[str] = ..., pieces: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DecodeBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[DecodeBatchResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[DecodeBatchResult, _Mapping]]] = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

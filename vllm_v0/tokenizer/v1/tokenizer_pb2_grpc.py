@@ -54,6 +54,11 @@ class TokenizerServiceStub:
                 request_serializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeStreamRequest.SerializeToString,
                 response_deserializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeStreamResponse.FromString,
                 _registered_method=True)
+        self.DecodeBatches = channel.stream_stream(
+                '/vllm_v0.tokenizer.v1.TokenizerService/DecodeBatches',
+                request_serializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeBatchRequest.SerializeToString,
+                response_deserializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeBatchResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/vllm_v0.tokenizer.v1.TokenizerService/GetInfo',
                 request_serializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetInfoRequest.SerializeToString,
@@ -100,6 +105,19 @@ class TokenizerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeBatches(self, request_iterator, context):
+        """Incremental detokenization of many generations over one call: each
+        message carries the new ids of any number of streams, told apart by the
+        caller's `stream_id`, and gets exactly one reply, in order. A gateway sends
+        one message per worker step for all its streams, so the per-message cost
+        of gRPC is paid once per step instead of once per token. The service keeps
+        each open stream's window until its `final` or `close` item, or until the
+        call ends, which forgets them all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """Vocabulary size, special tokens, eos ids and the chat template's presence.
         """
@@ -129,6 +147,11 @@ def add_TokenizerServiceServicer_to_server(servicer, server):
                     servicer.DecodeStream,
                     request_deserializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeStreamRequest.FromString,
                     response_serializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeStreamResponse.SerializeToString,
+            ),
+            'DecodeBatches': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeBatches,
+                    request_deserializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeBatchRequest.FromString,
+                    response_serializer=vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeBatchResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -244,6 +267,33 @@ class TokenizerService:
             '/vllm_v0.tokenizer.v1.TokenizerService/DecodeStream',
             vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeStreamRequest.SerializeToString,
             vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeBatches(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/vllm_v0.tokenizer.v1.TokenizerService/DecodeBatches',
+            vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeBatchRequest.SerializeToString,
+            vllm__v0_dot_tokenizer_dot_v1_dot_tokenizer__pb2.DecodeBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,131 @@
+"""TokenizerService.DecodeBatches in-process on a real grpc.aio server: many streams on one call, each as if alone."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from demo.vocab import load_ranks, ranks_path
+from tests.unit.test_decode_stream import with_server
+from vllm_v0.tokenizer.v1 import tokenizer_pb2
+
+IM_END = 151645
+TEXTS = ["Party 🦜🤗 中文分词 <|im_end|> done", "日本語のテキスト 🎉🚀 then <|im_end|> words",
+         "🦜🦜 plain", "short"]
+
+
+def item(stream_id, token_ids=(), **fields):
+    return tokenizer_pb2.DecodeBatchItem(stream_id=stream_id, token_ids=token_ids, **fields)
+
+
+async def exchange(stub, messages: list[list[tokenizer_pb2.DecodeBatchItem]]):
+    """Each message's reply, then the call's status."""
+    call, replies = stub.DecodeBatches(), []
+    for items in messages:
+        await call.write(tokenizer_pb2.DecodeBatchRequest(items=items))
+        replies.append(await call.read())
+    await call.done_writing()
+    return replies, await call.code()
+
+
+def interleaved(streams: dict[int, list[int]], skip: dict[int, bool]) -> list[list[tokenizer_pb2.DecodeBatchItem]]:
+    """Round-robin messages: stream k sends k+1 ids per message (so streams end at different steps)."""
+    sent = {s: 0 for s in streams}
+    messages = []
+    while any(sent[s] < len(ids) for s, ids in streams.items()):
+        items = []
+        for s, ids in streams.items():
+            if sent[s] >= len(ids):
+                continue
+            chunk = ids[sent[s]:sent[s] + s + 1]
+            # The flag on later items differs on purpose: only a stream's first item may set it.
+            items.append(item(s, chunk, final=sent[s] + len(chunk) == len(ids),
+                              skip_special_tokens=skip[s] if sent[s] == 0 else not skip[s]))
+            sent[s] += len(chunk)
+        messages.append(items)
+    return messages
+
+
+def test_interleaved_streams_each_decode_as_alone(demo_tokenizer):
+    streams = {s: demo_tokenizer.encode(text) for s, text in enumerate(TEXTS)}
+    skip = {0: True, 1: False, 2: True, 3: False}
+    messages = interleaved(streams, skip)
+
+    replies, code = asyncio.run(with_server(demo_tokenizer, lambda stub: exchange(stub, messages)))
+    assert code == grpc.StatusCode.OK
+    assert len(replies) == len(messages)
+    deltas = {s: [] for s in streams}
+    for items, reply in zip(messages, replies):
+        assert [r.stream_id for r in reply.results] == [i.stream_id for i in items]
+        for r in reply.results:
+            deltas[r.stream_id].append(r.text)
+    for s, ids in streams.items():
+        assert "".join(deltas[s]) == demo_tokenizer.decode(ids, skip_special_tokens=skip[s])
+        assert not any("\ufffd" in t for t in deltas[s])
+    assert "<|im_end|>" not in "".join(deltas[0]) and "<|im_end|>" in "".join(deltas[1])
+    assert "" in deltas[0]  # 🦜 is two byte-level tokens: the first is held back
+
+
+def test_final_flushes_and_forgets_the_stream(demo_tokenizer):
+    parrot = demo_tokenizer.encode("🦜")
+    assert len(parrot) == 2  # a character split across tokens
+
+    messages = [
+        [item(7, parrot[:1])],               # held back: incomplete character
+        [item(7, [], final=True)],           # flushed as a full decode would
+        [item(7, parrot[1:], final=True)],   # a new stream under the freed id: no earlier byte to join
+    ]
+    replies, code = asyncio.run(with_server(demo_tokenizer, lambda stub: exchange(stub, messages)))
+    assert code == grpc.StatusCode.OK
+    assert [r.results[0].text for r in replies] == ["", demo_tokenizer.decode(parrot[:1]),
+                                                  demo_tokenizer.decode(parrot[1:])]
+    assert "\ufffd" in replies[1].results[0].text
+
+
+def test_close_forgets_without_a_result(demo_tokenizer):
+    parrot = demo_tokenizer.encode("🦜")
+    messages = [
+        [item(1, parrot[:1]), item(2, parrot[:1])],
+        [item(1, close=True), item(2, parrot[1:], final=True), item(99, close=True)],  # 99: never opened
+        [item(1, parrot[1:], final=True)],
+        [item(3, close=True)],
+    ]
+    replies, code = asyncio.run(with_server(demo_tokenizer, lambda stub: exchange(stub, messages)))
+    assert code == grpc.StatusCode.OK
+    assert [[(r.stream_id, r.text) for r in reply.results] for reply in replies] == [
+        [(1, ""), (2, "")],
+        [(2, "🦜")],                                        # stream 2 kept its first byte
+        [(1, demo_tokenizer.decode(parrot[1:]))],           # stream 1 did not: the closed state is gone
+        [],                                                 # a message of closes still gets its reply
+    ]
+
+
+def test_pieces_per_item(demo_tokenizer):
+    id_bytes = {rank: token for token, rank in load_ranks(ranks_path()).items()}  # rank = id in Qwen's vocabulary
+    a, b = demo_tokenizer.encode(TEXTS[0]), demo_tokenizer.encode(TEXTS[2])
+    messages = [[item(1, a, piece_ids=a, final=True), item(2, b[:2]), item(3, b, piece_ids=b[:1], final=True)]]
+    (reply,), _ = asyncio.run(with_server(demo_tokenizer, lambda stub: exchange(stub, messages)))
+    one, two, three = reply.results
+    assert b"".join(one.pieces) == TEXTS[0].encode()
+    assert [p for p, i in zip(one.pieces, a) if i != IM_END] == [id_bytes[i] for i in a if i != IM_END]
+    assert list(two.pieces) == [] and list(three.pieces) == [id_bytes[b[0]]]
+
+
+@pytest.mark.parametrize("bad, says", [
+    (item(5, [10**9]), "outside the vocabulary"),
+    (item(5, [1], piece_ids=[10**9]), "outside the vocabulary"),
+    (item(5, [1], close=True), "a close item carries no token_ids"),
+])
+def test_bad_items_end_the_call_with_invalid_argument(demo_tokenizer, bad, says):
+    async def body(stub):
+        call = stub.DecodeBatches()
+        await call.write(tokenizer_pb2.DecodeBatchRequest(items=[item(4, [1, 2]), bad]))
+        try:
+            await call.read()
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details()
+        return await call.code(), await call.details()
+
+    code, details = asyncio.run(with_server(demo_tokenizer, body))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and says in details
