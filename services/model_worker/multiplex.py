@@ -12,6 +12,7 @@ from rpcserver.handlers import MalformedRequest
 from rpcserver.status import status_for
 from services.model_worker.engine import StepOutput
 from services.model_worker.engine_client import EngineClient
+from services.model_worker.metrics import REQUESTS
 from services.model_worker.sampling_params import SamplingParams
 from services.model_worker.sequence import FinishReason
 from vllm_v0.worker.v1 import worker_pb2
@@ -93,6 +94,7 @@ class MultiplexedCall:
             self.close()
 
     def start(self, request: worker_pb2.GenerateRequest) -> None:
+        REQUESTS.labels("GenerateMany").inc()
         request_id = request.request_id
         try:
             if not request_id:

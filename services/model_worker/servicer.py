@@ -7,6 +7,7 @@ from rpcserver.errors import Unavailable
 from rpcserver.shared import SAMPLING_FIELDS
 from rpcserver.status import grpc_errors
 from services.model_worker.engine_client import EngineClient
+from services.model_worker.metrics import REQUESTS
 from services.model_worker.multiplex import MultiplexedCall, step_message
 from services.model_worker.sampling_params import MAX_LOGPROBS, SamplingParams
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -40,6 +41,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
 
     @grpc_errors
     async def Generate(self, request: worker_pb2.GenerateRequest, context):
+        REQUESTS.labels("Generate").inc()
         params = self._params(request)
         request_id = request.request_id or uuid.uuid4().hex
         first = True
