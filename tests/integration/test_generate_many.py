@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import queue
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from tests.integration.stack import Service, free_port, wait_serving
+from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from vllm_v0.worker.v1 import worker_pb2
 
 WAIT_S = 5.0  # a bounded wait on a condition, never a measure of speed
@@ -145,3 +148,27 @@ def test_cancelling_the_call_frees_every_request(worker):
     many.call.cancel()
     many.close()
     assert idle(wait_for(worker, idle)), "a cancelled call left sequences in the worker"
+
+
+def test_a_per_request_gateway_streams_what_the_multiplexed_one_does(stack, gateway, tmp_path):
+    per_request = Service("gateway", ["gateway", "--tokenizer-addr", stack.tokenizer.address, "--worker-addr",
+                                      stack.worker.address, "--worker-stream", "per-request"],
+                          free_port(), str(tmp_path / "gateway-per-request.log"))
+    per_request.start()
+    try:
+        wait_serving(per_request.address, timeout=60)
+        prompts = [f"Stream number {i} says" for i in range(4)]
+
+        def run(stub, i: int) -> tuple[str, list[int]]:
+            replies = list(stub.Generate(gateway_pb2.GenerateRequest(prompt=prompts[i], max_tokens=10 + i,
+                                                                      temperature=0, ignore_eos=True), timeout=60))
+            return "".join(r.text for r in replies), [t for r in replies for t in r.token_ids]
+
+        with grpc.insecure_channel(per_request.address) as channel, ThreadPoolExecutor(4) as pool:
+            old = gateway_pb2_grpc.GatewayServiceStub(channel)
+            want = list(pool.map(lambda i: run(old, i), range(4)))
+            got = list(pool.map(lambda i: run(gateway, i), range(4)))
+        assert got == want
+        assert [len(ids) for _, ids in got] == [10, 11, 12, 13]
+    finally:
+        per_request.stop()
