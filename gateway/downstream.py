@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -12,6 +14,7 @@ from gateway.detokenize import Detokenizer
 from gateway.fleet import Fleet, Worker, parse_targets
 from gateway.fleet_metrics import RETRIED, ROUTED
 from gateway.router import Router
+from gateway.worker_mux import MuxRequest, WorkerMux
 from rpcserver.errors import Unavailable
 from rpcserver.shared import read_file
 from vllm_v0.gateway.v1 import gateway_pb2
@@ -51,14 +54,39 @@ def open_channel(address: str, tls: DownstreamTLS) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
 
 
+# Starts a request on a worker: an async-iterable of GenerateResponse with cancel(), failing as a Generate call does.
+OpenCall = Callable[[Worker, worker_pb2.GenerateRequest, "float | None"], Any]
+WORKER_STREAMS = ("multiplexed", "per-request")
+
+
+def generate_call(worker: Worker, work: worker_pb2.GenerateRequest, timeout: float | None):
+    """The request as its own Generate call."""
+    return worker.stub.Generate(work, timeout=timeout)
+
+
+class MultiplexedCalls:
+    """The request on the worker's shared GenerateMany call, opened on demand."""
+
+    def __init__(self):
+        self._muxes: dict[str, tuple[Worker, WorkerMux]] = {}  # address -> the worker it was opened for, its mux
+
+    def __call__(self, worker: Worker, work: worker_pb2.GenerateRequest, timeout: float | None) -> MuxRequest:
+        known = self._muxes.get(worker.address)
+        if known is None or known[0] is not worker:  # a worker that left and came back has a new channel
+            known = self._muxes[worker.address] = (worker, WorkerMux(worker.stub.GenerateMany, worker.address))
+        return known[1].open(work, timeout)
+
+
 class WorkerStream:
-    """One Generate call on a worker the router picks, retried once on another when it fails UNAVAILABLE
+    """One request on a worker the router picks, retried once on another when it fails UNAVAILABLE
     before its first token (the worker died or is draining); after the first token an error is the caller's.
     """
 
-    def __init__(self, fleet: Fleet, work: worker_pb2.GenerateRequest, timeout: float | None):
+    def __init__(self, fleet: Fleet, work: worker_pb2.GenerateRequest, timeout: float | None,
+                 open_call: OpenCall = generate_call):
         self.fleet = fleet
         self.work = work
+        self.open_call = open_call
         self.deadline = time.monotonic() + timeout if timeout is not None else None
         self._call = None
         self._worker: Worker | None = None
@@ -90,7 +118,7 @@ class WorkerStream:
             self._worker = worker
             ROUTED.labels(worker.address).inc()
             timeout = max(0.0, self.deadline - time.monotonic()) if self.deadline is not None else None
-            self._call = worker.stub.Generate(self.work, timeout=timeout)
+            self._call = self.open_call(worker, self.work, timeout)
             first = True
             try:
                 async for step in self._call:
@@ -114,8 +142,12 @@ class Downstreams:
     """The tokenizer's stub, the fleet of workers, and facts fetched once they answer (context size, eos tokens)."""
 
     def __init__(self, tokenizer_addr: str, worker_targets: list[str] | str, tls: DownstreamTLS,
-                 health_interval: float = 1.0, router: Router | None = None):
+                 health_interval: float = 1.0, router: Router | None = None, worker_stream: str = "multiplexed"):
+        if worker_stream not in WORKER_STREAMS:
+            raise ValueError(f"worker_stream must be one of {', '.join(WORKER_STREAMS)}, got {worker_stream!r}")
         self.tls = tls
+        # One shared call per worker costs a message per engine step rather than one per request per step.
+        self._open_call: OpenCall = MultiplexedCalls() if worker_stream == "multiplexed" else generate_call
         self.addresses = {"tokenizer": tokenizer_addr, "worker": ",".join(parse_targets(worker_targets))}
         self._tokenizer_channel = open_channel(tokenizer_addr, tls)
         self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(self._tokenizer_channel)
@@ -136,7 +168,7 @@ class Downstreams:
 
     def open_worker_stream(self, work: worker_pb2.GenerateRequest, timeout: float | None) -> WorkerStream:
         """The worker's token stream for this request: async-iterable, with cancel()."""
-        return WorkerStream(self.fleet, work, timeout)
+        return WorkerStream(self.fleet, work, timeout, self._open_call)
 
     def worker_statuses(self) -> list[gateway_pb2.WorkerStatus]:
         return [gateway_pb2.WorkerStatus(

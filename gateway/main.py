@@ -8,7 +8,7 @@ import logging
 import grpc
 from prometheus_client import REGISTRY
 
-from gateway.downstream import Downstreams, DownstreamTLS
+from gateway.downstream import WORKER_STREAMS, Downstreams, DownstreamTLS
 from gateway.fleet import parse_targets
 from gateway.fleet_metrics import FleetCollector
 from gateway.generation import GenerationCore
@@ -35,6 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--routing", "cache-aware", "how requests are spread over the workers: cache-aware (the "
              "worker holding most of the prompt's leading blocks, unless overloaded; misses by load), least-load "
              "or round-robin", choices=POLICIES)
+    add_flag(parser, "--worker-stream", "multiplexed", "how requests travel to a worker: multiplexed (one "
+             "GenerateMany call per worker, one message per engine step for all its requests) or per-request (a "
+             "Generate call each)", choices=WORKER_STREAMS)
     add_flag(parser, "--model-name", "", "model name reported by GetInfo (default: the worker's --model)")
     add_flag(parser, "--max-prompt-tokens", 0, "longest prompt accepted, in tokens (0: the context minus one)")
     add_flag(parser, "--max-tokens-limit", 0, "largest max_tokens accepted (0: the context)")
@@ -103,7 +106,7 @@ async def serve(args: argparse.Namespace) -> None:
     server = GrpcServer(ServerConfig.from_args(args), [service.full_name], interceptors=auth_interceptors(args))
     downstreams = Downstreams(args.tokenizer_addr, args.worker_addr,
                               DownstreamTLS(args.downstream_tls_ca, args.downstream_tls_cert, args.downstream_tls_key),
-                              args.health_interval, Router(RouterConfig(args.routing)))
+                              args.health_interval, Router(RouterConfig(args.routing)), args.worker_stream)
     REGISTRY.register(FleetCollector(downstreams.fleet))
     core = GenerationCore(downstreams, limits_overrides(args))
     add_servicer(server.server, service, GatewayServicer(core, args.model_name, args.log_prompts))

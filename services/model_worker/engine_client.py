@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 from rpcserver.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.model_worker import ipc
@@ -23,8 +24,18 @@ EMPTY_STATS = {"running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_free"
                "preemptions": 0, "prefix_queries": 0, "prefix_hits": 0, "adds_applied": 0, "steps": 0}
 
 
+class Sink(Protocol):
+    """Where a request's outputs go: each StepOutput, then its end (the one with finish_reason, or an exception).
+
+    Called on the event loop while a step's frame is dispatched, so it must not block; an
+    asyncio.Queue is one, and a multiplexed call gathers all its requests' outputs in another.
+    """
+
+    def put_nowait(self, item: StepOutput | BaseException) -> None: ...
+
+
 class EngineClient:
-    """Runs the model in an engine-core process and fans its per-step outputs out to per-request queues.
+    """Runs the model in an engine-core process and fans its per-step outputs out to per-request sinks.
 
     Lives on the worker's event loop and never computes: requests go to the core as add and abort
     commands, and each step comes back as one frame. If the core dies, every open stream fails with
@@ -59,7 +70,7 @@ class EngineClient:
         # Requests cross the socket under ids unique for this client's life, so a late output of a
         # cancelled stream never reaches a new stream that reuses its request id.
         self._ids = itertools.count()
-        self._streams: dict[str, tuple[str, asyncio.Queue]] = {}  # core id -> (request id, outputs)
+        self._streams: dict[str, tuple[str, Sink]] = {}  # core id -> (request id, outputs); open requests only
         self._request_ids: set[str] = set()
         self._adds_sent = 0  # to this core; with its adds_applied, the adds still on their way
         self._supervisor: asyncio.Task | None = None
@@ -67,6 +78,7 @@ class EngineClient:
         self.failed = asyncio.Event()
         self.failure = ""
         self._closing = False
+        self._draining = False
 
     @property
     def serving(self) -> bool:
@@ -96,6 +108,11 @@ class EngineClient:
         self._fail_streams(self._down_reason)
         self.load_feed.close()
 
+    async def drain(self) -> None:
+        """The worker is stopping: refuse new requests (callers retry elsewhere), let open ones finish."""
+        self._draining = True
+        await self.load_feed.aclose()
+
     def make_params(self, overrides: dict) -> SamplingParams:
         """Sampling parameters from a request's set fields, defaults from generation_config.json."""
         params = SamplingParams.resolve(overrides, self.generation.sampling)
@@ -108,9 +125,30 @@ class EngineClient:
 
         Leaving the iteration early (the caller cancelled) aborts the sequence.
         """
+        out: asyncio.Queue = asyncio.Queue()
+        core_id = self.submit(request_id, prompt_ids, params, out)
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self.abort(core_id)
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> str:
+        """Queue a request on the core; its outputs and its end go to `sink`. Returns the id abort() takes.
+
+        Raises Unavailable (no core, or draining), InvalidArgument (a request id already generating)
+        or ResourceExhausted (the waiting queue is full) at once, before anything reaches the core.
+        """
         core = self._core
         if core is None:
             raise Unavailable(self._down_reason)
+        if self._draining:
+            raise Unavailable("the worker is shutting down; retry on another worker")
         if request_id in self._request_ids:
             raise InvalidArgument(f"request id {request_id!r} is already generating; use a unique id")
         limit = self.config.limits.max_waiting
@@ -118,27 +156,24 @@ class EngineClient:
         if self.stats["waiting"] + self._adds_sent - self.stats["adds_applied"] >= limit:
             raise ResourceExhausted(f"the worker's queue is full ({limit} requests waiting); retry later")
         core_id = str(next(self._ids))
-        out: asyncio.Queue = asyncio.Queue()
-        self._streams[core_id] = (request_id, out)
+        self._streams[core_id] = (request_id, sink)
         self._request_ids.add(request_id)
         self._adds_sent += 1
         core.send({"type": "add", "id": core_id, "prompt": list(prompt_ids), "params": ipc.params_to_dict(params)})
-        finished = False
-        try:
-            while True:
-                item = await out.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(core_id, None)
-            self._request_ids.discard(request_id)
-            if not finished and self._core is core:
-                core.send({"type": "abort", "id": core_id})
+        return core_id
+
+    def abort(self, core_id: str) -> None:
+        """Drop a request that has not ended (a no-op once it has): the core frees it at its next step boundary."""
+        if self._end(core_id) and self._core is not None:
+            self._core.send({"type": "abort", "id": core_id})
+
+    def _end(self, core_id: str) -> bool:
+        """Forget an open request; False if it had already ended."""
+        stream = self._streams.pop(core_id, None)
+        if stream is None:
+            return False
+        self._request_ids.discard(stream[0])
+        return True
 
     # -- the core's life -----------------------------------------------------------------------------
 
@@ -214,12 +249,15 @@ class EngineClient:
             if stream is None:
                 self.tokens_after_cancel += 1
                 continue
+            if output.finish_reason is not None:
+                self._end(output.request_id)
             output.request_id = stream[0]
             stream[1].put_nowait(output)
         for raw in message["errors"]:
             core_id, error = ipc.error_from_list(raw)
             stream = self._streams.get(core_id)
             if stream is not None:
+                self._end(core_id)
                 stream[1].put_nowait(error)
         self.stats = message["stats"]
         self.load_feed.update(self.stats, [bytes.fromhex(h) for h in message.get("kv_stored", ())],
@@ -246,11 +284,12 @@ class EngineClient:
         return why
 
     def _fail_streams(self, message: str) -> int:
-        for _, out in self._streams.values():
-            out.put_nowait(Unavailable(message))
-        failed = len(self._streams)
+        streams = list(self._streams.values())
         self._streams.clear()
-        return failed
+        self._request_ids.clear()
+        for _, out in streams:
+            out.put_nowait(Unavailable(message))
+        return len(streams)
 
     async def _notify(self, serving: bool) -> None:
         if self.on_serving is not None and not self._closing:

@@ -92,7 +92,7 @@ async def serve(args: argparse.Namespace) -> None:
             log.warning("%s is the demo checkpoint: its weights are RANDOM, so generated text is gibberish",
                         checkpoint)
         serving = asyncio.ensure_future(server.run_until_signal(on_stop=client.close,
-                                                                   on_drain=client.load_feed.aclose))
+                                                                   on_drain=client.drain))
         failed = asyncio.ensure_future(client.failed.wait())
         await asyncio.wait([serving, failed], return_when=asyncio.FIRST_COMPLETED)
         if not serving.done():  # the engine is gone for good: its streams already got UNAVAILABLE

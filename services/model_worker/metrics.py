@@ -9,6 +9,9 @@ from services.model_worker.engine_client import EngineClient
 STEP_SECONDS = Histogram("vllm_v0_worker_step_duration_seconds", "one engine step: schedule, forward, sample",
                          buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
 GENERATED_TOKENS = Counter("vllm_v0_worker_generated_tokens", "tokens sampled, over all sequences")
+# Per request, not per call: one GenerateMany call carries many, which the gRPC call counters cannot see.
+REQUESTS = Counter("vllm_v0_worker_requests", "generation requests received, valid or not, by the RPC that "
+                   "carried them", ("rpc",))
 
 
 def observe_step(seconds: float, num_tokens: int) -> None:

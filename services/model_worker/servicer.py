@@ -6,14 +6,11 @@ import uuid
 from rpcserver.errors import Unavailable
 from rpcserver.shared import SAMPLING_FIELDS
 from rpcserver.status import grpc_errors
-from services.model_worker.engine import StepOutput
 from services.model_worker.engine_client import EngineClient
+from services.model_worker.metrics import REQUESTS
+from services.model_worker.multiplex import MultiplexedCall, step_message
 from services.model_worker.sampling_params import MAX_LOGPROBS, SamplingParams
-from services.model_worker.sequence import FinishReason
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
-
-FINISH_REASONS = {None: worker_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.EOS: worker_pb2.FINISH_REASON_EOS,
-                  FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH}
 
 
 class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
@@ -44,12 +41,19 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
 
     @grpc_errors
     async def Generate(self, request: worker_pb2.GenerateRequest, context):
+        REQUESTS.labels("Generate").inc()
         params = self._params(request)
         request_id = request.request_id or uuid.uuid4().hex
         first = True
         async for out in self.engine.generate(request_id, list(request.prompt_token_ids), params):
-            yield _to_proto(out, first)
+            yield step_message(out, first)
             first = False
+
+    @grpc_errors
+    async def GenerateMany(self, requests, context):
+        # Each request's errors are outputs on the call; only an unreadable message ends it early.
+        async for response in MultiplexedCall(lambda: self.engine, self._params).serve(requests):
+            yield response
 
     @grpc_errors
     async def WatchLoad(self, request, context):
@@ -76,11 +80,3 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
             block_size=info["block_size"], prefix_cache_hit_rate=stats["prefix_cache_hit_rate"],
             tokens_after_cancel=engine.tokens_after_cancel, max_logprobs=MAX_LOGPROBS)
 
-
-def _to_proto(out: StepOutput, first: bool) -> worker_pb2.GenerateResponse:
-    msg = worker_pb2.GenerateResponse(token_id=out.token_id, finish_reason=FINISH_REASONS[out.finish_reason],
-                                      prompt_tokens=out.prompt_tokens if first else 0)
-    if out.logprob is not None:
-        msg.logprob = out.logprob
-        msg.top_logprobs.extend(worker_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in out.top_logprobs)
-    return msg

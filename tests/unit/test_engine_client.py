@@ -237,3 +237,16 @@ def test_a_core_that_cannot_load_fails_the_start(checkpoint, tmp_path):
             await asyncio.wait_for(client.start(), START_S)
         assert client.process.popen.poll() == 1 and not client.serving
     asyncio.run(scenario())
+
+
+def test_a_draining_client_refuses_new_requests_and_finishes_open_ones(checkpoint):
+    async def scenario(client: EngineClient):
+        open_stream = client.generate("open", [1, 2, 3], greedy(20))
+        first = await open_stream.__anext__()
+        await client.drain()
+        with pytest.raises(Unavailable, match="shutting down"):
+            await collect(client, "late", [4, 5], greedy(2))
+        return [first.token_id] + [out.token_id async for out in open_stream]
+
+    tokens = run_client(checkpoint, scenario)
+    assert tokens == make_engine(checkpoint).generate([[1, 2, 3]], greedy(20))[0]

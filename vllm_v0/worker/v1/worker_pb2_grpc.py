@@ -39,6 +39,11 @@ class ModelWorkerServiceStub:
                 request_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/vllm_v0.worker.v1.ModelWorkerService/GenerateMany',
+                request_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/vllm_v0.worker.v1.ModelWorkerService/GetInfo',
                 request_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
@@ -62,6 +67,27 @@ class ModelWorkerServiceServicer:
         Errors: INVALID_ARGUMENT (empty prompt, ids outside the vocabulary,
         prompt + max_tokens beyond the context, bad sampling values),
         RESOURCE_EXHAUSTED (waiting queue full), UNAVAILABLE (shutting down).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Generate for many requests on one long-lived call, for a gateway that
+        keeps one such call open per worker. Each response message carries what
+        one engine step produced for all of this call's open requests, so a step
+        costs one message per call rather than one per request. Requests start and
+        are cancelled by messages on the call; each request keeps every rule of
+        Generate (one output per decode step, the last with `finish_reason`), and
+        a request that fails gets one output with `error_code` set, the status
+        Generate would have ended with: INVALID_ARGUMENT (bad request, missing or
+        duplicate `request_id`), RESOURCE_EXHAUSTED (waiting queue full),
+        UNAVAILABLE (the engine is down or died mid-stream, or the worker is
+        draining: retry on another worker). A failed request never ends the call
+        nor touches its other requests. When the caller half-closes, the call
+        ends once its open requests have finished; when the caller cancels it,
+        every open request is dropped and its KV cache freed at the next step
+        boundary.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,6 +120,11 @@ def add_ModelWorkerServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GenerateManyRequest.FromString,
+                    response_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GenerateManyResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -133,6 +164,33 @@ class ModelWorkerService:
             '/vllm_v0.worker.v1.ModelWorkerService/Generate',
             vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
             vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/vllm_v0.worker.v1.ModelWorkerService/GenerateMany',
+            vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GenerateManyRequest.SerializeToString,
+            vllm__v0_dot_worker_dot_v1_dot_worker__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
