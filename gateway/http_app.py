@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.generation import Delta, GenerationCore
 from gateway.metrics import RequestRecord
@@ -197,11 +197,16 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(stream_events(fmt, choices, firsts, usage), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache", "x-request-id": request_id})
-        try:
+        async def collect() -> None:
             for index, delta in firsts:
                 fmt.add(index, delta)
             async for index, delta in choices.rest():
                 fmt.add(index, delta)
+
+        try:
+            if not await until_disconnect(request, collect()):
+                # Nobody is left to read the body; the cancel has freed the worker's sequences.
+                return Response(status_code=499)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
         finally:
@@ -234,6 +239,37 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
         return JSONResponse({"status": "not serving"}, status_code=503)
 
     return app
+
+
+async def until_disconnect(request: Request, work) -> bool:
+    """Run `work` to its end (True), or cancel it when the client goes away first (False).
+
+    A streaming response notices a vanished client when a write fails; a non-streaming one writes
+    nothing until the end, so it listens for the disconnect instead.
+    """
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - cannot listen: let the work finish as it would have
+            await asyncio.Event().wait()
+
+    listener = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        if listener.done() and not listener.cancelled():
+            return False
+        raise
+    return True
 
 
 async def stream_events(fmt: ResponseFormat, choices: Choices, firsts: list[tuple[int, Delta]],

@@ -225,3 +225,25 @@ def test_api_key_and_full_queue(keyed_small_stack):
             good.completions.create(model="any", prompt=PROMPT, max_tokens=2)
         for call in calls:
             call.result(timeout=300)
+
+
+def test_non_streaming_disconnect_frees_the_workers_blocks(stack, worker):
+    """A client that gives up on a non-streaming completion cancels it, though nothing was written to it yet."""
+    curl = subprocess.Popen(["curl", "-s", stack.http_url + "/v1/completions", "-H", "Content-Type: application/json",
+                             "-H", "x-request-id: curl-gives-up", "-d",
+                             json.dumps({"model": "any", "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True})],
+                            stdout=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while worker.GetInfo(worker_pb2.GetInfoRequest()).running != 1:
+        assert time.monotonic() < deadline and curl.poll() is None
+        time.sleep(0.05)
+    curl.kill()
+    curl.wait()
+    info = wait_idle(worker)
+    assert (info.running, info.waiting, info.kv_blocks_used) == (0, 0, 0)
+    deadline = time.monotonic() + 10
+    while "request curl-gives-up: CANCELLED" not in stack.gateway.log():
+        assert time.monotonic() < deadline, stack.gateway.log()[-2000:]
+        time.sleep(0.05)
+    line = next(x for x in stack.gateway.log().splitlines() if "request curl-gives-up:" in x)
+    assert int(re.search(r"completion (\d+) tokens", line).group(1)) < 1000
