@@ -198,6 +198,7 @@ async def run(args, stack, http_port: int, tokenizer: TokenizerCore) -> dict:
     single = {m: [] for m in MODES}
     batched = {m: [] for m in MODES}
     cpu = {m: {} for m in MODES}  # CPU ms per token at 1 stream, by process
+    cpu_many = {m: {} for m in MODES}  # and at args.streams streams
     meter = CpuMeter({"tokenizer": stack.tokenizer.process.pid, "worker": stack.worker.process.pid,
                       "gateway": stack.gateway.process.pid})
     try:
@@ -208,7 +209,8 @@ async def run(args, stack, http_port: int, tokenizer: TokenizerCore) -> dict:
                 single[mode].append(await measured(meter, cpu, mode, counted(
                     one_stream(clients, mode, texts[0], prompts[0], args.new_tokens), args.new_tokens)))
             for mode in MODES:
-                batched[mode].append(await many_streams(clients, mode, texts, prompts, args.new_tokens))
+                batched[mode].append(await measured(meter, cpu_many, mode, counted(
+                    many_streams(clients, mode, texts, prompts, args.new_tokens), args.streams * args.new_tokens)))
             print(f"round {round_ + 1}: 1 stream ms/token " +
                   "  ".join(f"{m} {single[m][-1]:.3f}" for m in MODES) + f" | {args.streams} streams tok/s " +
                   "  ".join(f"{m} {batched[m][-1]:.0f}" for m in MODES), flush=True)
@@ -217,11 +219,21 @@ async def run(args, stack, http_port: int, tokenizer: TokenizerCore) -> dict:
     finally:
         await clients.close()
     return {"single_ms_per_token": single, "streams_tok_s": batched, "decode_us_per_token": decode,
-            "cpu_ms_per_token_1": cpu}
+            "cpu_ms_per_token_1": cpu, "cpu_ms_per_token_many": cpu_many}
 
 
 async def counted(measurement, tokens: int) -> tuple[float, int]:
     return await measurement, tokens
+
+
+def cpu_table(raw: dict, label: str) -> dict:
+    """Print CPU ms per token by mode and process (medians); return their stats."""
+    print(f"\nCPU ms per token {label}, by process (the worker with its engine core; client: this script):")
+    names = list(next(iter(raw.values())))
+    print(f"{'':14s}" + "".join(f"{n:>12s}" for n in names))
+    for mode in MODES:
+        print(f"{mode:14s}" + "".join(f"{statistics.median(raw[mode][n]):12.3f}" for n in names))
+    return {m: {n: stats(v) for n, v in by_name.items()} for m, by_name in raw.items()}
 
 
 def main(argv=None) -> None:
@@ -255,12 +267,8 @@ def main(argv=None) -> None:
     print(f"\n{'':14s}{'1 stream, ms/token':>28s}{f'{args.streams} streams, tok/s':>30s}")
     for mode in MODES:
         print(f"{mode:14s}{show(single[mode]):>28s}{show(batched[mode]):>30s}")
-    print("\nCPU ms per token at 1 stream, by process (the worker with its engine core; client: this script):")
-    names = list(next(iter(raw["cpu_ms_per_token_1"].values())))
-    print(f"{'':14s}" + "".join(f"{n:>12s}" for n in names))
-    for mode in MODES:
-        print(f"{mode:14s}" + "".join(f"{statistics.median(raw['cpu_ms_per_token_1'][mode][n]):12.3f}" for n in names))
-    cpu_1 = {m: {n: stats(v) for n, v in by_name.items()} for m, by_name in raw["cpu_ms_per_token_1"].items()}
+    cpu_1 = cpu_table(raw["cpu_ms_per_token_1"], "at 1 stream")
+    cpu_many = cpu_table(raw["cpu_ms_per_token_many"], f"at {args.streams} streams")
     print("\ndetokenization alone, µs per token:")
     for name, value in decode.items():
         print(f"  {name:26s}{show(value)}")
@@ -288,7 +296,7 @@ def main(argv=None) -> None:
         "settings": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "streams": args.streams,
                      "repeats": args.repeats},
         "single_ms_per_token": single, "streams_tok_s": batched, "decode_us_per_token": decode,
-        "cpu_ms_per_token_1": cpu_1, "ratios": ratios, "targets": TARGETS, "wall_s": time.perf_counter() - started}))
+        "cpu_ms_per_token_1": cpu_1, "cpu_ms_per_token_many": cpu_many, "ratios": ratios, "targets": TARGETS, "wall_s": time.perf_counter() - started}))
 
 
 if __name__ == "__main__":
