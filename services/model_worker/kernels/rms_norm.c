@@ -11,30 +11,44 @@
 
 #include "bf16.h"
 
-static inline float load(const void *p, int64_t i, int is_bf16) {
-    return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+/* Row r's normalised, weighted values as float32, each already rounded to bf16 where the model is
+ * bf16: y = w * round(x * rsqrt(mean(x^2) + eps)), rounded. Separate bf16 and float32 loops, with no
+ * per-element branch, so the compiler vectorises them. */
+static inline void norm_row(const void *x, int64_t base, const void *weight, int64_t w_base, int dim, float eps,
+                            int is_bf16, float *y) {
+    float sum = 0.0f;
+    if (is_bf16) {
+        const uint16_t *xr = (const uint16_t *)x + base, *wr = (const uint16_t *)weight + w_base;
+        for (int d = 0; d < dim; d++) y[d] = bf16_to_f32(xr[d]);
+        for (int d = 0; d < dim; d++) sum += y[d] * y[d];
+        const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int d = 0; d < dim; d++)
+            y[d] = bf16_to_f32(f32_to_bf16(bf16_to_f32(wr[d]) * bf16_to_f32(f32_to_bf16(y[d] * scale))));
+    } else {
+        const float *xr = (const float *)x + base, *wr = (const float *)weight + w_base;
+        for (int d = 0; d < dim; d++) sum += xr[d] * xr[d];
+        const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int d = 0; d < dim; d++) y[d] = wr[d] * (xr[d] * scale);
+    }
 }
 
 /* x: groups of `group_rows` contiguous rows of `dim` values, group g at x + g * group_stride
  * (elements), e.g. a token's heads; out: contiguous (rows, dim); weight: (weight_rows, dim), row r
- * uses weight row r % weight_rows. All float32 or all bf16. */
+ * uses weight row r % weight_rows. All float32 or all bf16. fp-contract=off: the same products and
+ * sums as rms_norm_rope's, so the two agree to the bit. */
+__attribute__((optimize("fp-contract=off")))
 void rms_norm(const void *x, int64_t group_stride, int group_rows, const void *weight, int weight_rows, void *out,
               int64_t rows, int dim, float eps, int is_bf16) {
-#pragma omp parallel for schedule(static) if (rows * dim > 65536)
+#pragma omp parallel for schedule(static) if (rows * dim > 16384)
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t base = r / group_rows * group_stride + r % group_rows * (int64_t)dim;
-        const int64_t w_base = (r % weight_rows) * (int64_t)dim;
-        float sum = 0.0f;
-        for (int d = 0; d < dim; d++) {
-            const float v = load(x, base + d, is_bf16);
-            sum += v * v;
-        }
-        const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
-        for (int d = 0; d < dim; d++) {
-            const float normed = load(x, base + d, is_bf16) * scale;
-            const float w = load(weight, w_base + d, is_bf16);
-            if (is_bf16) ((uint16_t *)out)[r * dim + d] = f32_to_bf16(w * bf16_to_f32(f32_to_bf16(normed)));
-            else ((float *)out)[r * dim + d] = w * normed;
+        float y[dim];
+        norm_row(x, r / group_rows * group_stride + r % group_rows * (int64_t)dim, weight,
+                 (r % weight_rows) * (int64_t)dim, dim, eps, is_bf16, y);
+        if (is_bf16) {
+            uint16_t *o = (uint16_t *)out + r * dim;
+            for (int d = 0; d < dim; d++) o[d] = f32_to_bf16(y[d]);  /* exact: y holds bf16 values */
+        } else {
+            memcpy((float *)out + r * dim, y, sizeof(float) * dim);
         }
     }
 }
@@ -43,40 +57,37 @@ void rms_norm(const void *x, int64_t group_stride, int group_rows, const void *w
  * apply_rotary takes (a layer's q and k heads: one call instead of six, every layer of every
  * step). Row r belongs to token r / group_rows; cos and signed_sin: (tokens, dim), contiguous, the
  * half-split tables RotaryEmbedding builds, (cos, cos) and (-sin, sin). Each product and the sum
- * are rounded to the model dtype in turn, as the torch ops do. */
+ * are rounded to the model dtype in turn, as the torch ops do; fp-contract=off keeps the float32
+ * products apart too (a fused multiply-add would round once). */
+__attribute__((optimize("fp-contract=off")))
 void rms_norm_rope(const void *x, int64_t group_stride, int group_rows, const void *weight, int weight_rows,
                    const void *cos, const void *signed_sin, void *out, int64_t rows, int dim, float eps,
                    int is_bf16) {
     const int half = dim / 2;
-#pragma omp parallel for schedule(static) if (rows * dim > 65536)
+#pragma omp parallel for schedule(static) if (rows * dim > 16384)
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t base = r / group_rows * group_stride + r % group_rows * (int64_t)dim;
-        const int64_t w_base = (r % weight_rows) * (int64_t)dim;
         const int64_t t_base = r / group_rows * (int64_t)dim;
-        float normed[dim];
-        float sum = 0.0f;
-        for (int d = 0; d < dim; d++) {
-            const float v = load(x, base + d, is_bf16);
-            sum += v * v;
-        }
-        const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
-        for (int d = 0; d < dim; d++) {
-            const float n = load(x, base + d, is_bf16) * scale;
-            const float w = load(weight, w_base + d, is_bf16);
-            normed[d] = is_bf16 ? bf16_to_f32(f32_to_bf16(w * bf16_to_f32(f32_to_bf16(n)))) : w * n;
-        }
-        for (int d = 0; d < dim; d++) {
-            const float rotated = normed[d < half ? d + half : d - half];
-            /* volatile: each product rounded on its own, never fused into one multiply-add. */
-            volatile float a = normed[d] * load(cos, t_base + d, is_bf16);
-            volatile float b = rotated * load(signed_sin, t_base + d, is_bf16);
-            if (is_bf16) {
-                a = bf16_to_f32(f32_to_bf16(a));
-                b = bf16_to_f32(f32_to_bf16(b));
-                ((uint16_t *)out)[r * dim + d] = f32_to_bf16(a + b);
-            } else {
-                ((float *)out)[r * dim + d] = a + b;
+        float y[dim];
+        norm_row(x, r / group_rows * group_stride + r % group_rows * (int64_t)dim, weight,
+                 (r % weight_rows) * (int64_t)dim, dim, eps, is_bf16, y);
+        if (is_bf16) {
+            const uint16_t *c = (const uint16_t *)cos + t_base, *s = (const uint16_t *)signed_sin + t_base;
+            uint16_t *o = (uint16_t *)out + r * dim;
+            for (int d = 0; d < half; d++) {
+                const float a = bf16_to_f32(f32_to_bf16(y[d] * bf16_to_f32(c[d])));
+                const float b = bf16_to_f32(f32_to_bf16(y[d + half] * bf16_to_f32(s[d])));
+                o[d] = f32_to_bf16(a + b);
             }
+            for (int d = half; d < dim; d++) {
+                const float a = bf16_to_f32(f32_to_bf16(y[d] * bf16_to_f32(c[d])));
+                const float b = bf16_to_f32(f32_to_bf16(y[d - half] * bf16_to_f32(s[d])));
+                o[d] = f32_to_bf16(a + b);
+            }
+        } else {
+            const float *c = (const float *)cos + t_base, *s = (const float *)signed_sin + t_base;
+            float *o = (float *)out + r * dim;
+            for (int d = 0; d < half; d++) o[d] = y[d] * c[d] + y[d + half] * s[d];
+            for (int d = half; d < dim; d++) o[d] = y[d] * c[d] + y[d - half] * s[d];
         }
     }
 }
