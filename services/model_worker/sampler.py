@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.model_worker.kernels import cpu_argmax
 from services.model_worker.sampling_params import SamplingParams
 from services.model_worker.transfer import to_device
 
@@ -61,10 +62,10 @@ class Sampler:
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not sampled_rows and not any(p.has_penalties for p in params):
             # The common case, every step: argmax in the logits' own dtype (widening is exact).
-            token_ids = logits.argmax(dim=-1)
+            token_ids = cpu_argmax.argmax(logits)
         else:
             scores = apply_penalties(logits.float(), params, prompt_ids, output_ids)
-            token_ids = scores.argmax(dim=-1)
+            token_ids = cpu_argmax.argmax(scores)
             if sampled_rows:
                 rows = to_device(sampled_rows, torch.long, logits.device)
                 drawn = _sample(
