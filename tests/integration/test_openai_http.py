@@ -174,15 +174,19 @@ def test_curl_disconnect_frees_the_workers_blocks(stack, worker):
     assert busy.running == 1 and busy.kv_blocks_used > 0
     curl.kill()
     curl.wait()
+    assert_cancelled_and_freed(stack, worker, "curl-disconnect", 1000)
+
+
+def assert_cancelled_and_freed(stack, worker, request_id: str, max_tokens: int) -> None:
+    """The worker is idle with no blocks held, freed by the cancel (logged as such), not by running to max_tokens."""
     info = wait_idle(worker)
     assert (info.running, info.waiting, info.kv_blocks_used) == (0, 0, 0)
-    # Freed by the cancel, not by running to max_tokens: the gateway logged the request as cancelled.
     deadline = time.monotonic() + 10
-    while "request curl-disconnect: CANCELLED" not in stack.gateway.log():
+    while f"request {request_id}: CANCELLED" not in stack.gateway.log():
         assert time.monotonic() < deadline, stack.gateway.log()[-2000:]
         time.sleep(0.05)
-    line = next(x for x in stack.gateway.log().splitlines() if "request curl-disconnect:" in x)
-    assert int(re.search(r"completion (\d+) tokens", line).group(1)) < 1000
+    line = next(x for x in stack.gateway.log().splitlines() if f"request {request_id}:" in x)
+    assert int(re.search(r"completion (\d+) tokens", line).group(1)) < max_tokens
 
 
 @pytest.fixture(scope="module")
@@ -239,11 +243,4 @@ def test_non_streaming_disconnect_frees_the_workers_blocks(stack, worker):
         time.sleep(0.05)
     curl.kill()
     curl.wait()
-    info = wait_idle(worker)
-    assert (info.running, info.waiting, info.kv_blocks_used) == (0, 0, 0)
-    deadline = time.monotonic() + 10
-    while "request curl-gives-up: CANCELLED" not in stack.gateway.log():
-        assert time.monotonic() < deadline, stack.gateway.log()[-2000:]
-        time.sleep(0.05)
-    line = next(x for x in stack.gateway.log().splitlines() if "request curl-gives-up:" in x)
-    assert int(re.search(r"completion (\d+) tokens", line).group(1)) < 1000
+    assert_cancelled_and_freed(stack, worker, "curl-gives-up", 1000)

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from demo.vocab import load_ranks, ranks_path
-from tests.unit.test_decode_stream import with_server
+from tests.unit.test_decode_stream import status_after, with_server
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 
 IM_END = 151645
@@ -119,13 +119,7 @@ def test_pieces_per_item(demo_tokenizer):
 ])
 def test_bad_items_end_the_call_with_invalid_argument(demo_tokenizer, bad, says):
     async def body(stub):
-        call = stub.DecodeBatches()
-        await call.write(tokenizer_pb2.DecodeBatchRequest(items=[item(4, [1, 2]), bad]))
-        try:
-            await call.read()
-        except grpc.aio.AioRpcError as e:
-            return e.code(), e.details()
-        return await call.code(), await call.details()
+        return await status_after(stub.DecodeBatches(), tokenizer_pb2.DecodeBatchRequest(items=[item(4, [1, 2]), bad]))
 
     code, details = asyncio.run(with_server(demo_tokenizer, body))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and says in details

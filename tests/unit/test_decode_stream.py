@@ -26,6 +26,16 @@ async def with_server(core, body):
         await server.stop(None)
 
 
+async def status_after(call, request) -> tuple[grpc.StatusCode, str]:
+    """Write one message on a bidirectional call and read: the status the call ends with."""
+    await call.write(request)
+    try:
+        await call.read()
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details()
+    return await call.code(), await call.details()
+
+
 @pytest.mark.parametrize("skip_special_tokens", [False, True])
 def test_one_id_per_message_adds_up_to_the_full_decode(demo_tokenizer, skip_special_tokens):
     ids = demo_tokenizer.encode(TEXT)
@@ -64,13 +74,7 @@ def test_pieces_are_the_tokens_bytes(demo_tokenizer):
 @pytest.mark.parametrize("field", ["token_ids", "piece_ids"])
 def test_ids_outside_the_vocabulary_are_invalid_argument(demo_tokenizer, field):
     async def body(stub):
-        call = stub.DecodeStream()
-        await call.write(tokenizer_pb2.DecodeStreamRequest(**{field: [10**9]}))
-        try:
-            await call.read()
-        except grpc.aio.AioRpcError as e:
-            return e.code(), e.details()
-        return await call.code(), await call.details()
+        return await status_after(stub.DecodeStream(), tokenizer_pb2.DecodeStreamRequest(**{field: [10**9]}))
 
     code, details = asyncio.run(with_server(demo_tokenizer, body))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in details
