@@ -32,6 +32,7 @@ from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
 BAD_STATUSES = ("UNKNOWN", "INTERNAL")
+PER_REQUEST_BAD = {grpc.StatusCode[name].value[0]: name for name in BAD_STATUSES}  # in GenerateMany's outputs
 TEXTS = ["", " ", "hello", "The capital of France is", "你好，世界", "😀🎉👩‍👩‍👧", "<|im_end|>", "<|endoftext|>",
          "<think>", "\x00", "\n\n", "system", "user", "assistant", "tool", "wizard", "a" * 300, "word " * 2000]
 FLOATS = [0.0, -0.0, 1.0, -1.0, 0.5, 0.95, 2.0, -2.0, 2.5, 1e-30, 1e30, 3.4e38, math.nan, math.inf, -math.inf]
@@ -92,6 +93,15 @@ def make_calls(channels: dict[str, grpc.aio.Channel]) -> list:
             return message
         return make
 
+    def messages(make_one):
+        """A bidirectional call's messages: one to four random ones."""
+        return lambda rng: [make_one(rng) for _ in range(rng.randrange(1, 5))]
+
+    def many_request(rng):
+        if rng.random() < 0.2:  # a cancel, of an id this call may or may not have started
+            return worker_pb2.GenerateManyRequest(cancel=rng.choice(["", "a", "b", "\u00e9"]))
+        return worker_pb2.GenerateManyRequest(start=generate_request(worker_pb2.GenerateRequest)(rng))
+
     return [
         ("gateway.Generate", gateway.Generate, generate_request(gateway_pb2.GenerateRequest), True),
         ("gateway.GetInfo", gateway.GetInfo, lambda rng: gateway_pb2.GetInfoRequest(), False),
@@ -102,12 +112,38 @@ def make_calls(channels: dict[str, grpc.aio.Channel]) -> list:
         ("tokenizer.GetInfo", tokenizer.GetInfo, lambda rng: tokenizer_pb2.GetInfoRequest(), False),
         ("worker.Generate", worker.Generate, generate_request(worker_pb2.GenerateRequest), True),
         ("worker.GetInfo", worker.GetInfo, lambda rng: worker_pb2.GetInfoRequest(), False),
+        ("tokenizer.DecodeStream", tokenizer.DecodeStream,
+         messages(lambda rng: fill(tokenizer_pb2.DecodeStreamRequest(), rng)), "lockstep"),
+        ("tokenizer.DecodeBatches", tokenizer.DecodeBatches,
+         messages(lambda rng: fill(tokenizer_pb2.DecodeBatchRequest(), rng)), "lockstep"),
+        ("worker.GenerateMany", worker.GenerateMany, messages(many_request), "bidi"),
     ]
 
 
-async def one_call(method, request, streaming: bool, timeout: float) -> str:
+async def one_call(method, request, streaming: bool | str, timeout: float) -> str:
     try:
-        if streaming:
+        if streaming == "lockstep":  # one reply per message: read it before the next, as real callers do
+            # (a write racing the service's end of the call fails in the client's own core as INTERNAL,
+            # hiding the status the service sent)
+            call = method(timeout=timeout)
+            for message in request:
+                await call.write(message)
+                # DecodeStream's `final` message is its last: the service ends the call after the reply.
+                if await call.read() is grpc.aio.EOF or getattr(message, "final", False):
+                    break
+            else:
+                await call.done_writing()
+            return (await call.code()).name
+        if streaming == "bidi":  # request: the messages to send; then read to the end
+            call = method(timeout=timeout)
+            for message in request:
+                await call.write(message)
+            await call.done_writing()
+            async for response in call:
+                for output in getattr(response, "outputs", ()):  # GenerateMany fails requests one by one
+                    if output.error_code in PER_REQUEST_BAD:
+                        return PER_REQUEST_BAD[output.error_code]
+        elif streaming:
             async for _ in method(request, timeout=timeout):
                 pass
         else:
