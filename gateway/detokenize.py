@@ -9,6 +9,7 @@ import logging
 import grpc
 
 from rpcserver.errors import Unavailable
+from rpcserver.status import status_from_number
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,12 @@ class BatchCall:
         for (stream_id, reply), result in zip(replies, response.results):
             if result.stream_id != stream_id:
                 raise RuntimeError(f"the tokenizer service answered stream {result.stream_id} for {stream_id}")
-            if not reply.done():  # its add was cancelled: the text goes nowhere
+            if reply.done():  # its add was cancelled: the text goes nowhere
+                continue
+            if result.error_code:  # this stream's item was refused; the call and the other streams go on
+                reply.set_exception(grpc.aio.AioRpcError(status_from_number(result.error_code), grpc.aio.Metadata(),
+                                                         grpc.aio.Metadata(), details=result.error_message))
+            else:
                 reply.set_result((result.text, list(result.pieces)))
 
     async def _fail_with_status(self) -> None:

@@ -9,11 +9,10 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from rpcserver.status import status_from_number
 from vllm_v0.worker.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
-
-STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 # Opens a GenerateMany call that sends what the iterator yields: a worker stub's method, or a fake in tests.
 OpenCall = Callable[[AsyncIterator[worker_pb2.GenerateManyRequest]], grpc.aio.StreamStreamCall]
@@ -146,8 +145,7 @@ class MuxCall:
                 continue  # cancelled or expired here; its cancel is on its way
             if output.error_code:
                 self._end(request)
-                request.outputs.put_nowait(WorkerCallError(STATUS_CODES.get(output.error_code,
-                                                                            grpc.StatusCode.UNKNOWN),
+                request.outputs.put_nowait(WorkerCallError(status_from_number(output.error_code),
                                                            output.error_message))
             else:
                 if output.step.finish_reason:

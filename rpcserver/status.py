@@ -20,6 +20,14 @@ STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
 }
 
 
+_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_from_number(number: int) -> grpc.StatusCode:
+    """The status a wire number stands for (an `error_code` field of a multiplexed call); UNKNOWN if none."""
+    return _BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
 def status_for(error: ServiceError) -> grpc.StatusCode:
     for kind, code in STATUS_CODES.items():
         if isinstance(error, kind):

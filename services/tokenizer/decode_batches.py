@@ -23,9 +23,13 @@ class DecodeBatchState:
             del self.streams[stream_id]
         return text
 
+    def forget(self, stream_id: int) -> None:
+        """Drop a stream, e.g. one whose item could not be decoded; unknown ids are fine."""
+        self.streams.pop(stream_id, None)
+
     def close(self, stream_id: int, token_ids: list[int], piece_ids: list[int]) -> None:
         """Forget a cancelled stream. Unknown ids are fine: the caller may close a stream that just ended."""
         if token_ids or piece_ids:
             raise InvalidArgument(f"stream {stream_id}: a close item carries no token_ids or piece_ids "
                                   "(send them in an item without close)")
-        self.streams.pop(stream_id, None)
+        self.forget(stream_id)

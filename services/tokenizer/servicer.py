@@ -1,9 +1,9 @@
 """TokenizerService: requests to TokenizerCore calls and back."""
 from __future__ import annotations
 
-from rpcserver.errors import InvalidArgument, Unavailable
+from rpcserver.errors import InvalidArgument, ServiceError, Unavailable
 from rpcserver.handlers import MalformedRequest
-from rpcserver.status import grpc_errors
+from rpcserver.status import grpc_errors, status_for
 from services.tokenizer.core import TokenizerCore
 from services.tokenizer.decode_batches import DecodeBatchState
 from services.tokenizer.decode_stream import DecodeStreamState, TokenPieces
@@ -75,8 +75,15 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 if item.close:
                     batch.close(item.stream_id, token_ids, piece_ids)
                     continue
-                core.check_ids(piece_ids)
-                text = batch.add(item.stream_id, token_ids, item.final, item.skip_special_tokens)
+                try:
+                    core.check_ids(piece_ids)
+                    text = batch.add(item.stream_id, token_ids, item.final, item.skip_special_tokens)
+                except ServiceError as e:
+                    # The call carries every generation's text: a bad item ends its own stream only.
+                    batch.forget(item.stream_id)
+                    results.append(tokenizer_pb2.DecodeBatchResult(
+                        stream_id=item.stream_id, error_code=status_for(e).value[0], error_message=str(e)))
+                    continue
                 results.append(tokenizer_pb2.DecodeBatchResult(
                     stream_id=item.stream_id, text=text, pieces=[self._pieces(i) for i in piece_ids]))
             yield tokenizer_pb2.DecodeBatchResponse(results=results)

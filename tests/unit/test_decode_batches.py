@@ -112,14 +112,27 @@ def test_pieces_per_item(demo_tokenizer):
     assert list(two.pieces) == [] and list(three.pieces) == [id_bytes[b[0]]]
 
 
-@pytest.mark.parametrize("bad, says", [
-    (item(5, [10**9]), "outside the vocabulary"),
-    (item(5, [1], piece_ids=[10**9]), "outside the vocabulary"),
-    (item(5, [1], close=True), "a close item carries no token_ids"),
-])
-def test_bad_items_end_the_call_with_invalid_argument(demo_tokenizer, bad, says):
+@pytest.mark.parametrize("bad", [item(5, [10**9]), item(5, [1], piece_ids=[10**9])])
+def test_a_bad_item_fails_its_own_stream_only(demo_tokenizer, bad):
+    """The call carries every generation's text: an id outside the vocabulary ends that stream, not the call."""
+    good = demo_tokenizer.encode(TEXTS[0])
+    messages = [[item(4, good[:3]), bad], [item(4, good[3:], final=True), item(5, [1], final=True)]]
+    (first, second), code = asyncio.run(with_server(demo_tokenizer, lambda stub: exchange(stub, messages)))
+    assert code == grpc.StatusCode.OK
+    ok, refused = first.results
+    assert ok.error_code == 0 and refused.stream_id == 5 and refused.text == "" and not refused.pieces
+    assert refused.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "outside the vocabulary" in refused.error_message
+    rest, reopened = second.results
+    assert ok.text + rest.text == TEXTS[0]  # the other stream never noticed
+    assert reopened.error_code == 0 and reopened.text == demo_tokenizer.decode([1])  # stream 5 was forgotten: fresh
+
+
+def test_a_close_with_ids_ends_the_call_with_invalid_argument(demo_tokenizer):
+    """A close that carries ids is the caller breaking the protocol, not one stream's bad data."""
     async def body(stub):
-        return await status_after(stub.DecodeBatches(), tokenizer_pb2.DecodeBatchRequest(items=[item(4, [1, 2]), bad]))
+        return await status_after(stub.DecodeBatches(), tokenizer_pb2.DecodeBatchRequest(
+            items=[item(4, [1, 2]), item(5, [1], close=True)]))
 
     code, details = asyncio.run(with_server(demo_tokenizer, body))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and says in details
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "a close item carries no token_ids" in details

@@ -161,3 +161,29 @@ def test_cancel_sends_close_for_an_unfinished_stream_only(demo_tokenizer):
     assert call.closed == [unfinished_id]
     assert [item.close for item in call.requests[1].items] == [True]
     assert call.state.streams == {} and text == "🦜 flies"
+
+
+def test_a_refused_item_fails_its_stream_and_the_others_go_on(demo_tokenizer):
+    """An id the service refuses fails that generation's add with the service's status; the shared call stays."""
+    ids = demo_tokenizer.encode(TEXTS[1])
+
+    async def good(detokenizer):
+        text_stream = detokenizer.open(False)
+        return "".join([(await text_stream.add([t], final=i == len(ids) - 1))[0] for i, t in enumerate(ids)])
+
+    async def bad(detokenizer):
+        text_stream = detokenizer.open(False)
+        await text_stream.add(ids[:2])
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await text_stream.add([10**9])
+        return refused.value
+
+    async def main():
+        detokenizer = Detokenizer(Stub(demo_tokenizer))
+        text, error = await asyncio.gather(good(detokenizer), bad(detokenizer))
+        return detokenizer.stub.calls, text, error
+
+    calls, text, error = asyncio.run(main())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in error.details()
+    assert text == TEXTS[1]
+    assert len(calls) == 1 and calls[0].status is None  # one call throughout, never ended

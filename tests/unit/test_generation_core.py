@@ -12,7 +12,8 @@ from gateway.detokenize import Detokenizer
 from gateway.generation import GenerationCore
 from gateway.metrics import RequestRecord
 from gateway.validation import GenerationRequest
-from rpcserver.errors import InvalidArgument, Unavailable
+from rpcserver.errors import InvalidArgument, ServiceError, Unavailable
+from rpcserver.status import status_for
 from services.tokenizer.decode_batches import DecodeBatchState
 from services.tokenizer.decode_stream import TokenPieces
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
@@ -40,7 +41,14 @@ class FakeBatchCall:
                 self.closed.append(item.stream_id)
                 self.state.close(item.stream_id, list(item.token_ids), list(item.piece_ids))
                 continue
-            text = self.state.add(item.stream_id, list(item.token_ids), item.final, item.skip_special_tokens)
+            try:
+                self.core.check_ids(list(item.piece_ids))
+                text = self.state.add(item.stream_id, list(item.token_ids), item.final, item.skip_special_tokens)
+            except ServiceError as e:  # as the service answers a bad item: that stream alone fails
+                self.state.forget(item.stream_id)
+                results.append(tokenizer_pb2.DecodeBatchResult(
+                    stream_id=item.stream_id, error_code=status_for(e).value[0], error_message=str(e)))
+                continue
             results.append(tokenizer_pb2.DecodeBatchResult(
                 stream_id=item.stream_id, text=text, pieces=[self.pieces(i) for i in item.piece_ids]))
         self.replies.put_nowait(tokenizer_pb2.DecodeBatchResponse(results=results))

@@ -115,14 +115,18 @@ class DecodeBatchRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[DecodeBatchItem, _Mapping]]] = ...) -> None: ...
 
 class DecodeBatchResult(_message.Message):
-    __slots__ = ("stream_id", "text", "pieces")
+    __slots__ = ("stream_id", "text", "pieces", "error_code", "error_message")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     text: str
     pieces: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, stream_id: _Optional[int] = ..., text: _Optional[str] = ..., pieces: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    error_code: int
+    error_message: str
+    def __init__(self, stream_id: _Optional[int] = ..., text: _Optional[str] = ..., pieces: _Optional[_Iterable[bytes]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class DecodeBatchResponse(_message.Message):
     __slots__ = ("results",)
