@@ -16,7 +16,7 @@ from services.model_worker.loader import load_model, resolve_device, resolve_dty
 from services.model_worker.memory import plan_kv_cache
 from services.model_worker.profile import profile_step_memory
 from services.model_worker.model_runner import ModelRunner
-from services.model_worker.kernels import cpu_linear, cpu_norm
+from services.model_worker.kernels import cpu_argmax, cpu_linear, cpu_norm
 from services.model_worker.optimize import (pack_linears, packing_supported, use_norm_kernel,
                                             use_small_batch_kernel)
 from services.model_worker.parallel import check_divisible, local_config
@@ -155,6 +155,8 @@ class LLMEngine:
 
     def _speed_up_cpu(self, config: EngineConfig) -> None:
         on_cpu = self.device.type == "cpu"
+        if on_cpu:
+            cpu_argmax.load()  # built now, not in the first request's step (the sampler finds it loaded)
         if on_cpu and config.norm_kernel is not False:
             library = cpu_norm.load()
             if library is not None:
