@@ -27,12 +27,12 @@ from google.protobuf.descriptor import FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.soak import check_loopback, start_stack
+from rpcserver.status import status_from_number
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
 BAD_STATUSES = ("UNKNOWN", "INTERNAL")
-PER_REQUEST_BAD = {grpc.StatusCode[name].value[0]: name for name in BAD_STATUSES}  # in GenerateMany's outputs
 TEXTS = ["", " ", "hello", "The capital of France is", "你好，世界", "😀🎉👩‍👩‍👧", "<|im_end|>", "<|endoftext|>",
          "<think>", "\x00", "\n\n", "system", "user", "assistant", "tool", "wizard", "a" * 300, "word " * 2000]
 FLOATS = [0.0, -0.0, 1.0, -1.0, 0.5, 0.95, 2.0, -2.0, 2.5, 1e-30, 1e30, 3.4e38, math.nan, math.inf, -math.inf]
@@ -141,8 +141,8 @@ async def one_call(method, request, streaming: bool | str, timeout: float) -> st
             await call.done_writing()
             async for response in call:
                 for output in getattr(response, "outputs", ()):  # GenerateMany fails requests one by one
-                    if output.error_code in PER_REQUEST_BAD:
-                        return PER_REQUEST_BAD[output.error_code]
+                    if output.error_code and (status := status_from_number(output.error_code).name) in BAD_STATUSES:
+                        return status
         elif streaming:
             async for _ in method(request, timeout=timeout):
                 pass

@@ -9,7 +9,7 @@ import logging
 import grpc
 
 from rpcserver.errors import Unavailable
-from rpcserver.status import status_from_number
+from rpcserver.status import SharedCallError, status_from_number
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 
 log = logging.getLogger(__name__)
@@ -147,8 +147,7 @@ class BatchCall:
             if reply.done():  # its add was cancelled: the text goes nowhere
                 continue
             if result.error_code:  # this stream's item was refused; the call and the other streams go on
-                reply.set_exception(grpc.aio.AioRpcError(status_from_number(result.error_code), grpc.aio.Metadata(),
-                                                         grpc.aio.Metadata(), details=result.error_message))
+                reply.set_exception(SharedCallError(status_from_number(result.error_code), result.error_message))
             else:
                 reply.set_result((result.text, list(result.pieces)))
 

@@ -9,20 +9,13 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from rpcserver.status import status_from_number
+from rpcserver.status import SharedCallError, status_from_number
 from vllm_v0.worker.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
 # Opens a GenerateMany call that sends what the iterator yields: a worker stub's method, or a fake in tests.
 OpenCall = Callable[[AsyncIterator[worker_pb2.GenerateManyRequest]], grpc.aio.StreamStreamCall]
-
-
-class WorkerCallError(grpc.aio.AioRpcError):
-    """A request's end on a multiplexed call, raised as the Generate call it stands for would have failed."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
 class MuxRequest:
@@ -79,7 +72,7 @@ class MuxCall:
         request = MuxRequest(self, f"{request_id}#{next(self._ids)}", request_id)
         if request_id in self._caller_ids:
             # What the worker says of a request id already generating, had it been its own call.
-            request.outputs.put_nowait(WorkerCallError(grpc.StatusCode.INVALID_ARGUMENT, (
+            request.outputs.put_nowait(SharedCallError(grpc.StatusCode.INVALID_ARGUMENT, (
                 f"request id {request_id!r} is already generating; use a unique id")))
             return request
         self._requests[request.wire_id] = request
@@ -101,7 +94,7 @@ class MuxCall:
         # The deadline a Generate call carried is kept here: the shared call has none of its own.
         if self._end(request):
             self._outgoing.put_nowait(worker_pb2.GenerateManyRequest(cancel=request.wire_id))
-            request.outputs.put_nowait(WorkerCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            request.outputs.put_nowait(SharedCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
             self._close_if_idle()
 
     def _end(self, request: MuxRequest) -> bool:
@@ -127,12 +120,12 @@ class MuxCall:
         try:
             async for response in self._call:
                 self._dispatch(response)
-            error = WorkerCallError(grpc.StatusCode.UNAVAILABLE, "the model worker ended the call early")
+            error = SharedCallError(grpc.StatusCode.UNAVAILABLE, "the model worker ended the call early")
         except grpc.aio.AioRpcError as e:
             error = e
         except Exception as e:  # noqa: BLE001 - whatever broke the reader, its requests must not hang
             log.exception("worker %s: reading GenerateMany failed", self.label)
-            error = WorkerCallError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            error = SharedCallError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
         if self._requests:
             log.warning("worker %s: GenerateMany ended with %s (%s): failing its %d open requests", self.label,
                         error.code().name, error.details(), len(self._requests))
@@ -145,7 +138,7 @@ class MuxCall:
                 continue  # cancelled or expired here; its cancel is on its way
             if output.error_code:
                 self._end(request)
-                request.outputs.put_nowait(WorkerCallError(status_from_number(output.error_code),
+                request.outputs.put_nowait(SharedCallError(status_from_number(output.error_code),
                                                            output.error_message))
             else:
                 if output.step.finish_reason:
@@ -160,7 +153,7 @@ class MuxCall:
             self._outgoing.put_nowait(None)  # ends the sender, should the call still be reading it
         for request in list(self._requests.values()):
             self._end(request)
-            request.outputs.put_nowait(WorkerCallError(code, details))
+            request.outputs.put_nowait(SharedCallError(code, details))
 
 
 class WorkerMux:

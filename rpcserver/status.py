@@ -28,6 +28,16 @@ def status_from_number(number: int) -> grpc.StatusCode:
     return _BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
 
 
+class SharedCallError(grpc.aio.AioRpcError):
+    """One request's end on a call shared by many, raised as a call of its own would have failed.
+
+    Callers handle it as any downstream AioRpcError: its status is passed on, UNAVAILABLE retried.
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
 def status_for(error: ServiceError) -> grpc.StatusCode:
     for kind, code in STATUS_CODES.items():
         if isinstance(error, kind):
