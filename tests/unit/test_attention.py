@@ -272,3 +272,37 @@ def test_kv_write_kernel_equals_index_copy(kernel, dtype):
     with pytest.raises(IndexError):
         cpu_attention.write_kv(kernel, k, v, *caches, torch.tensor([1, 2, 3, 4, 5, 6, slots]))
     assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])  # nothing written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_kernel_at_checkpoint_head_sizes(kernel, dtype, head_dim, group, block_size):
+    """The kernel at the head sizes of real checkpoints (the tests above use small heads): its
+    vector loops and tails, the group sizes it unrolls and one it does not (5), and contexts that
+    end mid-chunk and mid-block. Within one bf16 rounding of the float64 attention of its inputs."""
+    gen = torch.Generator().manual_seed(head_dim * 100 + group * 10 + block_size)
+    rng = random.Random(f"{head_dim}-{group}-{block_size}")
+    kv_heads, contexts = 2, [1, 2, 3, 5, 31, 64, 65, 130, 301]
+    tables, free = [], list(range(sum(-(-c // block_size) for c in contexts) + 4))
+    rng.shuffle(free)
+    for c in contexts:
+        tables.append([free.pop() for _ in range(-(-c // block_size))])
+    num_slots = (len(free) + sum(map(len, tables))) * block_size
+    k_cache = torch.randn(kv_heads, num_slots, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, num_slots, head_dim, generator=gen).to(dtype)
+    q = torch.randn(len(contexts), kv_heads * group, head_dim, generator=gen).to(dtype)
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    scale = head_dim ** -0.5
+    out = cpu_attention.paged_decode_attention(kernel, q, k_cache, v_cache, torch.tensor(contexts, dtype=torch.int32),
+                                               block_tables, block_size, scale)
+    for b, (c, table) in enumerate(zip(contexts, tables)):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(c)])
+        keys = k_cache[:, slots].double().repeat_interleave(group, 0)      # (H, c, D)
+        values = v_cache[:, slots].double().repeat_interleave(group, 0)
+        weights = (torch.einsum("hd,hcd->hc", q[b].double(), keys) * scale).softmax(-1)
+        expected = torch.einsum("hc,hcd->hd", weights, values)
+        tolerance = 1e-5 if dtype == torch.float32 else 2 ** -8 * 4 + 1e-3  # |out| < 4: one bf16 rounding
+        assert (out[b].double() - expected).abs().max().item() <= tolerance, (b, c)
