@@ -2,8 +2,8 @@
 
 On a random checkpoint with Qwen3-0.6B's exact config (bf16 weights, run in each dtype asked for),
 interleaved in one run (ours, transformers, naive, ours, transformers, ...) on the same prompts:
-  - prefill time (time to the first token) and decode tokens/s (after the first token) for a
-    128-token prompt and 64 greedy new tokens;
+  - decode tokens/s (after the first token) for a 128-token prompt and 64 greedy new tokens;
+  - prefill time (time to the first token) of such a prompt, in rounds of its own (9 by default);
   - our decode time per token at a 2048-token context against a 64-token one (16 new tokens each);
   - with --streams N (on by default on a GPU, N = 64): N greedy requests of that prompt length at
     once, ours stepping them as one batch against transformers `generate` on the same N prompts
@@ -239,17 +239,22 @@ def bench_dtype(checkpoint: pathlib.Path, dtype: str, args: argparse.Namespace, 
         prompt = random_prompt(args.prompt_len, vocab, generator)
         ours = run_ours(engine, prompt, args.new_tokens)
         theirs = run_transformers(reference, prompt, args.new_tokens)
-        series["ours_prefill_s"].add(ours.ttft)
         series["ours_decode_tps"].add(ours.decode_tps)
-        series["transformers_prefill_s"].add(theirs.ttft)
         series["transformers_decode_tps"].add(theirs.decode_tps)
         agreement.append(agreeing_prefix(ours.tokens, theirs.tokens))
         if r < args.naive_repeats:
             naive = run_naive(reference, prompt, args.new_tokens)
             series["naive_prefill_s"].add(naive.ttft)
             series["naive_decode_tps"].add(naive.decode_tps)
-        print(f"  {dtype} repeat {r + 1}/{repeats}: ours {ours.decode_tps:.2f} tok/s, ttft {ours.ttft:.3f} s; "
-              f"transformers {theirs.decode_tps:.2f} tok/s, ttft {theirs.ttft:.3f} s", file=sys.stderr)
+        print(f"  {dtype} repeat {r + 1}/{repeats}: ours {ours.decode_tps:.2f} tok/s, transformers "
+              f"{theirs.decode_tps:.2f} tok/s", file=sys.stderr)
+    # Prefill in rounds of its own: a fraction of a second each, so one noisy moment moves a
+    # median of a few; the order alternates so that neither side always runs first.
+    for r in range(args.prefill_repeats):
+        prompt = random_prompt(args.prompt_len, vocab, generator)
+        runs = (("ours", run_ours, engine), ("transformers", run_transformers, reference))
+        for who, run, model in (runs if r % 2 == 0 else runs[::-1]):
+            series[f"{who}_prefill_s"].add(run(model, prompt, 2).ttft)
     if args.streams:
         run_ours_streams(engine, [warm] * args.streams, 4)  # the first full batch pays one-time costs
         run_transformers_streams(reference, [warm] * args.streams, 4)
@@ -339,6 +344,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="interleaved repeats in bf16")
     p.add_argument("--fp32-repeats", type=int, default=3, help="interleaved repeats in fp32")
     p.add_argument("--naive-repeats", type=int, default=1, help="of those, how many also run the naive loop")
+    p.add_argument("--prefill-repeats", type=int, default=9,
+                   help="interleaved prefill-only rounds (time to the first token) per dtype")
     p.add_argument("--context-repeats", type=int, default=3, help="short/long context pairs per dtype")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -362,6 +369,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.streams = 0 if args.device == "cpu" else 64
     if args.quick:
         args.repeats = args.fp32_repeats = args.naive_repeats = args.context_repeats = args.stream_repeats = 1
+        args.prefill_repeats = 2
         args.prompt_len, args.new_tokens, args.short_context, args.long_context = 16, 8, 8, 64
         args.context_new_tokens = 4
         args.streams = min(args.streams, 4)
