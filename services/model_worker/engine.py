@@ -51,6 +51,8 @@ class EngineConfig:
     small_batch_kernel: bool | None = None
     # RMSNorm in a C kernel on CPU (same arithmetic, one call instead of about ten ops). None: where it builds.
     norm_kernel: bool | None = None
+    # CPU: the weights and the KV cache on memory advised for 2 MiB pages (hugepages.py).
+    huge_pages: bool = True
     # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
     enforce_eager: bool = False
     # Ranks (processes, one device each) the model is split across; rank 0 is the engine itself.
@@ -109,7 +111,7 @@ class LLMEngine:
                           else RankGroup.launch(self.checkpoint_dir, config, self.device))
         tp = self.group.tp if self.group else None
         self.dtype = resolve_dtype(config.dtype, self.config, self.device)
-        self.model = load_model(self.checkpoint_dir, self.config, self.device, self.dtype, tp)
+        self.model = load_model(self.checkpoint_dir, self.config, self.device, self.dtype, tp, config.huge_pages)
         # This rank's share of the heads: what its KV cache holds.
         self.rank_config = local_config(self.config, tp_size)
         self._speed_up_cpu(config)
@@ -127,7 +129,7 @@ class LLMEngine:
         # CUDA graphs under tensor parallelism would capture NCCL all-reduces: untested, so eager there.
         graphs = on_cuda and not config.enforce_eager and tp_size == 1
         self.kv_cache = KVCache(self.rank_config, num_blocks, config.block_size, self.dtype, self.device,
-                                spare_block=graphs)
+                                spare_block=graphs, huge_pages=config.huge_pages)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.limits)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)

@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from services.model_worker import hugepages
 from services.model_worker.config import Qwen3Config
 from services.model_worker.models.qwen3 import Qwen3ForCausalLM
 from services.model_worker.parallel import TensorParallel
@@ -101,8 +102,11 @@ def expected_tensors(model: Qwen3ForCausalLM) -> set[str]:
 
 
 def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: torch.device,
-               dtype: torch.dtype, tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
-    """The model, or this rank's shard of it: each rank reads only its slices of the tensors."""
+               dtype: torch.dtype, tp: TensorParallel | None = None, huge_pages: bool = True) -> Qwen3ForCausalLM:
+    """The model, or this rank's shard of it: each rank reads only its slices of the tensors.
+
+    huge_pages: on CPU, the weights go to memory advised for 2 MiB pages (hugepages.py).
+    """
     checkpoint_dir = pathlib.Path(checkpoint_dir)
     tp = tp or TensorParallel()
     start = time.perf_counter()
@@ -118,6 +122,8 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
     model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if huge_pages and device.type == "cpu":
+        hugepages.move_parameters(model)  # before the weights are read in, so they land there
     for module in model.modules():
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
