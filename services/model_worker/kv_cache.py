@@ -28,6 +28,10 @@ class KVCache:
         # Zeros, not empty: attention reads masked slots too (weighted 0), which must hold finite values.
         if huge_pages and torch.device(device).type == "cpu":  # blocks read scattered: fewer TLB misses
             flat = hugepages.tensors([(shape, dtype)] * (2 * config.num_hidden_layers))
+            for t in flat:
+                # Already zero, but untouched: writing it now takes the page faults (each zeroing a 2 MiB
+                # page) here, at start, instead of in the first steps that write each block.
+                t.zero_()
         else:
             flat = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * config.num_hidden_layers)]
         self.layers = list(zip(flat[0::2], flat[1::2]))
