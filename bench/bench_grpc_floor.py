@@ -5,6 +5,7 @@ writes one and reads the reply, N times. Both processes' CPU time per round trip
 under any service hop the gateway makes per token: nothing of the project's own code runs.
 
     python -m bench.bench_grpc_floor               # 4,000 round trips, 3 rounds
+    python -m bench.bench_grpc_floor --unix        # the same over a Unix-domain socket
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -34,13 +36,13 @@ class Echo(tokenizer_pb2_grpc.TokenizerServiceServicer):
             yield tokenizer_pb2.DecodeBatchResponse(results=[tokenizer_pb2.DecodeBatchResult(stream_id=1, text="x")])
 
 
-def serve(ready) -> None:
+def serve(ready, address: str) -> None:
     async def run():
         server = grpc.aio.server()
         tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(Echo(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = server.add_insecure_port(address)
         await server.start()
-        ready.put(port)
+        ready.put(address if address.startswith("unix:") else f"127.0.0.1:{port}")
         await server.wait_for_termination()
     asyncio.run(run())
 
@@ -67,24 +69,28 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--count", type=int, default=4000)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--unix", action="store_true", help="over a Unix-domain socket instead of loopback TCP")
     args = p.parse_args(argv)
-    ready = multiprocessing.Queue()
-    server = multiprocessing.Process(target=serve, args=(ready,), daemon=True)
-    server.start()
-    try:
-        address = f"127.0.0.1:{ready.get(timeout=60)}"
-        runs = [asyncio.run(round_trips(address, args.count, server.pid)) for _ in range(args.repeats)]
-    finally:
-        server.kill()
+    with tempfile.TemporaryDirectory() as tmp:
+        listen = f"unix://{tmp}/floor.sock" if args.unix else "127.0.0.1:0"
+        ready = multiprocessing.Queue()
+        server = multiprocessing.Process(target=serve, args=(ready, listen), daemon=True)
+        server.start()
+        try:
+            address = ready.get(timeout=60)
+            runs = [asyncio.run(round_trips(address, args.count, server.pid)) for _ in range(args.repeats)]
+        finally:
+            server.kill()
     names = ("wall", "client CPU", "server CPU")
     medians = {n: statistics.median(r[i] for r in runs) for i, n in enumerate(names)}
-    print(f"grpc {grpc.__version__}, grpc.aio on both sides, {args.count} round trips x {args.repeats}, "
+    print(f"grpc {grpc.__version__}, grpc.aio on both sides, {'Unix socket' if args.unix else 'loopback TCP'}, "
+          f"{args.count} round trips x {args.repeats}, "
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     for name, value in medians.items():
         print(f"  {name:12s} {value:7.1f} µs per round trip (per round: "
               f"{', '.join(f'{r[names.index(name)]:.1f}' for r in runs)})")
     print(json.dumps({"benchmark": "bench_grpc_floor", "us_per_round_trip": medians, "count": args.count,
-                      "repeats": args.repeats}))
+                      "repeats": args.repeats, "transport": "unix" if args.unix else "tcp"}))
 
 
 if __name__ == "__main__":
