@@ -26,6 +26,11 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define CHUNK 32  /* input rows per pass over the weights: two groups of 16 */
+/* Steps along K that each weight row is fetched ahead of its tile load. A tile load takes 64 bytes
+ * from each of 16 rows, kilobytes apart: the hardware prefetcher does not run ahead on that, and
+ * streaming the 0.6B model's weights at 16 rows took 57-63 ms with this prefetch against 65-76 ms
+ * without (1 to 4 steps ahead measured alike). */
+#define PREFETCH_STEPS 2
 
 typedef struct {
     uint8_t palette_id;
@@ -108,6 +113,9 @@ int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64
                 _tile_zero(2);
                 _tile_zero(3);
                 for (int64_t s = 0; s < steps; s++) {
+                    if (s + PREFETCH_STEPS < steps)
+                        for (int r = 0; r < 32; r++)
+                            _mm_prefetch((const char *)(w0 + r * k + (s + PREFETCH_STEPS) * 32), _MM_HINT_T0);
                     _tile_loadd(4, w0 + s * 32, k * 2);
                     _tile_loadd(5, w1 + s * 32, k * 2);
                     _tile_loadd(6, b0 + s * 256, 64);
