@@ -4,12 +4,14 @@ A decode step streams every weight once and reads the KV cache in scattered 4 Ki
 4 KiB pages each of those pages costs a TLB miss and a page walk. Measured on the project's
 machine (THP in `madvise` mode, the common default): the 0.6B model's linears streamed in 51 ms
 on huge pages against 57 ms on small ones (one row; 67 against 72 ms at 16 rows), and 28 layers
-of decode attention at context 2048 in 16.4 against 18.3 ms. Where the kernel has no THP, or it
-is off, the same calls give ordinary pages.
+of decode attention at context 2048 in 16.4 against 18.3 ms (whole decode steps moved less, within
+the machine's noise: docs/served-speed.md, item 10). Where the kernel has no THP, or it is off,
+the same calls give ordinary pages.
 """
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 
 import torch
@@ -38,7 +40,7 @@ def empty(nbytes: int) -> torch.Tensor:
 
 def tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
     """Zeroed tensors of these (shape, dtype), side by side in one huge-page mapping."""
-    nbytes = [_numel(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in specs]
+    nbytes = [math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in specs]
     arena = empty(max(sum(_aligned(n) for n in nbytes), 1))
     out, offset = [], 0
     for (shape, dtype), n in zip(specs, nbytes):
@@ -47,8 +49,8 @@ def tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tens
     return out
 
 
-def move_parameters(model: nn.Module) -> int:
-    """Re-home every parameter of a CPU model (contents not kept) on huge pages; returns the bytes moved.
+def move_parameters(model: nn.Module) -> None:
+    """Re-home every parameter of a CPU model (contents not kept) on huge pages.
 
     For a model fresh from to_empty(), before its weights are read in: the copies then land on
     the new memory, and the old allocations are freed untouched.
@@ -56,14 +58,6 @@ def move_parameters(model: nn.Module) -> int:
     params = [p for p in model.parameters() if p.device.type == "cpu"]  # parameters() skips tied repeats
     for param, home in zip(params, tensors([(tuple(p.shape), p.dtype) for p in params])):
         param.data = home
-    return sum(p.numel() * p.element_size() for p in params)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _aligned(nbytes: int) -> int:
