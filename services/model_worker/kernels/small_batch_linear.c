@@ -21,7 +21,9 @@
 #define ROWS 8     /* weight rows in flight for one input row */
 #define M_BLOCK 4  /* input rows sharing each weight load when there are several */
 
-/* One input row: ROWS output rows at a time, each weight row prefetched a block ahead. */
+/* One input row: ROWS output rows at a time, each weight row prefetched a block ahead (the same
+ * place in the row ROWS rows on: measured against two blocks ahead, the 0.6B model's weights
+ * streamed in 40.5-48.8 ms against 41.1-50.6 ms, faster in each of six alternating pairs). */
 static void one_row(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t n, int64_t k) {
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < n; n0 += ROWS) {
@@ -32,7 +34,7 @@ static void one_row(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t
             const __m512i xv = _mm512_loadu_si512(x + j);
             for (int r = 0; r < rows; r++) {
                 const uint16_t *p = w + (n0 + r) * k + j;
-                _mm_prefetch((const char *)(p + 2 * ROWS * k), _MM_HINT_T0);
+                _mm_prefetch((const char *)(p + ROWS * k), _MM_HINT_T0);
                 acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(p), (__m512bh)xv);
             }
         }
