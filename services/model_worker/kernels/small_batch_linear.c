@@ -42,7 +42,9 @@ static void one_row(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t
     }
 }
 
-/* Several input rows: 4 weight rows by M_BLOCK input rows of accumulators. */
+/* Several input rows: 4 weight rows by M_BLOCK input rows of accumulators, each weight row
+ * prefetched one block (4 rows) ahead: at two rows, 58.8-62.4 ms for the 0.6B model's weights
+ * against 60.9-66.1 ms two blocks ahead, in three alternating pairs. */
 static void few_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < n; n0 += 4) {
@@ -57,7 +59,7 @@ static void few_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m,
                 for (int i = 0; i < ms; i++) xv[i] = _mm512_loadu_si512(x + (m0 + i) * k + j);
                 for (int r = 0; r < rows; r++) {
                     const uint16_t *p = w + (n0 + r) * k + j;
-                    if (m0 == 0) _mm_prefetch((const char *)(p + 8 * k), _MM_HINT_T0);
+                    if (m0 == 0) _mm_prefetch((const char *)(p + 4 * k), _MM_HINT_T0);
                     const __m512i wv = _mm512_loadu_si512(p);
                     for (int i = 0; i < ms; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)wv, (__m512bh)xv[i]);
                 }
