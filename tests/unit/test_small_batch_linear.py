@@ -132,7 +132,7 @@ def amx():
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 3, 15, 16, 17, 31, 32, 33, 64, 70])
+@pytest.mark.parametrize("rows", [1, 3, 15, 16, 17, 31, 32, 33, 47, 64, 70, 128, 300])
 @pytest.mark.parametrize("out_features,in_features", [(32, 32), (352, 1024), (96, 3072)])
 def test_amx_kernel_matches_float64(amx, rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
@@ -147,7 +147,7 @@ def test_amx_kernel_matches_float64(amx, rows, out_features, in_features):
 
 
 @needs_amx
-def test_decode_batches_go_to_amx_and_prefills_to_oneDNN(library, amx, monkeypatch):
+def test_decode_batches_and_short_prefills_go_to_amx_and_long_prefills_to_oneDNN(library, amx, monkeypatch):
     torch.manual_seed(0)
     linear = nn.Linear(64, 96, bias=True).bfloat16()
     module = SmallBatchLinear(linear, library, amx)
@@ -156,7 +156,8 @@ def test_decode_batches_go_to_amx_and_prefills_to_oneDNN(library, amx, monkeypat
         kernel = getattr(cpu_linear, name)
         monkeypatch.setattr(cpu_linear, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
     for rows, path in [(1, "small_batch_linear"), (2, "small_batch_linear"), (3, "amx_linear"),
-                       (16, "amx_linear"), (32, "amx_linear"), (33, None), (64, None)]:
+                       (16, "amx_linear"), (32, "amx_linear"), (33, "amx_linear"), (128, "amx_linear"),
+                       (129, None), (512, None)]:
         calls.clear()
         x = torch.randn(rows, 64).bfloat16()
         out = module(x)
