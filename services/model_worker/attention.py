@@ -30,6 +30,9 @@ class PrefillLayout:
     mask: torch.Tensor | None       # (P, 1, Lq, Lk) True where a query may attend; None: plain causal
     out_rows: torch.Tensor          # (Tp,) padded query index (p * Lq + i) of each real prefill row, in batch order
     rows: torch.Tensor              # (Tp,) their rows in the flat batch
+    # One sequence: the first of its rows, which run on unpadded through the batch. Its queries,
+    # keys and output are then views, not gathered copies (5% of a 128-token prefill's time).
+    single_start: int | None = None
 
     @classmethod
     def build(cls, query_start: torch.Tensor, q_lens: torch.Tensor, context: torch.Tensor, table: torch.Tensor,
@@ -45,18 +48,19 @@ class PrefillLayout:
         out_rows = torch.nonzero(valid.flatten()).flatten()
         rows = query_rows.flatten()[out_rows]
         fresh = bool((context == q_lens).all())  # nothing cached: the keys are this step's own tokens
+        single_start = int(starts[0]) if seqs.numel() == 1 else None
         if fresh and seqs.numel() == 1:
-            return cls(query_rows, None, None, out_rows, rows)
+            return cls(query_rows, None, None, out_rows, rows, single_start)
         j = torch.arange(max_k)
         query_pos = (context - q_lens)[:, None] + i[None, :]                   # (P, Lq)
         mask = (j[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]
         mask[:, :, 0] = True  # padding queries see key 0: finite, and discarded
         key_slots = None if fresh else _slots(table[seqs], max_k, block_size).flatten()
-        return cls(query_rows, key_slots, mask[:, None], out_rows, rows)
+        return cls(query_rows, key_slots, mask[:, None], out_rows, rows, single_start)
 
     def to(self, device: torch.device) -> "PrefillLayout":
         return PrefillLayout(*(None if t is None else t.to(device, non_blocking=True) for t in (
-            self.query_rows, self.key_slots, self.mask, self.out_rows, self.rows)))
+            self.query_rows, self.key_slots, self.mask, self.out_rows, self.rows)), self.single_start)
 
 
 @dataclass
@@ -213,6 +217,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         return meta.backend.attend(q, k_cache, v_cache, meta, scale)
     if meta.max_query_len == 1:  # a pure decode step, the common case
         return meta.backend.decode(q, k_cache, v_cache, meta.context_lens, meta.block_tables, meta.block_size, scale)
+    layout = meta.prefill
+    if layout.single_start == 0 and layout.query_rows.shape[1] == q.shape[0]:  # the step is one prefill
+        return _prefill(q, k, v, k_cache, v_cache, layout, scale)
     out = torch.empty_like(q)
     if meta.decode_seqs.numel():
         out[meta.decode_rows] = meta.backend.decode(q[meta.decode_rows], k_cache, v_cache,
@@ -226,14 +233,21 @@ def _prefill(q, k, v, k_cache, v_cache, layout: PrefillLayout, scale: float) -> 
     """The prefill rows' attention, in batch order: one SDPA call over the padded layout."""
     num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     batch, max_q = layout.query_rows.shape
-    queries = q[layout.query_rows].transpose(1, 2)                             # (P, H, Lq, D)
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        """t's prefill rows as (P, Lq, ...): a view for one sequence, else a padded copy."""
+        if layout.single_start is not None:
+            return t[layout.single_start:layout.single_start + max_q].unsqueeze(0)
+        return t[layout.query_rows]
+
+    queries = pick(q).transpose(1, 2)                                          # (P, H, Lq, D)
     if layout.key_slots is None:
-        keys = k[layout.query_rows].transpose(1, 2)                            # (P, Hkv, Lq, D)
-        values = v[layout.query_rows].transpose(1, 2)
+        keys, values = pick(k).transpose(1, 2), pick(v).transpose(1, 2)        # (P, Hkv, Lq, D)
     else:
         keys = _gather(k_cache, layout.key_slots, batch)
         values = _gather(v_cache, layout.key_slots, batch)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=layout.mask,
                                          is_causal=layout.mask is None, scale=scale,
                                          enable_gqa=num_kv_heads != num_heads)  # (P, H, Lq, D)
-    return out.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)[layout.out_rows]
+    out = out.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)
+    return out if layout.single_start is not None else out[layout.out_rows]

@@ -127,6 +127,21 @@ def test_batched_attention_matches_float64_reference(backend, mix, group, block_
     assert (out.double() - expected).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("steps", [
+    [([0, 1, 2, 3, 4], 37, 37)],                               # one fresh prompt: the whole step
+    [([5, 6, 7], 21, 5)],                                      # one prompt after a prefix hit
+    [([8], 6, 1), ([9, 10], 12, 1), ([11, 12, 13, 18], 30, 30)],  # decodes, then one prompt
+    [([14, 15, 16, 19], 30, 30), ([17], 6, 1)],                # one prompt, then a decode
+], ids=["prompt-alone", "prefix-hit-alone", "prompt-after-decodes", "prompt-before-decodes"])
+def test_a_lone_prefill_reads_its_rows_in_place(backend, steps):
+    """One prefilling sequence takes views of its rows instead of gathered copies; same results."""
+    meta = AttentionMetadata.build([c[0] for c in steps], [c[1] for c in steps], [c[2] for c in steps], 8,
+                                   torch.device("cpu"), TorchAttention())
+    assert meta.prefill.single_start == sum(c[2] for c in steps[:[c[2] > 1 for c in steps].index(True)])
+    out, expected, *_ = run(backend, steps, 8, 8, 2)
+    assert (out.double() - expected).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_bfloat16_within_its_rounding(backend, group):
     """bf16 in and out: the result is the float64 attention of the bf16 inputs, rounded once more."""
