@@ -72,8 +72,8 @@ class SmallBatchLinear(nn.Module):
     (kernels/small_batch_linear.c) does that at close to memory speed for one or two rows, the AMX
     kernel (kernels/amx_linear.c) from there to 32 rows, and oneDNN at about half that speed. Short
     prefills are compute-bound, and the AMX kernel's blocked path still beats oneDNN on plain
-    weights there, up to AMX_MAX_ROWS; longer ones go to F.linear. The weight stays in its plain layout,
-    shared with the checkpoint's tensor: no second copy.
+    weights there, up to AMX_MAX_ROWS; longer ones go to F.linear. The weight stays in its plain
+    layout, shared with the checkpoint's tensor: no second copy.
     """
 
     MAX_ROWS = 4       # the AVX512-BF16 kernel: faster than oneDNN up to 4 rows here, slower from 8

@@ -5,10 +5,11 @@
  * two thirds of memory speed there. A short prompt's prefill (a few dozen to a hundred-odd rows)
  * is arithmetic-bound, and there oneDNN re-blocks the plain weights at every call; the blocked
  * path below keeps a block of 32 weight rows in cache while every group of 32 input rows passes
- * over it, and ran the 0.6B model's matmuls at 128 rows in 0.67-0.83x oneDNN's time. AMX multiplies a 16 x 32 bf16 tile by a 32 x 16 one per
- * instruction. The weights take the A side, straight from their plain (N, K) layout: a tile is 16
- * weight rows of 32 values. The activations take the B side, which AMX wants in pairs along K
- * ("VNNI"); they are small, so they are repacked once per call. The result comes out transposed
+ * over it, and ran the 0.6B model's matmuls at 128 rows in 0.68-0.83x oneDNN's time.
+ * AMX multiplies a 16 x 32 bf16 tile by a 32 x 16 one per instruction. The weights take the A
+ * side, straight from their plain (N, K) layout: a tile is 16 weight rows of 32 values. The
+ * activations take the B side, which AMX wants in pairs along K ("VNNI"); they are small, so they
+ * are repacked once per call. The result comes out transposed
  * (output columns by input rows) and is written back row-major, rounded to bf16 once, to nearest
  * even, as torch rounds.
  *
@@ -164,58 +165,56 @@ static int amx_linear_blocked(const uint16_t *x, const uint16_t *w, uint16_t *ou
     return 0;
 }
 
-/* x: (m, k) bf16; w: (n, k) bf16; out: (m, n) bf16. n and k multiples of 32. Returns 0, or -1. */
+/* x: (m, k) bf16; w: (n, k) bf16; out: (m, n) bf16. n and k multiples of 32. Returns 0, or -1.
+ * Up to CHUNK rows, one pass over the weights with tiles sized to the rows; more take the blocked path. */
 int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
     if (n % 32 || k % 32) return -1;
     if (m > CHUNK) return amx_linear_blocked(x, w, out, m, n, k);
     const int64_t steps = k / 32;
     uint32_t *packed = aligned_alloc(64, (size_t)2 * steps * 16 * 16 * sizeof(uint32_t));
     if (!packed) return -1;
-    for (int m0 = 0; m0 < m; m0 += CHUNK) {
-        const int rows = m - m0 < CHUNK ? m - m0 : CHUNK;
-        const int rows0 = rows < 16 ? rows : 16, rows1 = rows - rows0;
-        uint32_t *b0 = packed, *b1 = packed + steps * 256;
-        pack_rows(x, b0, m0, rows0, k);
-        if (rows1) pack_rows(x, b1, m0 + 16, rows1, k);
+    const int rows0 = m < 16 ? m : 16, rows1 = m - rows0;
+    uint32_t *b0 = packed, *b1 = packed + steps * 256;
+    pack_rows(x, b0, 0, rows0, k);
+    if (rows1) pack_rows(x, b1, 16, rows1, k);
 #pragma omp parallel
-        {
-            configure(rows0, rows1 ? rows1 : 1);
-            float c[4][256] __attribute__((aligned(64)));
+    {
+        configure(rows0, rows1 ? rows1 : 1);
+        float c[4][256] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
-            for (int64_t n0 = 0; n0 < n; n0 += 32) {
-                const uint16_t *w0 = w + n0 * k, *w1 = w + (n0 + 16) * k;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t s = 0; s < steps; s++) {
-                    if (s + PREFETCH_STEPS < steps)
-                        for (int r = 0; r < 32; r++)
-                            _mm_prefetch((const char *)(w0 + r * k + (s + PREFETCH_STEPS) * 32), _MM_HINT_T0);
-                    _tile_loadd(4, w0 + s * 32, k * 2);
-                    _tile_loadd(5, w1 + s * 32, k * 2);
-                    _tile_loadd(6, b0 + s * 256, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (rows1) {
-                        _tile_loadd(7, b1 + s * 256, 64);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                _tile_stored(0, c[0], 64);
-                _tile_stored(2, c[2], 64);
-                write_out(c[0], out, rows0, n0, n, m0);
-                write_out(c[2], out, rows0, n0 + 16, n, m0);
+        for (int64_t n0 = 0; n0 < n; n0 += 32) {
+            const uint16_t *w0 = w + n0 * k, *w1 = w + (n0 + 16) * k;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t s = 0; s < steps; s++) {
+                if (s + PREFETCH_STEPS < steps)
+                    for (int r = 0; r < 32; r++)
+                        _mm_prefetch((const char *)(w0 + r * k + (s + PREFETCH_STEPS) * 32), _MM_HINT_T0);
+                _tile_loadd(4, w0 + s * 32, k * 2);
+                _tile_loadd(5, w1 + s * 32, k * 2);
+                _tile_loadd(6, b0 + s * 256, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(2, 5, 6);
                 if (rows1) {
-                    _tile_stored(1, c[1], 64);
-                    _tile_stored(3, c[3], 64);
-                    write_out(c[1], out, rows1, n0, n, m0 + 16);
-                    write_out(c[3], out, rows1, n0 + 16, n, m0 + 16);
+                    _tile_loadd(7, b1 + s * 256, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
                 }
             }
-            _tile_release();
+            _tile_stored(0, c[0], 64);
+            _tile_stored(2, c[2], 64);
+            write_out(c[0], out, rows0, n0, n, 0);
+            write_out(c[2], out, rows0, n0 + 16, n, 0);
+            if (rows1) {
+                _tile_stored(1, c[1], 64);
+                _tile_stored(3, c[3], 64);
+                write_out(c[1], out, rows1, n0, n, 16);
+                write_out(c[3], out, rows1, n0 + 16, n, 16);
+            }
         }
+        _tile_release();
     }
     free(packed);
     return 0;
