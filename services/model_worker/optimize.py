@@ -71,8 +71,8 @@ class SmallBatchLinear(nn.Module):
     A decode step of up to a few dozen sequences only streams the weights: the small-batch kernel
     (kernels/small_batch_linear.c) does that at close to memory speed for one or two rows, the AMX
     kernel (kernels/amx_linear.c) from there to 32 rows, and oneDNN at about half that speed. Short
-    prefills are compute-bound, and the AMX kernel's blocked path still beats oneDNN on plain
-    weights there, up to AMX_MAX_ROWS; longer ones go to F.linear. The weight stays in its plain
+    prefills are compute-bound, and the AMX kernel still beats oneDNN on plain weights there, up to
+    AMX_MAX_ROWS; longer ones go to F.linear. The weight stays in its plain
     layout, shared with the checkpoint's tensor: no second copy.
     """
 

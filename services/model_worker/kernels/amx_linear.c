@@ -3,15 +3,14 @@
  * A decode step of 8 to 64 sequences still only streams the weights once, but it is too much
  * arithmetic for AVX-512 dot products (small_batch_linear.c) and oneDNN reads the weights at about
  * two thirds of memory speed there. A short prompt's prefill (a few dozen to a hundred-odd rows)
- * is arithmetic-bound, and there oneDNN re-blocks the plain weights at every call; the blocked
- * path below keeps a block of 32 weight rows in cache while every group of 32 input rows passes
- * over it, and ran the 0.6B model's matmuls at 128 rows in 0.68-0.83x oneDNN's time.
+ * is arithmetic-bound, and there oneDNN re-blocks the plain weights at every call; this kernel
+ * keeps a block of 32 weight rows in cache while every group of 32 input rows passes over it,
+ * and ran the 0.6B model's matmuls at 128 rows in 0.68-0.83x oneDNN's time.
  * AMX multiplies a 16 x 32 bf16 tile by a 32 x 16 one per instruction. The weights take the A
  * side, straight from their plain (N, K) layout: a tile is 16 weight rows of 32 values. The
  * activations take the B side, which AMX wants in pairs along K ("VNNI"); they are small, so they
- * are repacked once per call. The result comes out transposed
- * (output columns by input rows) and is written back row-major, rounded to bf16 once, to nearest
- * even, as torch rounds.
+ * are repacked once per call. The result comes out transposed (output columns by input rows) and
+ * is written back row-major, rounded to bf16 once, to nearest even, as torch rounds.
  *
  * Built only where the compiler targets AMX-BF16; amx_linear_supported() also asks the kernel for
  * the tile state (Linux's arch_prctl), which a process must do once before using AMX.
@@ -29,7 +28,7 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define CHUNK 32  /* input rows per pass over the weights: two groups of 16 */
+#define CHUNK 32  /* up to this many input rows (one pair of 16-row groups), tiles sized to the rows */
 /* Steps along K that each weight row is fetched ahead of its tile load. A tile load takes 64 bytes
  * from each of 16 rows, kilobytes apart: the hardware prefetcher does not run ahead on that, and
  * streaming the 0.6B model's weights at 16 rows took 57-63 ms with this prefetch against 65-76 ms
@@ -96,28 +95,37 @@ static void write_out(const float *c, uint16_t *out, int rows, int64_t n0, int64
     }
 }
 
-/* Input rows, in groups of 16, per pass over the weights on the blocked path. Up to this many, a
- * block of weights is read from memory once; their packed copy (rows x K x 2 bytes, 768 KB at 128
- * rows of the 0.6B model's widest input) still sits in L2 beside the weight block it meets. */
+/* Input rows, in groups of 16, per pass over the weights. Up to this many, a block of weights is
+ * read from memory once; their packed copy (rows x K x 2 bytes, 768 KB at 128 rows of the 0.6B
+ * model's widest input) still sits in L2 beside the weight block it meets. */
 #define PASS_ROWS 256
 
-/* More than CHUNK rows: x is packed once (zero rows pad the last pair of groups), and each thread
- * takes whole blocks of 32 weight rows. A block is fetched from memory by the first group pair
- * that meets it (with the same prefetch as above) and read from L2 by the others. */
-static int amx_linear_blocked(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t m, int64_t n,
-                              int64_t k) {
+/* Rows of x from m0 in a group of 16: 16, fewer in the last group, 0 in the padding group. */
+static int group_rows(int64_t m, int64_t m0) {
+    return m - m0 >= 16 ? 16 : (m > m0 ? (int)(m - m0) : 0);
+}
+
+/* x: (m, k) bf16; w: (n, k) bf16; out: (m, n) bf16. n and k multiples of 32. Returns 0, or -1.
+ *
+ * x is packed once, in pairs of 16-row groups (zero rows pad the last pair), and each thread takes
+ * whole blocks of 32 weight rows. A block is fetched from memory by the first group pair that
+ * meets it and read from L2 by the others. Up to CHUNK rows (a decode batch) there is one pair,
+ * and the tiles are sized to its rows so that 3 rows cost 3 rows' arithmetic; more rows (a short
+ * prefill) use whole tiles, and a pair's second group only when it holds rows. */
+int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
+    if (n % 32 || k % 32) return -1;
     const int64_t steps = k / 32;
     const int64_t groups = ((m + 31) / 32) * 2;
     uint32_t *packed = aligned_alloc(64, (size_t)groups * steps * 256 * sizeof(uint32_t));
     if (!packed) return -1;
+    const int tile_rows0 = m <= CHUNK ? group_rows(m, 0) : 16;
+    const int tile_rows1 = m <= CHUNK ? group_rows(m, 16) : 16;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t m0 = g * 16;
-            pack_rows(x, packed + g * steps * 256, m0, m - m0 >= 16 ? 16 : (m > m0 ? (int)(m - m0) : 0), k);
-        }
-        configure(16, 16);
+        for (int64_t g = 0; g < groups; g++)
+            pack_rows(x, packed + g * steps * 256, (int)(g * 16), group_rows(m, g * 16), k);
+        configure(tile_rows0, tile_rows1 ? tile_rows1 : 1);
         float c[4][256] __attribute__((aligned(64)));
         for (int64_t first = 0; first < groups; first += PASS_ROWS / 16) {
             const int64_t last = first + PASS_ROWS / 16 < groups ? first + PASS_ROWS / 16 : groups;
@@ -126,6 +134,7 @@ static int amx_linear_blocked(const uint16_t *x, const uint16_t *w, uint16_t *ou
                 const uint16_t *w0 = w + n0 * k, *w1 = w + (n0 + 16) * k;
                 for (int64_t g = first; g < last; g += 2) {
                     const uint32_t *b0 = packed + g * steps * 256, *b1 = b0 + steps * 256;
+                    const int m0 = (int)(g * 16), rows0 = group_rows(m, m0), rows1 = group_rows(m, m0 + 16);
                     _tile_zero(0);
                     _tile_zero(1);
                     _tile_zero(2);
@@ -137,81 +146,25 @@ static int amx_linear_blocked(const uint16_t *x, const uint16_t *w, uint16_t *ou
                         _tile_loadd(4, w0 + s * 32, k * 2);
                         _tile_loadd(5, w1 + s * 32, k * 2);
                         _tile_loadd(6, b0 + s * 256, 64);
-                        _tile_loadd(7, b1 + s * 256, 64);
                         _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 4, 7);
                         _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
+                        if (rows1) {
+                            _tile_loadd(7, b1 + s * 256, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
                     }
-                    const int64_t m0 = g * 16;
-                    const int rows0 = m - m0 >= 16 ? 16 : (int)(m - m0);
-                    const int rows1 = m - m0 - 16 >= 16 ? 16 : (m - m0 > 16 ? (int)(m - m0 - 16) : 0);
                     _tile_stored(0, c[0], 64);
                     _tile_stored(2, c[2], 64);
-                    write_out(c[0], out, rows0, n0, n, (int)m0);
-                    write_out(c[2], out, rows0, n0 + 16, n, (int)m0);
+                    write_out(c[0], out, rows0, n0, n, m0);
+                    write_out(c[2], out, rows0, n0 + 16, n, m0);
                     if (rows1) {
                         _tile_stored(1, c[1], 64);
                         _tile_stored(3, c[3], 64);
-                        write_out(c[1], out, rows1, n0, n, (int)m0 + 16);
-                        write_out(c[3], out, rows1, n0 + 16, n, (int)m0 + 16);
+                        write_out(c[1], out, rows1, n0, n, m0 + 16);
+                        write_out(c[3], out, rows1, n0 + 16, n, m0 + 16);
                     }
                 }
-            }
-        }
-        _tile_release();
-    }
-    free(packed);
-    return 0;
-}
-
-/* x: (m, k) bf16; w: (n, k) bf16; out: (m, n) bf16. n and k multiples of 32. Returns 0, or -1.
- * Up to CHUNK rows, one pass over the weights with tiles sized to the rows; more take the blocked path. */
-int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
-    if (n % 32 || k % 32) return -1;
-    if (m > CHUNK) return amx_linear_blocked(x, w, out, m, n, k);
-    const int64_t steps = k / 32;
-    uint32_t *packed = aligned_alloc(64, (size_t)2 * steps * 16 * 16 * sizeof(uint32_t));
-    if (!packed) return -1;
-    const int rows0 = m < 16 ? m : 16, rows1 = m - rows0;
-    uint32_t *b0 = packed, *b1 = packed + steps * 256;
-    pack_rows(x, b0, 0, rows0, k);
-    if (rows1) pack_rows(x, b1, 16, rows1, k);
-#pragma omp parallel
-    {
-        configure(rows0, rows1 ? rows1 : 1);
-        float c[4][256] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-        for (int64_t n0 = 0; n0 < n; n0 += 32) {
-            const uint16_t *w0 = w + n0 * k, *w1 = w + (n0 + 16) * k;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t s = 0; s < steps; s++) {
-                if (s + PREFETCH_STEPS < steps)
-                    for (int r = 0; r < 32; r++)
-                        _mm_prefetch((const char *)(w0 + r * k + (s + PREFETCH_STEPS) * 32), _MM_HINT_T0);
-                _tile_loadd(4, w0 + s * 32, k * 2);
-                _tile_loadd(5, w1 + s * 32, k * 2);
-                _tile_loadd(6, b0 + s * 256, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(2, 5, 6);
-                if (rows1) {
-                    _tile_loadd(7, b1 + s * 256, 64);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-            }
-            _tile_stored(0, c[0], 64);
-            _tile_stored(2, c[2], 64);
-            write_out(c[0], out, rows0, n0, n, 0);
-            write_out(c[2], out, rows0, n0 + 16, n, 0);
-            if (rows1) {
-                _tile_stored(1, c[1], 64);
-                _tile_stored(3, c[3], 64);
-                write_out(c[1], out, rows1, n0, n, 16);
-                write_out(c[3], out, rows1, n0 + 16, n, 16);
             }
         }
         _tile_release();
