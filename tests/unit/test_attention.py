@@ -299,7 +299,7 @@ def test_decode_kernel_at_checkpoint_head_sizes(kernel, dtype, head_dim, group, 
     end mid-chunk and mid-block. Within one bf16 rounding of the float64 attention of its inputs."""
     gen = torch.Generator().manual_seed(head_dim * 100 + group * 10 + block_size)
     rng = random.Random(f"{head_dim}-{group}-{block_size}")
-    kv_heads, contexts = 2, [1, 2, 3, 5, 31, 64, 65, 130, 301]
+    kv_heads, contexts = 2, [1, 2, 3, 5, 31, 64, 65, 130, 301, 512, 600]
     tables, free = [], list(range(sum(-(-c // block_size) for c in contexts) + 4))
     rng.shuffle(free)
     for c in contexts:

@@ -9,6 +9,10 @@
  * key and value once, straight from the cache (nothing is gathered or padded), with a running
  * (online) softmax in float32. Each item's arithmetic depends only on its own query and context,
  * so a sequence gets the same result whatever else is in the batch.
+ *
+ * bf16 caches with AVX512-BF16 take a leaner path (about 0.8x the time at context 2048): scores by
+ * vdpbf16ps on the raw bf16 query, sixteen of them reduced in one shuffle tree, and values split
+ * into float32 with a shift or a mask instead of a widening convert. The arithmetic stays float32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,7 +28,9 @@
 #define LANES 1
 #endif
 
-#define KEY_CHUNK 64 /* keys scored before each softmax update: their scores stay in L1 */
+/* Keys scored before each softmax update. Longer chunks mean fewer updates and rescales; at
+ * context 2048 in bf16, 256 keys took 0.86x the time of 64 (their scores still fit in L1). */
+#define KEY_CHUNK 256
 
 static inline float load1(const void *row, int is_bf16, int i) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
@@ -148,15 +154,115 @@ static inline __attribute__((always_inline)) void accumulate_values_g(const Args
         }                                                                                                \
     }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define BF16_PATH 1
+
+/* Lane i of the result is the sum of v[i]'s sixteen lanes: a transposing tree of 45 shuffles and
+ * adds, where sixteen separate reductions take about 150 instructions. */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 s[8], t[4], u[2];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+}
+
+/* The bf16 path's scores: scale * (q . key), the dot product by vdpbf16ps on the unscaled bf16
+ * query (products of two bf16 are exact in float32). 16 / G keys at a time for all G rows, so that
+ * each key row is loaded once and the 16 (row, key) sums reduce together, lane r * KB + i. */
+static inline __attribute__((always_inline)) void score_chunk_bf16(const Args *a, const Scratch *w,
+                                                                    const __m512i *qb, const int G, int n) {
+    const int C = a->head_dim / 32, KB = 16 / G;
+    const size_t row_bytes = (size_t)a->head_dim * 2;
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    for (int j0 = 0; j0 < n; j0 += KB) {
+        const int m = n - j0 < KB ? n - j0 : KB;
+        for (int j = j0; j < j0 + m; j++) { /* as in score_chunk_g */
+            if (j + PREFETCH < n) prefetch_row(w->keys[j + PREFETCH], row_bytes);
+            prefetch_row(w->keys[KEY_CHUNK + j], row_bytes);
+        }
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+        for (int i = 0; i < m; i++) {
+            const uint16_t *key = (const uint16_t *)w->keys[j0 + i];
+            for (int c = 0; c < C; c++) {
+                const __m512bh k = (__m512bh)_mm512_loadu_si512(key + 32 * c);
+                for (int r = 0; r < G; r++)
+                    acc[r * KB + i] = _mm512_dpbf16_ps(acc[r * KB + i], (__m512bh)qb[r * C + c], k);
+            }
+        }
+        float s[16];
+        _mm512_storeu_ps(s, _mm512_mul_ps(sum16(acc), scale));
+        for (int r = 0; r < G; r++)
+            for (int i = 0; i < m; i++) w->scores[(size_t)r * KEY_CHUNK + j0 + i] = s[r * KB + i];
+    }
+}
+
+/* The bf16 path's acc[r] += sum_j p[r][j] * value[j]. 32 bf16 dimensions split into their even and
+ * odd ones as float32 with one shift and one mask, so acc holds each 32-dimension chunk as its 16
+ * even dimensions, then its 16 odd ones (acc_index). CB chunks a pass keep the 2 G CB sums in
+ * registers while each value row is read. */
+static inline __attribute__((always_inline)) void accumulate_values_bf16(const Args *a, const Scratch *w,
+                                                                          const int G, int n) {
+    const int C = a->head_dim / 32, CB = G >= 8 ? 1 : 8 / G;
+    const char **values = w->keys + KEY_CHUNK;
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int c0 = 0; c0 < C; c0 += CB) {
+        const int cs = C - c0 < CB ? C - c0 : CB;
+        __m512 even[16], odd[16];
+        for (int r = 0; r < G; r++)
+            for (int c = 0; c < cs; c++) {
+                even[r * CB + c] = _mm512_loadu_ps(w->acc + (size_t)r * a->head_dim + 32 * (c0 + c));
+                odd[r * CB + c] = _mm512_loadu_ps(w->acc + (size_t)r * a->head_dim + 32 * (c0 + c) + 16);
+            }
+        for (int j = 0; j < n; j++) {
+            __m512 p[8];
+            for (int r = 0; r < G; r++) p[r] = _mm512_set1_ps(w->scores[(size_t)r * KEY_CHUNK + j]);
+            for (int c = 0; c < cs; c++) {
+                const __m512i v = _mm512_loadu_si512((const uint16_t *)values[j] + 32 * (c0 + c));
+                const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+                for (int r = 0; r < G; r++) {
+                    even[r * CB + c] = _mm512_fmadd_ps(p[r], ve, even[r * CB + c]);
+                    odd[r * CB + c] = _mm512_fmadd_ps(p[r], vo, odd[r * CB + c]);
+                }
+            }
+        }
+        for (int r = 0; r < G; r++)
+            for (int c = 0; c < cs; c++) {
+                _mm512_storeu_ps(w->acc + (size_t)r * a->head_dim + 32 * (c0 + c), even[r * CB + c]);
+                _mm512_storeu_ps(w->acc + (size_t)r * a->head_dim + 32 * (c0 + c) + 16, odd[r * CB + c]);
+            }
+    }
+}
+#endif
+
+/* Where dimension d sits in a row of acc: in place, or even/odd by 32-dimension chunk on the bf16 path. */
+static inline int acc_index(int d, int bf16_path) {
+    return bf16_path ? (d & ~31) + (d & 1) * 16 + (d & 31) / 2 : d;
+}
+
 /* Turn row r's n scores into exp(score - running max), rescaling what came before if the max rose. */
 static void softmax_update(const Args *a, const Scratch *w, int r, int n, float *max, float *sum) {
     float *s = w->scores + (size_t)r * KEY_CHUNK;
     float chunk_max = -INFINITY;
-    for (int j = 0; j < n; j++) chunk_max = s[j] > chunk_max ? s[j] : chunk_max;
+    int j = 0;
+#ifdef __AVX512F__
+    /* max_ps returns its second operand when the first is NaN: a NaN score is skipped, as below. */
+    __m512 running = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= n; j += 16) running = _mm512_max_ps(_mm512_loadu_ps(s + j), running);
+    chunk_max = _mm512_reduce_max_ps(running);
+#endif
+    for (; j < n; j++) chunk_max = s[j] > chunk_max ? s[j] : chunk_max;
     const float new_max = chunk_max > *max ? chunk_max : *max;
     const float correction = expf(*max - new_max); /* 0 on the first chunk: *max is -inf */
-    int j = 0;
     float chunk_sum = 0.0f;
+    j = 0;
 #ifdef __AVX512F__
     __m512 m = _mm512_set1_ps(new_max), total = _mm512_setzero_ps();
     for (; j + 16 <= n; j += 16) {
@@ -185,10 +291,21 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
     const char *k_head = (const char *)a->k_cache + (size_t)kvh * a->num_slots * row_bytes;
     const char *v_head = (const char *)a->v_cache + (size_t)kvh * a->num_slots * row_bytes;
     float max[64], sum[64];
+#ifdef BF16_PATH
+    const int bf16_path = a->is_bf16 && D % 32 == 0 && group * (D / 32) <= 64 && (group == 1 || group == 2 || group == 4 || group == 8);
+    __m512i qb[8 * 8]; /* the group's query rows as they are, D / 32 vectors a row */
+#else
+    const int bf16_path = 0;
+#endif
 
     for (int r = 0; r < group; r++) {
         const char *row = (const char *)a->q + ((size_t)b * a->num_heads + (size_t)kvh * group + r) * row_bytes;
-        for (int d = 0; d < D; d++) w->q[(size_t)r * D + d] = load1(row, a->is_bf16, d) * a->scale;
+#ifdef BF16_PATH
+        if (bf16_path)
+            for (int c = 0; c < D / 32; c++) qb[r * (D / 32) + c] = _mm512_loadu_si512((const uint16_t *)row + 32 * c);
+        else
+#endif
+            for (int d = 0; d < D; d++) w->q[(size_t)r * D + d] = load1(row, a->is_bf16, d) * a->scale;
         memset(w->acc + (size_t)r * D, 0, (size_t)D * 4);
         max[r] = -INFINITY;
         sum[r] = 0.0f;
@@ -206,6 +323,24 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
             const size_t slot = (size_t)table[pos / a->block_size] * a->block_size + pos % a->block_size;
             prefetch_row(k_head + slot * row_bytes, row_bytes);
         }
+#ifdef BF16_PATH
+        if (bf16_path) {
+            switch (group) {
+            case 1: score_chunk_bf16(a, w, qb, 1, n); break;
+            case 2: score_chunk_bf16(a, w, qb, 2, n); break;
+            case 4: score_chunk_bf16(a, w, qb, 4, n); break;
+            case 8: score_chunk_bf16(a, w, qb, 8, n); break;
+            }
+            for (int r = 0; r < group; r++) softmax_update(a, w, r, n, &max[r], &sum[r]);
+            switch (group) {
+            case 1: accumulate_values_bf16(a, w, 1, n); break;
+            case 2: accumulate_values_bf16(a, w, 2, n); break;
+            case 4: accumulate_values_bf16(a, w, 4, n); break;
+            case 8: accumulate_values_bf16(a, w, 8, n); break;
+            }
+            continue;
+        }
+#endif
         FOR_GROUP(score_chunk_g, a, w, group, n);
         for (int r = 0; r < group; r++) softmax_update(a, w, r, n, &max[r], &sum[r]);
         FOR_GROUP(accumulate_values_g, a, w, group, n);
@@ -214,8 +349,9 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
         const size_t row = ((size_t)b * a->num_heads + (size_t)kvh * group + r) * D;
         const float inv = 1.0f / sum[r], *acc = w->acc + (size_t)r * D;
         for (int d = 0; d < D; d++) {
-            if (a->is_bf16) ((uint16_t *)a->out)[row + d] = f32_to_bf16(acc[d] * inv);
-            else ((float *)a->out)[row + d] = acc[d] * inv;
+            const float x = acc[acc_index(d, bf16_path)] * inv;
+            if (a->is_bf16) ((uint16_t *)a->out)[row + d] = f32_to_bf16(x);
+            else ((float *)a->out)[row + d] = x;
         }
     }
 }
