@@ -4,7 +4,9 @@ On a random checkpoint with Qwen3-0.6B's exact config (bf16 weights, run in each
 interleaved in one run (ours, transformers, naive, ours, transformers, ...) on the same prompts:
   - decode tokens/s (after the first token) for a 128-token prompt and 64 greedy new tokens;
   - prefill time (time to the first token) of such a prompt, in rounds of its own (9 by default);
-  - our decode time per token at a 2048-token context against a 64-token one (16 new tokens each);
+  - our decode time per token at a 2048-token context against a 64-token one (16 new tokens each):
+    one sequence in each of two engines, their decode steps interleaved (short, long, long,
+    short, ...) so that a change in the machine's speed falls on both contexts alike;
   - with --streams N (on by default on a GPU, N = 64): N greedy requests of that prompt length at
     once, ours stepping them as one batch against transformers `generate` on the same N prompts
     as one batch; output tokens/s over the whole run, first token included.
@@ -115,6 +117,30 @@ def run_ours(engine: LLMEngine, prompt: list[int], new_tokens: int) -> Run:
                 tokens.append(out.token_id)
                 stamps.append(time.perf_counter())
     return Run(stamps[0] - start, stamps[-1] - stamps[0], tokens)
+
+
+def run_ours_contexts(engines: tuple[LLMEngine, LLMEngine], prompts: tuple[list[int], list[int]],
+                      new_tokens: int) -> tuple[float, float]:
+    """Decode seconds per token for each prompt, one sequence per engine, their steps interleaved.
+
+    Each engine prefills its prompt first (untimed); then the decode steps alternate between the
+    engines, the order flipping every step, and each engine's steps are timed on their own.
+    """
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i, (engine, prompt) in enumerate(zip(engines, prompts)):
+        engine.add_request(f"bench-context-{i}-{time.monotonic_ns()}", prompt, params)
+        while engine.has_work() and not engine.step():  # prompt chunks until the first token
+            pass
+    spent, steps = [0.0, 0.0], [0, 0]
+    for n in range(new_tokens - 1):
+        for i in ((0, 1) if n % 2 == 0 else (1, 0)):
+            start = time.perf_counter()
+            outputs = engines[i].step()
+            spent[i] += time.perf_counter() - start
+            steps[i] += len(outputs)
+    if steps != [new_tokens - 1] * 2 or any(engine.has_work() for engine in engines):
+        raise RuntimeError(f"expected {new_tokens - 1} decode steps of one token in each engine, got {steps}")
+    return spent[0] / steps[0], spent[1] / steps[1]
 
 
 class _Stamps:
@@ -270,15 +296,19 @@ def bench_dtype(checkpoint: pathlib.Path, dtype: str, args: argparse.Namespace, 
     del reference
     gc.collect()
 
+    if args.context_repeats:
+        long_engine = LLMEngine(checkpoint, engine_config(args, dtype))  # the long context's own engine
+        run_ours(long_engine, warm, 4)
     for r in range(args.context_repeats):
-        short = run_ours(engine, random_prompt(args.short_context, vocab, generator), args.context_new_tokens)
-        long = run_ours(engine, random_prompt(args.long_context, vocab, generator), args.context_new_tokens)
-        series["ours_ms_per_token_ctx_short"].add(short.time_per_token * 1e3)
-        series["ours_ms_per_token_ctx_long"].add(long.time_per_token * 1e3)
-        print(f"  {dtype} context repeat {r + 1}/{args.context_repeats}: {short.time_per_token * 1e3:.1f} ms/token "
-              f"at {args.short_context}, {long.time_per_token * 1e3:.1f} ms/token at {args.long_context}",
-              file=sys.stderr)
+        short, long = run_ours_contexts((engine, long_engine), (random_prompt(args.short_context, vocab, generator),
+                                        random_prompt(args.long_context, vocab, generator)), args.context_new_tokens)
+        series["ours_ms_per_token_ctx_short"].add(short * 1e3)
+        series["ours_ms_per_token_ctx_long"].add(long * 1e3)
+        print(f"  {dtype} context repeat {r + 1}/{args.context_repeats}: {short * 1e3:.1f} ms/token "
+              f"at {args.short_context}, {long * 1e3:.1f} ms/token at {args.long_context}", file=sys.stderr)
     del engine
+    if args.context_repeats:
+        del long_engine
     gc.collect()
 
     series = {name: s for name, s in series.items() if s.values}
