@@ -17,6 +17,7 @@ from services.model_worker.memory import plan_kv_cache
 from services.model_worker.profile import profile_step_memory
 from services.model_worker.model_runner import ModelRunner
 from services.model_worker.kernels import cpu_argmax, cpu_linear, cpu_norm
+from services.model_worker.fused_decode import use_fused_decode
 from services.model_worker.optimize import (pack_linears, packing_supported, use_norm_kernel,
                                             use_small_batch_kernel)
 from services.model_worker.parallel import check_divisible, local_config
@@ -51,6 +52,9 @@ class EngineConfig:
     small_batch_kernel: bool | None = None
     # RMSNorm in a C kernel on CPU (same arithmetic, one call instead of about ten ops). None: where it builds.
     norm_kernel: bool | None = None
+    # bf16 on CPU with both kernels above: every layer of a decode step in one C call
+    # (fused_decode.py), the same arithmetic bit for bit. None: where it builds; False: layer by layer.
+    fused_decode: bool | None = None
     # CPU: the weights and the KV cache on memory advised for 2 MiB pages (hugepages.py).
     huge_pages: bool = True
     # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
@@ -167,6 +171,8 @@ class LLMEngine:
             library = cpu_linear.load()
             if library is not None:
                 use_small_batch_kernel(self.model, library, cpu_linear.load_amx())
+                if config.fused_decode is not False and not use_fused_decode(self.model.model) and config.fused_decode:
+                    raise ValueError("fused_decode needs the norm and small-batch kernels, one rank and a CPU with AVX-512")
                 return
             if config.small_batch_kernel:
                 raise ValueError("small_batch_kernel needs a C compiler and a CPU with AVX512-BF16")

@@ -1,0 +1,73 @@
+"""Every decoder layer of a bf16 CPU decode step in one C call (decoder.c), through ctypes.
+
+The C loop calls the same matmul, norm and attention kernels as the layer-by-layer forward, through
+function pointers taken from their libraries here, and rounds the ops torch did (adds, SiLU, the
+gate product) as torch does: the fused step's hidden states equal the unfused step's bit for bit.
+"""
+from __future__ import annotations
+
+import ctypes
+import pathlib
+
+import torch
+
+from services.model_worker.kernels import build
+
+SOURCE = pathlib.Path(__file__).with_name("decoder.c")
+
+
+class Kernels(ctypes.Structure):
+    _fields_ = [("small", ctypes.c_void_p), ("amx", ctypes.c_void_p), ("norm", ctypes.c_void_p),
+                ("norm_rope", ctypes.c_void_p), ("write_kv", ctypes.c_void_p), ("attention", ctypes.c_void_p),
+                ("small_max_rows", ctypes.c_int), ("amx_min_rows", ctypes.c_int), ("amx_max_rows", ctypes.c_int)]
+
+
+class Shape(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
+                ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int), ("block_size", ctypes.c_int),
+                ("num_slots", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "qkv", "qk_norm", "o", "post_norm", "gate_up",
+                                                     "down", "k_cache", "v_cache")] + \
+               [(name, ctypes.c_int) for name in ("qkv_amx", "o_amx", "gate_up_amx", "down_amx")]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [("rows", ctypes.c_int), ("max_blocks", ctypes.c_int), ("cos", ctypes.c_void_p),
+                ("signed_sin", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("context_lens", ctypes.c_void_p),
+                ("block_tables", ctypes.c_void_p)]
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled loop; None (with a warning) where it cannot be built or the CPU has no AVX-512."""
+    library = build.load(SOURCE, "fused decode layers")
+    if library is None or not library.decoder_supported():
+        return None
+    library.decode_layers.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                      ctypes.c_void_p, ctypes.c_void_p]
+    library.decode_layers.restype = ctypes.c_int
+    return library
+
+
+def address(library: ctypes.CDLL, name: str) -> int:
+    """The address of a C function in a loaded library, to hand to decode_layers."""
+    return ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+
+
+def decode_layers(library: ctypes.CDLL, kernels: Kernels, shape: Shape, layers: ctypes.Array, hidden: torch.Tensor,
+                  rope: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, context_lens: torch.Tensor,
+                  block_tables: torch.Tensor) -> None:
+    """Run every layer on hidden, (rows, hidden) contiguous bf16, in place: one new token per row.
+
+    rope: (rows, 1, head_dim) bf16 tables; slot_mapping (rows,) int64; context_lens (rows,) int32;
+    block_tables (rows, max_blocks) int32; all contiguous on the CPU.
+    """
+    cos, signed_sin = rope
+    step = Step(hidden.shape[0], block_tables.shape[1], cos.data_ptr(), signed_sin.data_ptr(),
+                slot_mapping.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr())
+    status = library.decode_layers(ctypes.addressof(kernels), ctypes.addressof(shape), ctypes.addressof(layers),
+                                   len(layers), ctypes.addressof(step), hidden.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"decode_layers failed with status {status} for {hidden.shape[0]} rows")

@@ -1,0 +1,202 @@
+/* Every decoder layer of a bf16 decode step in one call: the step's torch glue moved into C.
+ *
+ * A decode step of one sequence reads the 0.6B model's weights in about 45 ms, and the C kernels
+ * already do the arithmetic; around them each layer spent about 0.2 ms in Python: a dozen module
+ * calls, views, splits, adds, SiLU and a multiply, and ctypes calls with their argument checks.
+ * Here the layer loop runs in C and calls the same kernels (small_batch_linear.c, amx_linear.c,
+ * rms_norm.c, paged_attention.c) through function pointers the caller hands in, so each op is the
+ * code the unfused path runs, on the same inputs. The ops torch did are written to round as torch
+ * does: a bf16 add or multiply is a float32 one rounded to nearest even, and SiLU is torch's
+ * x / (1 + exp(-x)) with exp computed as Sleef's expf (u10), the routine torch's vectorised exp
+ * calls; for every one of the 65,536 bf16 inputs it equals torch's F.silu bit for bit (tested).
+ * The fused step's hidden states equal the unfused step's bit for bit (tested).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef int (*linear_fn)(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k);
+typedef void (*norm_fn)(const void *x, int64_t group_stride, int group_rows, const void *weight, int weight_rows,
+                        void *out, int64_t rows, int dim, float eps, int is_bf16);
+typedef void (*norm_rope_fn)(const void *x, int64_t group_stride, int group_rows, const void *weight,
+                             int weight_rows, const void *cos, const void *signed_sin, void *out, int64_t rows,
+                             int dim, float eps, int is_bf16);
+typedef int (*write_kv_fn)(const void *k, const void *v, int64_t k_stride, int64_t v_stride, void *k_cache,
+                           void *v_cache, const int64_t *slots, int64_t tokens, int num_kv_heads, int64_t num_slots,
+                           int head_dim, int elem_size);
+typedef int (*attention_fn)(const void *q, const void *k_cache, const void *v_cache, void *out,
+                            const int32_t *context_lens, const int32_t *block_tables, int64_t num_slots,
+                            int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                            int max_blocks, int is_bf16, float scale);
+
+/* The kernels, and the row counts SmallBatchLinear routes to each: AMX from amx_min_rows to
+ * amx_max_rows where a weight allows it, the AVX512-BF16 kernel up to small_max_rows. */
+typedef struct {
+    linear_fn small, amx;
+    norm_fn norm;
+    norm_rope_fn norm_rope;
+    write_kv_fn write_kv;
+    attention_fn attention;
+    int small_max_rows, amx_min_rows, amx_max_rows;
+} Kernels;
+
+typedef struct {
+    int hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    int64_t num_slots;
+    float eps, scale;
+} Shape;
+
+/* One layer's weights (bf16, contiguous, as the checkpoint's tensors) and cache; *_amx: whether
+ * that weight may take the AMX kernel (its output size a multiple of 32). */
+typedef struct {
+    const uint16_t *input_norm, *qkv, *qk_norm, *o, *post_norm, *gate_up, *down;
+    uint16_t *k_cache, *v_cache;
+    int qkv_amx, o_amx, gate_up_amx, down_amx;
+} Layer;
+
+/* One step: `rows` sequences with one new token each. cos, signed_sin: (rows, head_dim) rotary
+ * tables; slots: (rows,) cache slots; block_tables: (rows, max_blocks). */
+typedef struct {
+    int rows, max_blocks;
+    const uint16_t *cos, *signed_sin;
+    const int64_t *slots;
+    const int32_t *context_lens, *block_tables;
+} Step;
+
+static int linear(const Kernels *kn, int amx_ok, const uint16_t *x, const uint16_t *w, uint16_t *out, int m,
+                  int64_t n, int64_t k) {
+    if (amx_ok && kn->amx && m >= kn->amx_min_rows && m <= kn->amx_max_rows) return kn->amx(x, w, out, m, n, k);
+    if (m <= kn->small_max_rows) return kn->small(x, w, out, m, n, k);
+    return -100; /* the caller checked the rows: unreachable */
+}
+
+#if defined(__AVX512F__)
+/* Sleef's expf, u10 variant, operation for operation (fused multiply-adds where Sleef's AVX-512
+ * build has them): what torch's Vectorized<float>::exp returns, so SiLU rounds as torch's does. */
+static inline __m512 sleef_expf16(__m512 d) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137f)));
+    const __m512 qf = _mm512_cvtepi32_ps(q);
+    __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), d);
+    s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
+    __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+    u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+    /* u * 2^q in two steps, as Sleef's ldexp2 does. */
+    const __m512i half = _mm512_srai_epi32(q, 1), bias = _mm512_set1_epi32(0x7f);
+    u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, bias), 23)));
+    u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(q, half), bias), 23)));
+    u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), u, _mm512_setzero_ps());
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), d, _CMP_LT_OQ), u,
+                                _mm512_set1_ps(__builtin_inff()));
+}
+
+static inline __m512 load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* x rounded to bf16 to nearest even (NaN kept, made quiet), as bf16.h's f32_to_bf16, still as float32 bits. */
+static inline __m512i round_bf16(__m512 x) {
+    const __m512i bits = _mm512_castps_si512(x), high = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    const __m512i nan = _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000));
+    return _mm512_and_si512(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, nan), high);
+}
+
+static inline void store_bf16(uint16_t *p, __m512i rounded) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+#endif
+
+/* act = bf16(bf16(silu(gate)) * up) for each row of gate_up = [gate | up]: F.silu(gate) * up.
+ * Returns 0, or -1 (nothing written) without AVX-512 or where n is not a multiple of 16. */
+int silu_and_mul(const uint16_t *gate_up, uint16_t *act, int rows, int64_t n) {
+#if defined(__AVX512F__)
+    if (n % 16) return -1;
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + (int64_t)r * 2 * n, *up = gate + n;
+        uint16_t *out = act + (int64_t)r * n;
+        for (int64_t i = 0; i < n; i += 16) {
+            const __m512 g = load_bf16(gate + i);
+            const __m512 e = sleef_expf16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            const __m512 silu = _mm512_castsi512_ps(round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))));
+            store_bf16(out + i, round_bf16(_mm512_mul_ps(silu, load_bf16(up + i))));
+        }
+    }
+    return 0;
+#else
+    (void)gate_up, (void)act, (void)rows, (void)n;
+    return -1;
+#endif
+}
+
+/* hidden = bf16(hidden + delta), as torch adds two bf16 tensors. */
+static void add_rows(uint16_t *hidden, const uint16_t *delta, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        store_bf16(hidden + i, round_bf16(_mm512_add_ps(load_bf16(hidden + i), load_bf16(delta + i))));
+#endif
+    for (; i < n; i++) hidden[i] = f32_to_bf16(bf16_to_f32(hidden[i]) + bf16_to_f32(delta[i]));
+}
+
+int decoder_supported(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* hidden: (rows, hidden) bf16, the embeddings in, the last layer's output out (in place). Returns
+ * 0; or < 0, with hidden undefined: -1 a shape the kernels do not take, -2 no memory, or a
+ * kernel's own failure status. */
+int decode_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int num_layers, const Step *st,
+                  uint16_t *hidden) {
+    const int m = st->rows, H = sh->hidden, D = sh->head_dim, Hq = sh->heads, Hkv = sh->kv_heads;
+    const int64_t qk_width = (int64_t)(Hq + Hkv) * D, qkv_width = qk_width + (int64_t)Hkv * D;
+    const int64_t I = sh->intermediate;
+    if (m < 1 || (m > kn->small_max_rows && (!kn->amx || m > kn->amx_max_rows)) || I % 16) return -1;
+    size_t elems = (size_t)m * (H + qkv_width + qk_width + 2 * (size_t)Hq * D + H + 2 * I + I + H);
+    uint16_t *buf = malloc(elems * sizeof(uint16_t));
+    if (!buf) return -2;
+    uint16_t *normed = buf, *qkv = normed + (size_t)m * H, *qk = qkv + m * qkv_width, *q = qk + m * qk_width,
+             *attn = q + (size_t)m * Hq * D, *o = attn + (size_t)m * Hq * D, *gate_up = o + (size_t)m * H,
+             *act = gate_up + 2 * m * I, *down = act + m * I;
+    int status = 0;
+    for (int l = 0; l < num_layers && status == 0; l++) {
+        const Layer *L = &layers[l];
+        kn->norm(hidden, H, 1, L->input_norm, 1, normed, m, H, sh->eps, 1);
+        if ((status = linear(kn, L->qkv_amx, normed, L->qkv, qkv, m, qkv_width, H))) break;
+        /* q and k heads normalised and rotated as one (rows, Hq + Hkv, D) block, as qwen3.py does. */
+        kn->norm_rope(qkv, qkv_width, Hq + Hkv, L->qk_norm, Hq + Hkv, st->cos, st->signed_sin, qk,
+                      (int64_t)m * (Hq + Hkv), D, sh->eps, 1);
+        if ((status = kn->write_kv(qk + (int64_t)Hq * D, qkv + qk_width, qk_width, qkv_width, L->k_cache,
+                                   L->v_cache, st->slots, m, Hkv, sh->num_slots, D, 2)))
+            break;
+        /* The attention kernel takes (rows, Hq, D) contiguous: the q heads of each row of qk. */
+        for (int r = 0; r < m; r++) memcpy(q + (int64_t)r * Hq * D, qk + r * qk_width, sizeof(uint16_t) * Hq * D);
+        if ((status = kn->attention(q, L->k_cache, L->v_cache, attn, st->context_lens, st->block_tables,
+                                    sh->num_slots, m, Hq, Hkv, D, sh->block_size, st->max_blocks, 1, sh->scale)))
+            break;
+        if ((status = linear(kn, L->o_amx, attn, L->o, o, m, H, (int64_t)Hq * D))) break;
+        add_rows(hidden, o, (int64_t)m * H);
+        kn->norm(hidden, H, 1, L->post_norm, 1, normed, m, H, sh->eps, 1);
+        if ((status = linear(kn, L->gate_up_amx, normed, L->gate_up, gate_up, m, 2 * I, H))) break;
+        if ((status = silu_and_mul(gate_up, act, m, I))) break;
+        if ((status = linear(kn, L->down_amx, act, L->down, down, m, H, I))) break;
+        add_rows(hidden, down, (int64_t)m * H);
+    }
+    free(buf);
+    return status;
+}

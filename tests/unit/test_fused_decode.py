@@ -1,0 +1,125 @@
+"""The fused decode loop (kernels/decoder.c, fused_decode.py): bit for bit the layer-by-layer forward, and
+used only for the steps it takes."""
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.model_worker.attention import AttentionMetadata, CpuPagedAttention, TorchAttention
+from services.model_worker.engine import EngineConfig, LLMEngine
+from services.model_worker.fused_decode import FusedDecode
+from services.model_worker.kernels import build, cpu_attention, cpu_decoder
+from services.model_worker.sampling_params import SamplingParams
+from tests.checkpoints import make_checkpoint
+from tests.unit.test_engine_reference import random_prompt
+
+pytestmark = pytest.mark.skipif("avx512_bf16" not in build.cpu_features(),
+                                reason="the fused loop calls the AVX512-BF16 matmul kernel")
+
+
+@pytest.fixture(scope="module")
+def library():
+    library = cpu_decoder.load()
+    assert library is not None, "the fused loop must build on a CPU with AVX-512 (gcc is on the test machine)"
+    return library
+
+
+def test_silu_and_mul_rounds_as_torch_for_every_bf16_gate(library):
+    """Every one of the 65,536 bf16 values as the gate, times random up values: F.silu(gate) * up, bit for bit."""
+    gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    up = torch.randn(65536, generator=torch.Generator().manual_seed(3)).bfloat16()
+    up[::7] = 1.0  # the SiLU itself, unmultiplied
+    rows = 16
+    gate_up = torch.cat((gate.view(rows, -1), up.view(rows, -1)), dim=1).contiguous()
+    act = torch.empty(rows, 65536 // rows, dtype=torch.bfloat16)
+    assert library.silu_and_mul(ctypes.c_void_p(gate_up.data_ptr()), ctypes.c_void_p(act.data_ptr()), rows,
+                                ctypes.c_int64(65536 // rows)) == 0
+    want = (F.silu(gate) * up).view(rows, -1)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(act), nan)
+    assert torch.equal(act.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
+@pytest.fixture(scope="module", params=["tiny", "gqa4-head64"])
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"fused-{request.param}")
+    overrides = {} if request.param == "tiny" else dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    make_checkpoint(path, eos_token_id=(), num_hidden_layers=3, **overrides)
+    return path
+
+
+def make_engine(checkpoint, fused: bool) -> LLMEngine:
+    return LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=256, block_size=8,
+                                              fused_decode=fused))
+
+
+def hidden_states(engine: LLMEngine, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """The final hidden states each step samples from, for greedy continuations of the prompts."""
+    captured = []
+    compute_logits = engine.model.compute_logits
+    engine.model.compute_logits = lambda hidden: (captured.append(hidden.clone()), compute_logits(hidden))[1]
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
+    return captured
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 9])
+def test_fused_steps_equal_the_layer_by_layer_forward_bit_for_bit(checkpoint, batch, monkeypatch):
+    """1-2 rows take the AVX512-BF16 matmul kernel, 3 and more the AMX one where the CPU has it (else
+    up to 4, and 5 and 9 rows run layer by layer in both engines)."""
+    prompts = [random_prompt(3 + 4 * i, seed=batch * 10 + i) for i in range(batch)]
+    plain = hidden_states(make_engine(checkpoint, False), prompts, 6)
+    calls = []
+    real = cpu_decoder.decode_layers
+    monkeypatch.setattr(cpu_decoder, "decode_layers", lambda *args: (calls.append(args[4].shape[0]), real(*args))[1])
+    engine = make_engine(checkpoint, True)
+    fused = hidden_states(engine, prompts, 6)
+    assert len(fused) == len(plain) and all(torch.equal(a, b) for a, b in zip(fused, plain))
+    if batch <= engine.model.model.fused_decode.max_rows:
+        assert calls == [batch] * 5  # every decode step (the prompts' prefill runs layer by layer)
+    else:
+        assert calls == []
+
+
+def test_the_engine_uses_it_by_default_in_bf16_only(checkpoint):
+    default = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=16, block_size=8))
+    assert isinstance(default.model.model.fused_decode, FusedDecode)
+    fp32 = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="float32", num_blocks=16, block_size=8))
+    assert fp32.model.model.fused_decode is None
+    unfused = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=16, block_size=8,
+                                                 norm_kernel=False))
+    assert unfused.model.model.fused_decode is None  # the norms run in torch: nothing to fuse with
+    with pytest.raises(ValueError, match="fused_decode needs"):
+        LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=16, block_size=8,
+                                           norm_kernel=False, fused_decode=True))
+
+
+def test_it_takes_pure_decode_steps_of_few_rows_on_the_c_attention_kernel(checkpoint):
+    fused = make_engine(checkpoint, True).model.model.fused_decode
+    kernel = CpuPagedAttention(cpu_attention.load())
+
+    def meta(query_lens, backend=kernel):
+        return AttentionMetadata.build([[i] for i in range(len(query_lens))], [4] * len(query_lens), query_lens, 8,
+                                       torch.device("cpu"), backend)
+
+    def hidden(rows):
+        return torch.zeros(rows, 64, dtype=torch.bfloat16)
+
+    assert fused.takes(hidden(2), meta([1, 1]))
+    assert not fused.takes(hidden(4), meta([1, 3]))                      # a prompt chunk in the step
+    assert not fused.takes(hidden(2), meta([1, 1], TorchAttention()))   # another attention backend
+    assert not fused.takes(hidden(2).float(), meta([1, 1]))
+    rows = fused.max_rows + 1
+    assert not fused.takes(hidden(rows), meta([1] * rows))
+
+
+def test_the_c_loop_refuses_more_rows_than_its_matmul_kernels_take(library):
+    kernels = cpu_decoder.Kernels(small_max_rows=4, amx_min_rows=3, amx_max_rows=128)  # no AMX kernel given
+    shape = cpu_decoder.Shape(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, block_size=8,
+                              num_slots=64, eps=1e-6, scale=0.25)
+    layers = (cpu_decoder.Layer * 1)()
+    rope = (torch.zeros(5, 1, 16, dtype=torch.bfloat16),) * 2
+    with pytest.raises(RuntimeError, match="decode_layers failed with status -1 for 5 rows"):
+        cpu_decoder.decode_layers(library, kernels, shape, layers, torch.zeros(5, 64, dtype=torch.bfloat16), rope,
+                                  torch.zeros(5, dtype=torch.int64), torch.ones(5, dtype=torch.int32),
+                                  torch.zeros(5, 1, dtype=torch.int32))
