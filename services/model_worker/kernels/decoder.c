@@ -123,6 +123,7 @@ static inline void store_bf16(uint16_t *p, __m512i rounded) {
 int silu_and_mul(const uint16_t *gate_up, uint16_t *act, int rows, int64_t n) {
 #if defined(__AVX512F__)
     if (n % 16) return -1;
+#pragma omp parallel for schedule(static) if ((int64_t)rows * n >= 16384) /* 6 rows of 3072 and up */
     for (int r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + (int64_t)r * 2 * n, *up = gate + n;
         uint16_t *out = act + (int64_t)r * n;

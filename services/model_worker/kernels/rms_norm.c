@@ -11,6 +11,10 @@
 
 #include "bf16.h"
 
+/* Rows split across threads from this many values: a decode step of 8 sequences (8 x 1024) and up;
+ * one sequence's rows (1024 values, or 24 heads of 128) cost less than waking the other threads. */
+#define PARALLEL_VALUES 8192
+
 /* Row r's normalised, weighted values as float32, each already rounded to bf16 where the model is
  * bf16: y = w * round(x * rsqrt(mean(x^2) + eps)), rounded. Separate bf16 and float32 loops, with no
  * per-element branch, so the compiler vectorises them. */
@@ -39,7 +43,7 @@ static inline void norm_row(const void *x, int64_t base, const void *weight, int
 __attribute__((optimize("fp-contract=off")))
 void rms_norm(const void *x, int64_t group_stride, int group_rows, const void *weight, int weight_rows, void *out,
               int64_t rows, int dim, float eps, int is_bf16) {
-#pragma omp parallel for schedule(static) if (rows * dim > 16384)
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_VALUES)
     for (int64_t r = 0; r < rows; r++) {
         float y[dim];
         norm_row(x, r / group_rows * group_stride + r % group_rows * (int64_t)dim, weight,
@@ -64,7 +68,7 @@ void rms_norm_rope(const void *x, int64_t group_stride, int group_rows, const vo
                    const void *cos, const void *signed_sin, void *out, int64_t rows, int dim, float eps,
                    int is_bf16) {
     const int half = dim / 2;
-#pragma omp parallel for schedule(static) if (rows * dim > 16384)
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_VALUES)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t t_base = r / group_rows * (int64_t)dim;
         float y[dim];
