@@ -323,11 +323,15 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
     }
     for (int k0 = 0; k0 < ctx; k0 += KEY_CHUNK) {
         const int n = ctx - k0 < KEY_CHUNK ? ctx - k0 : KEY_CHUNK;
-        for (int j = 0; j < n; j++) {
-            const int pos = k0 + j;
-            const size_t slot = (size_t)table[pos / a->block_size] * a->block_size + pos % a->block_size;
-            w->keys[j] = k_head + slot * row_bytes;
-            w->keys[KEY_CHUNK + j] = v_head + slot * row_bytes;
+        /* A block's slots are consecutive: one table lookup (and one division) per block, not per key. */
+        for (int j = 0; j < n;) {
+            const int pos = k0 + j, offset = pos % a->block_size;
+            const int run = a->block_size - offset < n - j ? a->block_size - offset : n - j;
+            const size_t first = (size_t)table[pos / a->block_size] * a->block_size + offset;
+            for (int t = 0; t < run; t++, j++) {
+                w->keys[j] = k_head + (first + t) * row_bytes;
+                w->keys[KEY_CHUNK + j] = v_head + (first + t) * row_bytes;
+            }
         }
         /* The next chunk's first keys, which the loop below cannot reach ahead to. */
         for (int pos = k0 + n; pos < ctx && pos < k0 + n + PREFETCH; pos++) {
