@@ -50,7 +50,10 @@ class ModelRunner:
         hidden = self.forward(host)
         if not sampled:
             return [], None
-        return [batch.seqs[i] for i in sampled], self.model.compute_logits(hidden).float()
+        # In the model's dtype: greedy argmax reads them as they are (widening would not change
+        # the winner), and the sampler widens to float32 where it computes (penalties, sampling,
+        # logprobs). 16 rows of bf16 logits widened were 14.6 MB of memory traffic a step.
+        return [batch.seqs[i] for i in sampled], self.model.compute_logits(hidden)
 
     def forward(self, host: StepInputs) -> torch.Tensor:
         """The final hidden states of the rows to sample, (S, hidden): replayed from a graph where one fits."""
