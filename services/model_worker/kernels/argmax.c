@@ -61,7 +61,18 @@ static float row_max(const void *row, int64_t n, int is_bf16, int *has_nan) {
 static int64_t row_argmax(const void *row, int64_t n, int is_bf16) {
     int has_nan = 0;
     const float best = row_max(row, n, is_bf16, &has_nan);
-    for (int64_t i = 0; i < n; i++) {
+    int64_t start = 0;
+#ifdef __AVX512F__
+    /* The first match, sixteen values a compare: scanned one at a time, this pass took longer
+     * than the max (about half a row on average). */
+    const __m512 target = _mm512_set1_ps(best);
+    for (; start + 16 <= n; start += 16) {
+        const __m512 v = load16(row, start, is_bf16);
+        const __mmask16 hit = has_nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+        if (hit) return start + __builtin_ctz(hit);
+    }
+#endif
+    for (int64_t i = start; i < n; i++) {
         const float v = value(row, i, is_bf16);
         if (has_nan ? v != v : v == best) return i;
     }
