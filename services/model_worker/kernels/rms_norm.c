@@ -15,25 +15,53 @@
  * one sequence's rows (1024 values, or 24 heads of 128) cost less than waking the other threads. */
 #define PARALLEL_VALUES 8192
 
-/* Row r's normalised, weighted values as float32, each already rounded to bf16 where the model is
- * bf16: y = w * round(x * rsqrt(mean(x^2) + eps)), rounded. Separate bf16 and float32 loops, with no
- * per-element branch, so the compiler vectorises them. */
+#define SUM_ROWS 4 /* rows whose sums of squares are added up side by side */
+
+/* The sums of squares of `count` (at most SUM_ROWS) rows, row i at x + base[i], each added in
+ * order d = 0, 1, ... as a single row's would be: the same float32 sums, but the adds of different
+ * rows overlap instead of each waiting on the one before (a row's chain of 128 or 1024 dependent
+ * adds was most of a decode step's norm time). */
+static inline void row_sums(const void *x, const int64_t *base, int count, int dim, int is_bf16, float *sums) {
+    float s[SUM_ROWS] = {0.0f};
+    if (count == SUM_ROWS && is_bf16) {
+        const uint16_t *r0 = (const uint16_t *)x + base[0], *r1 = (const uint16_t *)x + base[1],
+                       *r2 = (const uint16_t *)x + base[2], *r3 = (const uint16_t *)x + base[3];
+        for (int d = 0; d < dim; d++) {
+            const float a = bf16_to_f32(r0[d]), b = bf16_to_f32(r1[d]), c = bf16_to_f32(r2[d]), e = bf16_to_f32(r3[d]);
+            s[0] += a * a;
+            s[1] += b * b;
+            s[2] += c * c;
+            s[3] += e * e;
+        }
+    } else {
+        for (int i = 0; i < count; i++)
+            for (int d = 0; d < dim; d++) {
+                const float v = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[base[i] + d]) : ((const float *)x)[base[i] + d];
+                s[i] += v * v;
+            }
+    }
+    for (int i = 0; i < count; i++) sums[i] = s[i];
+}
+
+/* A row's normalised, weighted values as float32, each already rounded to bf16 where the model is
+ * bf16: y = w * round(x * rsqrt(mean(x^2) + eps)), rounded, given the row's sum of squares. Separate
+ * bf16 and float32 loops, with no per-element branch, so the compiler vectorises them. */
 static inline void norm_row(const void *x, int64_t base, const void *weight, int64_t w_base, int dim, float eps,
-                            int is_bf16, float *y) {
-    float sum = 0.0f;
+                            int is_bf16, float sum, float *y) {
+    const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
     if (is_bf16) {
         const uint16_t *xr = (const uint16_t *)x + base, *wr = (const uint16_t *)weight + w_base;
-        for (int d = 0; d < dim; d++) y[d] = bf16_to_f32(xr[d]);
-        for (int d = 0; d < dim; d++) sum += y[d] * y[d];
-        const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
         for (int d = 0; d < dim; d++)
-            y[d] = bf16_to_f32(f32_to_bf16(bf16_to_f32(wr[d]) * bf16_to_f32(f32_to_bf16(y[d] * scale))));
+            y[d] = bf16_to_f32(f32_to_bf16(bf16_to_f32(wr[d]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[d]) * scale))));
     } else {
         const float *xr = (const float *)x + base, *wr = (const float *)weight + w_base;
-        for (int d = 0; d < dim; d++) sum += xr[d] * xr[d];
-        const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
         for (int d = 0; d < dim; d++) y[d] = wr[d] * (xr[d] * scale);
     }
+}
+
+/* Where row r starts in x: groups of group_rows rows, group_stride elements apart. */
+static inline int64_t row_base(int64_t r, int64_t group_stride, int group_rows, int dim) {
+    return r / group_rows * group_stride + r % group_rows * (int64_t)dim;
 }
 
 /* x: groups of `group_rows` contiguous rows of `dim` values, group g at x + g * group_stride
@@ -44,15 +72,21 @@ __attribute__((optimize("fp-contract=off")))
 void rms_norm(const void *x, int64_t group_stride, int group_rows, const void *weight, int weight_rows, void *out,
               int64_t rows, int dim, float eps, int is_bf16) {
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_VALUES)
-    for (int64_t r = 0; r < rows; r++) {
-        float y[dim];
-        norm_row(x, r / group_rows * group_stride + r % group_rows * (int64_t)dim, weight,
-                 (r % weight_rows) * (int64_t)dim, dim, eps, is_bf16, y);
-        if (is_bf16) {
-            uint16_t *o = (uint16_t *)out + r * dim;
-            for (int d = 0; d < dim; d++) o[d] = f32_to_bf16(y[d]);  /* exact: y holds bf16 values */
-        } else {
-            memcpy((float *)out + r * dim, y, sizeof(float) * dim);
+    for (int64_t r0 = 0; r0 < rows; r0 += SUM_ROWS) {
+        const int count = rows - r0 < SUM_ROWS ? (int)(rows - r0) : SUM_ROWS;
+        int64_t base[SUM_ROWS];
+        float sums[SUM_ROWS], y[dim];
+        for (int i = 0; i < count; i++) base[i] = row_base(r0 + i, group_stride, group_rows, dim);
+        row_sums(x, base, count, dim, is_bf16, sums);
+        for (int i = 0; i < count; i++) {
+            const int64_t r = r0 + i;
+            norm_row(x, base[i], weight, (r % weight_rows) * (int64_t)dim, dim, eps, is_bf16, sums[i], y);
+            if (is_bf16) {
+                uint16_t *o = (uint16_t *)out + r * dim;
+                for (int d = 0; d < dim; d++) o[d] = f32_to_bf16(y[d]);  /* exact: y holds bf16 values */
+            } else {
+                memcpy((float *)out + r * dim, y, sizeof(float) * dim);
+            }
         }
     }
 }
@@ -69,29 +103,34 @@ void rms_norm_rope(const void *x, int64_t group_stride, int group_rows, const vo
                    int is_bf16) {
     const int half = dim / 2;
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_VALUES)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t t_base = r / group_rows * (int64_t)dim;
-        float y[dim];
-        norm_row(x, r / group_rows * group_stride + r % group_rows * (int64_t)dim, weight,
-                 (r % weight_rows) * (int64_t)dim, dim, eps, is_bf16, y);
-        if (is_bf16) {
-            const uint16_t *c = (const uint16_t *)cos + t_base, *s = (const uint16_t *)signed_sin + t_base;
-            uint16_t *o = (uint16_t *)out + r * dim;
-            for (int d = 0; d < half; d++) {
-                const float a = bf16_to_f32(f32_to_bf16(y[d] * bf16_to_f32(c[d])));
-                const float b = bf16_to_f32(f32_to_bf16(y[d + half] * bf16_to_f32(s[d])));
-                o[d] = f32_to_bf16(a + b);
+    for (int64_t r0 = 0; r0 < rows; r0 += SUM_ROWS) {
+        const int count = rows - r0 < SUM_ROWS ? (int)(rows - r0) : SUM_ROWS;
+        int64_t base[SUM_ROWS];
+        float sums[SUM_ROWS], y[dim];
+        for (int i = 0; i < count; i++) base[i] = row_base(r0 + i, group_stride, group_rows, dim);
+        row_sums(x, base, count, dim, is_bf16, sums);
+        for (int i = 0; i < count; i++) {
+            const int64_t r = r0 + i, t_base = r / group_rows * (int64_t)dim;
+            norm_row(x, base[i], weight, (r % weight_rows) * (int64_t)dim, dim, eps, is_bf16, sums[i], y);
+            if (is_bf16) {
+                const uint16_t *c = (const uint16_t *)cos + t_base, *s = (const uint16_t *)signed_sin + t_base;
+                uint16_t *o = (uint16_t *)out + r * dim;
+                for (int d = 0; d < half; d++) {
+                    const float a = bf16_to_f32(f32_to_bf16(y[d] * bf16_to_f32(c[d])));
+                    const float b = bf16_to_f32(f32_to_bf16(y[d + half] * bf16_to_f32(s[d])));
+                    o[d] = f32_to_bf16(a + b);
+                }
+                for (int d = half; d < dim; d++) {
+                    const float a = bf16_to_f32(f32_to_bf16(y[d] * bf16_to_f32(c[d])));
+                    const float b = bf16_to_f32(f32_to_bf16(y[d - half] * bf16_to_f32(s[d])));
+                    o[d] = f32_to_bf16(a + b);
+                }
+            } else {
+                const float *c = (const float *)cos + t_base, *s = (const float *)signed_sin + t_base;
+                float *o = (float *)out + r * dim;
+                for (int d = 0; d < half; d++) o[d] = y[d] * c[d] + y[d + half] * s[d];
+                for (int d = half; d < dim; d++) o[d] = y[d] * c[d] + y[d - half] * s[d];
             }
-            for (int d = half; d < dim; d++) {
-                const float a = bf16_to_f32(f32_to_bf16(y[d] * bf16_to_f32(c[d])));
-                const float b = bf16_to_f32(f32_to_bf16(y[d - half] * bf16_to_f32(s[d])));
-                o[d] = f32_to_bf16(a + b);
-            }
-        } else {
-            const float *c = (const float *)cos + t_base, *s = (const float *)signed_sin + t_base;
-            float *o = (float *)out + r * dim;
-            for (int d = 0; d < half; d++) o[d] = y[d] * c[d] + y[d + half] * s[d];
-            for (int d = half; d < dim; d++) o[d] = y[d] * c[d] + y[d - half] * s[d];
         }
     }
 }
