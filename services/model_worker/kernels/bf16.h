@@ -21,4 +21,19 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* Sixteen f32_to_bf16 at once: each lane's bf16 bits in its high half, the low half zero (so the
+ * lane, read as float32, is the rounded value). */
+static inline __m512i round_bf16x16(__m512 x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    const __m512i nan = _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000));
+    const __m512i kept = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, nan);
+    return _mm512_and_si512(kept, _mm512_set1_epi32((int)0xFFFF0000u));
+}
+#endif
+
 #endif

@@ -104,16 +104,7 @@ static inline __m512 load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* x rounded to bf16 to nearest even (NaN kept, made quiet), as bf16.h's f32_to_bf16, still as float32 bits. */
-static inline __m512i round_bf16(__m512 x) {
-    const __m512i bits = _mm512_castps_si512(x), high = _mm512_set1_epi32((int)0xFFFF0000u);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    const __m512i nan = _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000));
-    return _mm512_and_si512(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, nan), high);
-}
-
-static inline void store_bf16(uint16_t *p, __m512i rounded) {
+static inline void store_bf16(uint16_t *p, __m512i rounded) { /* rounded: from round_bf16x16 */
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 #endif
@@ -130,8 +121,8 @@ int silu_and_mul(const uint16_t *gate_up, uint16_t *act, int rows, int64_t n) {
         for (int64_t i = 0; i < n; i += 16) {
             const __m512 g = load_bf16(gate + i);
             const __m512 e = sleef_expf16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            const __m512 silu = _mm512_castsi512_ps(round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))));
-            store_bf16(out + i, round_bf16(_mm512_mul_ps(silu, load_bf16(up + i))));
+            const __m512 silu = _mm512_castsi512_ps(round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))));
+            store_bf16(out + i, round_bf16x16(_mm512_mul_ps(silu, load_bf16(up + i))));
         }
     }
     return 0;
@@ -146,7 +137,7 @@ static void add_rows(uint16_t *hidden, const uint16_t *delta, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX512F__)
     for (; i + 16 <= n; i += 16)
-        store_bf16(hidden + i, round_bf16(_mm512_add_ps(load_bf16(hidden + i), load_bf16(delta + i))));
+        store_bf16(hidden + i, round_bf16x16(_mm512_add_ps(load_bf16(hidden + i), load_bf16(delta + i))));
 #endif
     for (; i < n; i++) hidden[i] = f32_to_bf16(bf16_to_f32(hidden[i]) + bf16_to_f32(delta[i]));
 }

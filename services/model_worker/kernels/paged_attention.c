@@ -157,17 +157,6 @@ static inline __attribute__((always_inline)) void accumulate_values_g(const Args
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define BF16_PATH 1
 
-/* x rounded to bf16 to nearest even, NaN kept and made quiet (bf16.h's f32_to_bf16), in the high
- * half of each lane, the low half zero. */
-static inline __m512i round_bf16(__m512 x) {
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    const __m512i nan = _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000));
-    const __m512i kept = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, nan);
-    return _mm512_and_si512(kept, _mm512_set1_epi32((int)0xFFFF0000u));
-}
-
 /* Lane i of the result is the sum of v[i]'s sixteen lanes: a transposing tree of 45 shuffles and
  * adds, where sixteen separate reductions take about 150 instructions. */
 static inline __m512 sum16(const __m512 v[16]) {
@@ -368,7 +357,7 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
             for (int c = 0; c < D / 32; c++) {
                 const __m512 even = _mm512_mul_ps(_mm512_loadu_ps(acc + 32 * c), _mm512_set1_ps(inv));
                 const __m512 odd = _mm512_mul_ps(_mm512_loadu_ps(acc + 32 * c + 16), _mm512_set1_ps(inv));
-                const __m512i pairs = _mm512_or_si512(_mm512_srli_epi32(round_bf16(even), 16), round_bf16(odd));
+                const __m512i pairs = _mm512_or_si512(_mm512_srli_epi32(round_bf16x16(even), 16), round_bf16x16(odd));
                 _mm512_storeu_si512((uint16_t *)a->out + row + 32 * c, pairs);
             }
             continue;
