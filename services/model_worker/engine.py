@@ -119,6 +119,10 @@ class LLMEngine:
         # This rank's share of the heads: what its KV cache holds.
         self.rank_config = local_config(self.config, tp_size)
         self._speed_up_cpu(config)
+        if config.fused_decode and self.model.model.fused_decode is None:
+            self.close()  # other tensor-parallel ranks, if any, were started above
+            raise ValueError("fused_decode needs bf16 on a CPU with AVX-512, the norm and small-batch kernels, "
+                             "and one rank")
 
         self.sampler = Sampler()
         on_cuda = self.device.type == "cuda"
@@ -171,8 +175,8 @@ class LLMEngine:
             library = cpu_linear.load()
             if library is not None:
                 use_small_batch_kernel(self.model, library, cpu_linear.load_amx())
-                if config.fused_decode is not False and not use_fused_decode(self.model.model) and config.fused_decode:
-                    raise ValueError("fused_decode needs the norm and small-batch kernels, one rank and a CPU with AVX-512")
+                if config.fused_decode is not False:
+                    use_fused_decode(self.model.model)
                 return
             if config.small_batch_kernel:
                 raise ValueError("small_batch_kernel needs a C compiler and a CPU with AVX512-BF16")

@@ -89,9 +89,11 @@ def test_the_engine_uses_it_by_default_in_bf16_only(checkpoint):
     unfused = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=16, block_size=8,
                                                  norm_kernel=False))
     assert unfused.model.model.fused_decode is None  # the norms run in torch: nothing to fuse with
-    with pytest.raises(ValueError, match="fused_decode needs"):
-        LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=16, block_size=8,
-                                           norm_kernel=False, fused_decode=True))
+    for where_it_cannot in (dict(dtype="bfloat16", norm_kernel=False), dict(dtype="bfloat16", small_batch_kernel=False),
+                            dict(dtype="float32")):
+        with pytest.raises(ValueError, match="fused_decode needs"):
+            LLMEngine(checkpoint, EngineConfig(device="cpu", num_blocks=16, block_size=8, fused_decode=True,
+                                               **where_it_cannot))
 
 
 def test_it_takes_pure_decode_steps_of_few_rows_on_the_c_attention_kernel(checkpoint):
