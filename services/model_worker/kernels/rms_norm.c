@@ -64,6 +64,21 @@ static inline int64_t row_base(int64_t r, int64_t group_stride, int group_rows, 
     return r / group_rows * group_stride + r % group_rows * (int64_t)dim;
 }
 
+/* Rows r0 .. r0 + count - 1 (count: at most SUM_ROWS, fewer at the end) normalised into
+ * y[i * dim ...] by norm_row, their sums of squares added side by side; returns count. */
+static inline int norm_rows(const void *x, int64_t r0, int64_t rows, int64_t group_stride, int group_rows,
+                            const void *weight, int weight_rows, int dim, float eps, int is_bf16, float *y) {
+    const int count = rows - r0 < SUM_ROWS ? (int)(rows - r0) : SUM_ROWS;
+    int64_t base[SUM_ROWS];
+    float sums[SUM_ROWS];
+    for (int i = 0; i < count; i++) base[i] = row_base(r0 + i, group_stride, group_rows, dim);
+    row_sums(x, base, count, dim, is_bf16, sums);
+    for (int i = 0; i < count; i++)
+        norm_row(x, base[i], weight, ((r0 + i) % weight_rows) * (int64_t)dim, dim, eps, is_bf16, sums[i],
+                 y + (size_t)i * dim);
+    return count;
+}
+
 /* x: groups of `group_rows` contiguous rows of `dim` values, group g at x + g * group_stride
  * (elements), e.g. a token's heads; out: contiguous (rows, dim); weight: (weight_rows, dim), row r
  * uses weight row r % weight_rows. All float32 or all bf16. fp-contract=off: the same products and
@@ -73,14 +88,12 @@ void rms_norm(const void *x, int64_t group_stride, int group_rows, const void *w
               int64_t rows, int dim, float eps, int is_bf16) {
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_VALUES)
     for (int64_t r0 = 0; r0 < rows; r0 += SUM_ROWS) {
-        const int count = rows - r0 < SUM_ROWS ? (int)(rows - r0) : SUM_ROWS;
-        int64_t base[SUM_ROWS];
-        float sums[SUM_ROWS], y[dim];
-        for (int i = 0; i < count; i++) base[i] = row_base(r0 + i, group_stride, group_rows, dim);
-        row_sums(x, base, count, dim, is_bf16, sums);
+        float normed[SUM_ROWS * dim];
+        const int count = norm_rows(x, r0, rows, group_stride, group_rows, weight, weight_rows, dim, eps, is_bf16,
+                                    normed);
         for (int i = 0; i < count; i++) {
             const int64_t r = r0 + i;
-            norm_row(x, base[i], weight, (r % weight_rows) * (int64_t)dim, dim, eps, is_bf16, sums[i], y);
+            const float *y = normed + (size_t)i * dim;
             if (is_bf16) {
                 uint16_t *o = (uint16_t *)out + r * dim;
                 for (int d = 0; d < dim; d++) o[d] = f32_to_bf16(y[d]);  /* exact: y holds bf16 values */
@@ -104,14 +117,12 @@ void rms_norm_rope(const void *x, int64_t group_stride, int group_rows, const vo
     const int half = dim / 2;
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_VALUES)
     for (int64_t r0 = 0; r0 < rows; r0 += SUM_ROWS) {
-        const int count = rows - r0 < SUM_ROWS ? (int)(rows - r0) : SUM_ROWS;
-        int64_t base[SUM_ROWS];
-        float sums[SUM_ROWS], y[dim];
-        for (int i = 0; i < count; i++) base[i] = row_base(r0 + i, group_stride, group_rows, dim);
-        row_sums(x, base, count, dim, is_bf16, sums);
+        float normed[SUM_ROWS * dim];
+        const int count = norm_rows(x, r0, rows, group_stride, group_rows, weight, weight_rows, dim, eps, is_bf16,
+                                    normed);
         for (int i = 0; i < count; i++) {
             const int64_t r = r0 + i, t_base = r / group_rows * (int64_t)dim;
-            norm_row(x, base[i], weight, (r % weight_rows) * (int64_t)dim, dim, eps, is_bf16, sums[i], y);
+            const float *y = normed + (size_t)i * dim;
             if (is_bf16) {
                 const uint16_t *c = (const uint16_t *)cos + t_base, *s = (const uint16_t *)signed_sin + t_base;
                 uint16_t *o = (uint16_t *)out + r * dim;
