@@ -79,13 +79,45 @@ static inline int norm_rows(const void *x, int64_t r0, int64_t rows, int64_t gro
     return count;
 }
 
-/* x: groups of `group_rows` contiguous rows of `dim` values, group g at x + g * group_stride
- * (elements), e.g. a token's heads; out: contiguous (rows, dim); weight: (weight_rows, dim), row r
- * uses weight row r % weight_rows. All float32 or all bf16. fp-contract=off: the same products and
- * sums as rms_norm_rope's, so the two agree to the bit. */
+/* Row r of out: y as it is, rounded to bf16 where the model is bf16 (exact: y holds bf16 values). */
+static inline void store_row(const float *y, void *out, int64_t r, int dim, int is_bf16) {
+    if (is_bf16) {
+        uint16_t *o = (uint16_t *)out + r * dim;
+        for (int d = 0; d < dim; d++) o[d] = f32_to_bf16(y[d]);
+    } else {
+        memcpy((float *)out + r * dim, y, sizeof(float) * dim);
+    }
+}
+
+/* Row r of out: y rotated with the tables' row t (half-split: the first half pairs with the
+ * second), each product and the sum rounded to the model dtype in turn, as the torch ops do. */
 __attribute__((optimize("fp-contract=off")))
-void rms_norm(const void *x, int64_t group_stride, int group_rows, const void *weight, int weight_rows, void *out,
-              int64_t rows, int dim, float eps, int is_bf16) {
+static inline void rotate_row(const float *y, const void *cos, const void *signed_sin, void *out, int64_t r,
+                              int64_t t, int dim, int is_bf16) {
+    const int half = dim / 2;
+    if (is_bf16) {
+        const uint16_t *c = (const uint16_t *)cos + t * dim, *s = (const uint16_t *)signed_sin + t * dim;
+        uint16_t *o = (uint16_t *)out + r * dim;
+        for (int d = 0; d < dim; d++) {
+            const int partner = d < half ? d + half : d - half;
+            const float a = bf16_to_f32(f32_to_bf16(y[d] * bf16_to_f32(c[d])));
+            const float b = bf16_to_f32(f32_to_bf16(y[partner] * bf16_to_f32(s[d])));
+            o[d] = f32_to_bf16(a + b);
+        }
+    } else {
+        const float *c = (const float *)cos + t * dim, *s = (const float *)signed_sin + t * dim;
+        float *o = (float *)out + r * dim;
+        for (int d = 0; d < half; d++) o[d] = y[d] * c[d] + y[d + half] * s[d];
+        for (int d = half; d < dim; d++) o[d] = y[d] * c[d] + y[d - half] * s[d];
+    }
+}
+
+/* rms_norm, and rms_norm_rope where cos is not NULL. fp-contract=off: the same products and sums
+ * in both, so the two agree to the bit. */
+__attribute__((optimize("fp-contract=off")))
+static void normalise(const void *x, int64_t group_stride, int group_rows, const void *weight, int weight_rows,
+                      const void *cos, const void *signed_sin, void *out, int64_t rows, int dim, float eps,
+                      int is_bf16) {
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_VALUES)
     for (int64_t r0 = 0; r0 < rows; r0 += SUM_ROWS) {
         float normed[SUM_ROWS * dim];
@@ -93,55 +125,26 @@ void rms_norm(const void *x, int64_t group_stride, int group_rows, const void *w
                                     normed);
         for (int i = 0; i < count; i++) {
             const int64_t r = r0 + i;
-            const float *y = normed + (size_t)i * dim;
-            if (is_bf16) {
-                uint16_t *o = (uint16_t *)out + r * dim;
-                for (int d = 0; d < dim; d++) o[d] = f32_to_bf16(y[d]);  /* exact: y holds bf16 values */
-            } else {
-                memcpy((float *)out + r * dim, y, sizeof(float) * dim);
-            }
+            if (cos) rotate_row(normed + (size_t)i * dim, cos, signed_sin, out, r, r / group_rows, dim, is_bf16);
+            else store_row(normed + (size_t)i * dim, out, r, dim, is_bf16);
         }
     }
+}
+
+/* x: groups of `group_rows` contiguous rows of `dim` values, group g at x + g * group_stride
+ * (elements), e.g. a token's heads; out: contiguous (rows, dim); weight: (weight_rows, dim), row r
+ * uses weight row r % weight_rows. All float32 or all bf16. */
+void rms_norm(const void *x, int64_t group_stride, int group_rows, const void *weight, int weight_rows, void *out,
+              int64_t rows, int dim, float eps, int is_bf16) {
+    normalise(x, group_stride, group_rows, weight, weight_rows, NULL, NULL, out, rows, dim, eps, is_bf16);
 }
 
 /* As rms_norm, then the rotary embedding of each row in place of the four to five torch ops
  * apply_rotary takes (a layer's q and k heads: one call instead of six, every layer of every
  * step). Row r belongs to token r / group_rows; cos and signed_sin: (tokens, dim), contiguous, the
- * half-split tables RotaryEmbedding builds, (cos, cos) and (-sin, sin). Each product and the sum
- * are rounded to the model dtype in turn, as the torch ops do; fp-contract=off keeps the float32
- * products apart too (a fused multiply-add would round once). */
-__attribute__((optimize("fp-contract=off")))
+ * half-split tables RotaryEmbedding builds, (cos, cos) and (-sin, sin). */
 void rms_norm_rope(const void *x, int64_t group_stride, int group_rows, const void *weight, int weight_rows,
                    const void *cos, const void *signed_sin, void *out, int64_t rows, int dim, float eps,
                    int is_bf16) {
-    const int half = dim / 2;
-#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_VALUES)
-    for (int64_t r0 = 0; r0 < rows; r0 += SUM_ROWS) {
-        float normed[SUM_ROWS * dim];
-        const int count = norm_rows(x, r0, rows, group_stride, group_rows, weight, weight_rows, dim, eps, is_bf16,
-                                    normed);
-        for (int i = 0; i < count; i++) {
-            const int64_t r = r0 + i, t_base = r / group_rows * (int64_t)dim;
-            const float *y = normed + (size_t)i * dim;
-            if (is_bf16) {
-                const uint16_t *c = (const uint16_t *)cos + t_base, *s = (const uint16_t *)signed_sin + t_base;
-                uint16_t *o = (uint16_t *)out + r * dim;
-                for (int d = 0; d < half; d++) {
-                    const float a = bf16_to_f32(f32_to_bf16(y[d] * bf16_to_f32(c[d])));
-                    const float b = bf16_to_f32(f32_to_bf16(y[d + half] * bf16_to_f32(s[d])));
-                    o[d] = f32_to_bf16(a + b);
-                }
-                for (int d = half; d < dim; d++) {
-                    const float a = bf16_to_f32(f32_to_bf16(y[d] * bf16_to_f32(c[d])));
-                    const float b = bf16_to_f32(f32_to_bf16(y[d - half] * bf16_to_f32(s[d])));
-                    o[d] = f32_to_bf16(a + b);
-                }
-            } else {
-                const float *c = (const float *)cos + t_base, *s = (const float *)signed_sin + t_base;
-                float *o = (float *)out + r * dim;
-                for (int d = 0; d < half; d++) o[d] = y[d] * c[d] + y[d + half] * s[d];
-                for (int d = half; d < dim; d++) o[d] = y[d] * c[d] + y[d - half] * s[d];
-            }
-        }
-    }
+    normalise(x, group_stride, group_rows, weight, weight_rows, cos, signed_sin, out, rows, dim, eps, is_bf16);
 }
