@@ -22,6 +22,15 @@ from services.model_worker.optimize import SmallBatchLinear
 log = logging.getLogger(__name__)
 
 
+def _layer_linears(layer) -> tuple:
+    """A decoder layer's four matmuls, in the order decode_layers runs them."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _linears(model: Qwen3Model) -> list:
+    return [m for layer in model.layers for m in _layer_linears(layer)]
+
+
 class FusedDecode:
     """The layers of one Qwen3Model, run by decode_layers for the pure decode steps it takes."""
 
@@ -30,8 +39,7 @@ class FusedDecode:
         self.model = model
         first = model.layers[0]
         attn, mlp = first.self_attn, first.mlp
-        linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        linears = _linears(model)
         self.max_rows = SmallBatchLinear.AMX_MAX_ROWS if all(m.amx is not None for m in linears) \
             else SmallBatchLinear.MAX_ROWS
         self.small_library, self.amx_library = linears[0].library, linears[0].amx
@@ -49,8 +57,7 @@ class FusedDecode:
         if not layers or model.embed_tokens.weight.dtype != torch.bfloat16 \
                 or model.embed_tokens.weight.device.type != "cpu":
             return None
-        linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        linears = _linears(model)
         norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
         if not all(isinstance(m, SmallBatchLinear) and m.bias is None and m.library is linears[0].library
                    and m.amx in (None, linears[0].amx) for m in linears):
@@ -97,13 +104,13 @@ class FusedDecode:
                 attn, mlp = layer.self_attn, layer.mlp
                 if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.bfloat16):
                     raise ValueError("the fused decode loop needs contiguous bf16 caches")
-                tensors = (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qk_norm_weight().contiguous(),
+                tensors = (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qk_norm_weight(),
                            attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
                            mlp.down_proj.weight)
                 if not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in tensors):
                     raise ValueError("the fused decode loop needs contiguous bf16 weights")
                 kept.extend(tensors)
-                flags = [int(m.amx is not None) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+                flags = [int(m.amx is not None) for m in _layer_linears(layer)]
                 array[i] = cpu_decoder.Layer(*(t.data_ptr() for t in tensors), k_cache.data_ptr(), v_cache.data_ptr(),
                                              *flags)
             num_slots = kv_caches[0][0].shape[1]
