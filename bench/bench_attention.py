@@ -3,7 +3,8 @@
 On the random checkpoint with Qwen3-0.6B's exact config (bf16), one engine per batch size is
 filled with that many sequences (prompts uniform in 64-256 tokens, as in bench_serving) and
 prefilled; then decode steps run with each attention backend in turn, interleaved (A, B, C, A,
-B, C, ...), on the same state. Backends:
+B, C, ...), on the same state, and within a backend the batch sizes' engines take turns (the
+order flipped every round), so that a ratio between batch sizes compares the same moments. Backends:
   - loop: one SDPA call per sequence per layer, as the engine did before batched attention
     (keys read in place when a sequence's blocks form one run of ids, gathered otherwise);
   - torch: the plain-PyTorch batched path (keys gathered into a padded batch, one SDPA call);
@@ -128,18 +129,23 @@ def main(argv=None) -> None:
         backends = [LoopAttention(), TorchAttention(), default_backend(torch.device("cpu"))]
         budget = args.repeats * len(backends) * args.steps + 2
         results: dict = {"steps_ms": {}, "context_ms": {}}
+        # Every batch size's engine is filled first and their steps alternate (order flipped each
+        # round), so the ratios between batch sizes compare the same moments of a noisy machine.
+        engines, lens = {}, {}
         for batch in batch_sizes:
             rng = random.Random(batch)
-            lens = [rng.randrange(64, 257) for _ in range(batch)] if not args.quick else [8] * batch
-            engine = filled_engine(checkpoint, lens, vocab, budget)
-            series = {b.name: [] for b in backends}
-            for _ in range(args.repeats):
-                for backend in backends:
-                    series[backend.name].append(step_ms(engine, backend, args.steps))
-            results["steps_ms"][batch] = {name: summary(v) for name, v in series.items()}
-            print(f"batch {batch:3d} (prompts {min(lens)}-{max(lens)}): " + "  ".join(
-                f"{name} {statistics.median(v):7.1f} ms" for name, v in series.items()), flush=True)
-            del engine
+            lens[batch] = [rng.randrange(64, 257) for _ in range(batch)] if not args.quick else [8] * batch
+            engines[batch] = filled_engine(checkpoint, lens[batch], vocab, budget)
+        series = {batch: {b.name: [] for b in backends} for batch in batch_sizes}
+        for round_ in range(args.repeats):
+            for backend in backends:
+                for batch in (batch_sizes if round_ % 2 == 0 else batch_sizes[::-1]):
+                    series[batch][backend.name].append(step_ms(engines[batch], backend, args.steps))
+        for batch in batch_sizes:
+            results["steps_ms"][batch] = {name: summary(v) for name, v in series[batch].items()}
+            print(f"batch {batch:3d} (prompts {min(lens[batch])}-{max(lens[batch])}): " + "  ".join(
+                f"{name} {statistics.median(v):7.1f} ms" for name, v in series[batch].items()), flush=True)
+        engines.clear()
         series = {n: [] for n in contexts}
         engines = {n: filled_engine(checkpoint, [n], vocab, args.repeats * args.steps + 2) for n in contexts}
         for _ in range(args.repeats):
