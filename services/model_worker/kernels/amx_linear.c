@@ -72,15 +72,47 @@ static void configure(int rows0, int rows1) {
     _tile_loadconfig(&cfg);
 }
 
+/* 16 vectors of 16 32-bit lanes, transposed in place: lane j of v[i] goes to lane i of v[j]. */
+static inline void transpose16(__m512i v[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* Each 128-bit lane now holds a 4 x 4 block in place; move the blocks across lanes. */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_i32x4(v[i + 8], v[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(v[i + 8], v[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        v[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+        v[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        v[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+    }
+}
+
 /* Input rows [m0, m0 + rows) of x (M, K) as B tiles: for each 32-wide step along K, 16 pairs by
- * 16 rows, a pair being two consecutive K values of one row (one 32-bit word). */
+ * 16 rows, a pair being two consecutive K values of one row (one 32-bit word); rows past `rows`
+ * are zeros. A step is one 16 x 16 transpose of 32-bit words: written element by element, the
+ * packing put each store on a new cache line and cost 20-75 us a call, more than a small
+ * matmul's arithmetic. */
 static void pack_rows(const uint16_t *x, uint32_t *packed, int m0, int rows, int64_t k) {
     const int64_t steps = k / 32;
-    memset(packed, 0, (size_t)steps * 16 * 16 * sizeof(uint32_t));
-    for (int j = 0; j < rows; j++) {
-        const uint32_t *row = (const uint32_t *)(x + (int64_t)(m0 + j) * k);
-        for (int64_t s = 0; s < steps; s++)
-            for (int p = 0; p < 16; p++) packed[(s * 16 + p) * 16 + j] = row[s * 16 + p];
+    for (int64_t s = 0; s < steps; s++) {
+        __m512i v[16];
+        for (int j = 0; j < 16; j++)
+            v[j] = j < rows ? _mm512_loadu_si512(x + (int64_t)(m0 + j) * k + s * 32) : _mm512_setzero_si512();
+        transpose16(v);
+        for (int p = 0; p < 16; p++) _mm512_store_si512(packed + (s * 16 + p) * 16, v[p]);
     }
 }
 
@@ -124,7 +156,8 @@ int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64
     {
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++)
-            pack_rows(x, packed + g * steps * 256, (int)(g * 16), group_rows(m, g * 16), k);
+            if (group_rows(m, g * 16)) /* a group without rows pads a pair and is never loaded */
+                pack_rows(x, packed + g * steps * 256, (int)(g * 16), group_rows(m, g * 16), k);
         configure(tile_rows0, tile_rows1 ? tile_rows1 : 1);
         float c[4][256] __attribute__((aligned(64)));
         for (int64_t first = 0; first < groups; first += PASS_ROWS / 16) {
