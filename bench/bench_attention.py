@@ -3,8 +3,8 @@
 On the random checkpoint with Qwen3-0.6B's exact config (bf16), one engine per batch size is
 filled with that many sequences (prompts uniform in 64-256 tokens, as in bench_serving) and
 prefilled; then decode steps run with each attention backend in turn, interleaved (A, B, C, A,
-B, C, ...), on the same state, and within a backend the batch sizes' engines take turns (the
-order flipped every round), so that a ratio between batch sizes compares the same moments. Backends:
+B, C, ...), on the same state, and within a backend the batch sizes' engines take turns step by
+step (the order flipped every step), so that a ratio between batch sizes compares the same moments. Backends:
   - loop: one SDPA call per sequence per layer, as the engine did before batched attention
     (keys read in place when a sequence's blocks form one run of ids, gathered otherwise);
   - torch: the plain-PyTorch batched path (keys gathered into a padded batch, one SDPA call);
@@ -92,14 +92,18 @@ def filled_engine(checkpoint: pathlib.Path, prompt_lens: list[int], vocab: int, 
     return engine
 
 
-def step_ms(engine: LLMEngine, backend, steps: int) -> float:
-    engine.runner.attention = backend
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+def step_ms(engines: list[LLMEngine], backend, steps: int) -> list[float]:
+    """Median ms of `steps` decode steps of each engine, their steps alternating (the order flipped each time)."""
+    times = [[] for _ in engines]
+    for engine in engines:
+        engine.runner.attention = backend
+    for step in range(steps):
+        order = range(len(engines)) if step % 2 == 0 else reversed(range(len(engines)))
+        for i in order:
+            start = time.perf_counter()
+            engines[i].step()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
 def summary(values: list[float]) -> dict:
@@ -129,18 +133,18 @@ def main(argv=None) -> None:
         backends = [LoopAttention(), TorchAttention(), default_backend(torch.device("cpu"))]
         budget = args.repeats * len(backends) * args.steps + 2
         results: dict = {"steps_ms": {}, "context_ms": {}}
-        # Every batch size's engine is filled first and their steps alternate (order flipped each
-        # round), so the ratios between batch sizes compare the same moments of a noisy machine.
+        # Every batch size's engine is filled first and their steps alternate one by one (the order
+        # flipped each time), so the ratios between batch sizes compare the same moments of a noisy machine.
         engines, lens = {}, {}
         for batch in batch_sizes:
             rng = random.Random(batch)
             lens[batch] = [rng.randrange(64, 257) for _ in range(batch)] if not args.quick else [8] * batch
             engines[batch] = filled_engine(checkpoint, lens[batch], vocab, budget)
         series = {batch: {b.name: [] for b in backends} for batch in batch_sizes}
-        for round_ in range(args.repeats):
+        for _ in range(args.repeats):
             for backend in backends:
-                for batch in (batch_sizes if round_ % 2 == 0 else batch_sizes[::-1]):
-                    series[batch][backend.name].append(step_ms(engines[batch], backend, args.steps))
+                for batch, ms in zip(batch_sizes, step_ms([engines[b] for b in batch_sizes], backend, args.steps)):
+                    series[batch][backend.name].append(ms)
         for batch in batch_sizes:
             results["steps_ms"][batch] = {name: summary(v) for name, v in series[batch].items()}
             print(f"batch {batch:3d} (prompts {min(lens[batch])}-{max(lens[batch])}): " + "  ".join(
@@ -149,8 +153,8 @@ def main(argv=None) -> None:
         series = {n: [] for n in contexts}
         engines = {n: filled_engine(checkpoint, [n], vocab, args.repeats * args.steps + 2) for n in contexts}
         for _ in range(args.repeats):
-            for n in contexts:
-                series[n].append(step_ms(engines[n], backends[-1], args.steps))
+            for n, ms in zip(contexts, step_ms([engines[n] for n in contexts], backends[-1], args.steps)):
+                series[n].append(ms)
         results["context_ms"] = {n: summary(v) for n, v in series.items()}
         print("one sequence, " + "  ".join(f"context {n}: {statistics.median(v):.1f} ms" for n, v in series.items()))
     default = backends[-1].name
