@@ -18,7 +18,8 @@ static inline void transpose16(__m512i v[16]) {
         v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
         v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
     }
-    /* Each 128-bit lane now holds a 4 x 4 block in place; move the blocks across lanes. */
+    /* Now 128-bit lane L of v[i + x] holds column 4 L + x of rows i to i + 3 (i a multiple of 4);
+     * the shuffles gather each column's four lanes from the four groups of rows. */
     for (int i = 0; i < 4; i++) {
         t[i] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0x88);
         t[i + 4] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0xDD);
