@@ -11,7 +11,9 @@ at 1 stream (time per token after the first) and at 16 concurrent streams (aggre
 It also times detokenization alone against the tokenizer service: one unary
 DecodeIncremental call per token (the gateway's first path), one DecodeStream call per
 request, and one DecodeBatches call carrying 16 streams, one message per step (the gateway's
-path now). Medians with min-max; the last line is one JSON object.
+path now). Medians with min-max. The gateway's figures against the worker's are paired by
+round (every round runs each mode back to back): the added ms per token and the share of the
+worker's tok/s are the medians of the per-round figures. The last line is one JSON object.
 
     python -m bench.bench_gateway            # a few minutes
     python -m bench.bench_gateway --quick    # a smoke check
@@ -171,6 +173,11 @@ async def decode_per_token(address: str, ids: list[int], repeats: int) -> dict[s
     return out
 
 
+def paired(raw: dict, mode: str, figure) -> list[float]:
+    """figure(mode's value, the worker's value) for each round."""
+    return [figure(value, worker) for value, worker in zip(raw[mode], raw["worker"])]
+
+
 def stats(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -272,12 +279,17 @@ def main(argv=None) -> None:
     print("\ndetokenization alone, µs per token:")
     for name, value in decode.items():
         print(f"  {name:26s}{show(value)}")
-    worker_ms, worker_tps = single["worker"]["median"], batched["worker"]["median"]
+    # Each round measures every mode back to back, so the gateway's figures are paired with the
+    # worker's of the same round: the median of those pairs, not a ratio of medians taken from
+    # different rounds of a machine whose speed drifts.
+    per_round = {
+        "overhead_ms_per_token_grpc_1": paired(raw["single_ms_per_token"], "gateway-grpc", lambda g, w: g - w),
+        "overhead_ms_per_token_http_1": paired(raw["single_ms_per_token"], "gateway-http", lambda g, w: g - w),
+        "grpc_vs_worker_16": paired(raw["streams_tok_s"], "gateway-grpc", lambda g, w: g / w),
+        "http_vs_worker_16": paired(raw["streams_tok_s"], "gateway-http", lambda g, w: g / w),
+    }
     ratios = {
-        "overhead_ms_per_token_grpc_1": single["gateway-grpc"]["median"] - worker_ms,
-        "overhead_ms_per_token_http_1": single["gateway-http"]["median"] - worker_ms,
-        "grpc_vs_worker_16": batched["gateway-grpc"]["median"] / worker_tps,
-        "http_vs_worker_16": batched["gateway-http"]["median"] / worker_tps,
+        **{name: statistics.median(values) for name, values in per_round.items()},
         "decode_stream_vs_unary": decode["DecodeStream"]["median"] / decode["unary DecodeIncremental"]["median"],
         "decode_batches_vs_stream": decode[f"DecodeBatches, {BATCH_STREAMS} streams"]["median"]
         / decode["DecodeStream"]["median"],
@@ -290,13 +302,14 @@ def main(argv=None) -> None:
             met = value <= target if name.startswith("overhead") else value >= target
             verdict = f"  target {'<=' if name.startswith('overhead') else '>='} {target}: " \
                       f"{'met' if met else 'MISSED'}"
-        print(f"  {name:32s} {value:7.3f}{verdict}")
+        rounds = f"  (per round: {', '.join(f'{v:.3f}' for v in per_round[name])})" if name in per_round else ""
+        print(f"  {name:32s} {value:7.3f}{verdict}{rounds}")
     print(json.dumps({"benchmark": "bench_gateway", "machine": {
         "cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "settings": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "streams": args.streams,
                      "repeats": args.repeats},
         "single_ms_per_token": single, "streams_tok_s": batched, "decode_us_per_token": decode,
-        "cpu_ms_per_token_1": cpu_1, "cpu_ms_per_token_many": cpu_many, "ratios": ratios, "targets": TARGETS, "wall_s": time.perf_counter() - started}))
+        "cpu_ms_per_token_1": cpu_1, "cpu_ms_per_token_many": cpu_many, "ratios": ratios, "per_round": per_round, "targets": TARGETS, "wall_s": time.perf_counter() - started}))
 
 
 if __name__ == "__main__":
