@@ -10,7 +10,8 @@ step (the order flipped every step), so that a ratio between batch sizes compare
   - torch: the plain-PyTorch batched path (keys gathered into a padded batch, one SDPA call);
   - cpu-paged: the C kernel reading keys through the block tables (the engine's default on CPU).
 Then one sequence at a 64- and a 2048-token context, with the default backend.
-Medians with min-max; the last line is one JSON object.
+Medians with min-max; a ratio is the median of the per-round ratios (each round's figures are
+taken step by step side by side). The last line is one JSON object.
 
     python -m bench.bench_attention            # about 5 minutes on 2 cores
     python -m bench.bench_attention --quick    # a smoke check on a tiny checkpoint
@@ -140,42 +141,46 @@ def main(argv=None) -> None:
             rng = random.Random(batch)
             lens[batch] = [rng.randrange(64, 257) for _ in range(batch)] if not args.quick else [8] * batch
             engines[batch] = filled_engine(checkpoint, lens[batch], vocab, budget)
-        series = {batch: {b.name: [] for b in backends} for batch in batch_sizes}
+        step_series = {batch: {b.name: [] for b in backends} for batch in batch_sizes}
         for _ in range(args.repeats):
             for backend in backends:
                 for batch, ms in zip(batch_sizes, step_ms([engines[b] for b in batch_sizes], backend, args.steps)):
-                    series[batch][backend.name].append(ms)
+                    step_series[batch][backend.name].append(ms)
         for batch in batch_sizes:
-            results["steps_ms"][batch] = {name: summary(v) for name, v in series[batch].items()}
+            results["steps_ms"][batch] = {name: summary(v) for name, v in step_series[batch].items()}
             print(f"batch {batch:3d} (prompts {min(lens[batch])}-{max(lens[batch])}): " + "  ".join(
-                f"{name} {statistics.median(v):7.1f} ms" for name, v in series[batch].items()), flush=True)
+                f"{name} {statistics.median(v):7.1f} ms" for name, v in step_series[batch].items()), flush=True)
         engines.clear()
-        series = {n: [] for n in contexts}
+        context_series = {n: [] for n in contexts}
         engines = {n: filled_engine(checkpoint, [n], vocab, args.repeats * args.steps + 2) for n in contexts}
         for _ in range(args.repeats):
             for n, ms in zip(contexts, step_ms([engines[n] for n in contexts], backends[-1], args.steps)):
-                series[n].append(ms)
-        results["context_ms"] = {n: summary(v) for n, v in series.items()}
-        print("one sequence, " + "  ".join(f"context {n}: {statistics.median(v):.1f} ms" for n, v in series.items()))
+                context_series[n].append(ms)
+        results["context_ms"] = {n: summary(v) for n, v in context_series.items()}
+        print("one sequence, " + "  ".join(f"context {n}: {statistics.median(v):.1f} ms"
+                                           for n, v in context_series.items()))
+    # Ratios pair the figures of one round (taken step by step side by side): the median of the
+    # per-round ratios.
     default = backends[-1].name
-    steps = results["steps_ms"]
-    ratios = {}
-    if 1 in steps and 16 in steps:
-        ratios["step_16_vs_1"] = steps[16][default]["median"] / steps[1][default]["median"]
-    for batch in steps:
-        ratios[f"batch_{batch}_{default}_vs_loop"] = steps[batch][default]["median"] / steps[batch]["loop"]["median"]
+    per_round = {}
+    if 1 in step_series and 16 in step_series:
+        per_round["step_16_vs_1"] = [a / b for a, b in zip(step_series[16][default], step_series[1][default])]
+    for batch in step_series:
+        per_round[f"batch_{batch}_{default}_vs_loop"] = [
+            a / b for a, b in zip(step_series[batch][default], step_series[batch]["loop"])]
     if len(contexts) == 2:
-        ratios[f"context_{contexts[1]}_vs_{contexts[0]}"] = (results["context_ms"][contexts[1]]["median"]
-                                                            / results["context_ms"][contexts[0]]["median"])
+        per_round[f"context_{contexts[1]}_vs_{contexts[0]}"] = [
+            a / b for a, b in zip(context_series[contexts[1]], context_series[contexts[0]])]
+    ratios = {name: statistics.median(values) for name, values in per_round.items()}
     for name, value in ratios.items():
         target = TARGETS.get(name)
         verdict = f"  target <= {target}: {'met' if value <= target else 'MISSED'}" if target else ""
-        print(f"  {name:32s} {value:6.2f}{verdict}")
+        print(f"  {name:32s} {value:6.2f}{verdict}  (per round: {', '.join(f'{v:.2f}' for v in per_round[name])})")
     print(f"load average before: {', '.join(f'{x:.2f}' for x in load_before)}; "
           f"after: {', '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     print(json.dumps({"benchmark": "bench_attention", "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(),
                       "threads": torch.get_num_threads(), "torch": torch.__version__},
-                      "results": results, "ratios": ratios, "targets": TARGETS,
+                      "results": results, "ratios": ratios, "per_round": per_round, "targets": TARGETS,
                       "wall_s": time.perf_counter() - started}))
 
 

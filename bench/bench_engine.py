@@ -1,7 +1,7 @@
 """Engine benchmark: our LLMEngine against transformers' generate and a no-cache loop, one sequence at a time.
 
 On a random checkpoint with Qwen3-0.6B's exact config (bf16 weights, run in each dtype asked for),
-interleaved in one run (ours, transformers, naive, ours, transformers, ...) on the same prompts:
+interleaved in one run (ours, transformers, naive, then transformers, ours, ...) on the same prompts:
   - decode tokens/s (after the first token) for a 128-token prompt and 64 greedy new tokens;
   - prefill time (time to the first token) of such a prompt, in rounds of its own (9 by default);
   - our decode time per token at a 2048-token context against a 64-token one (16 new tokens each):
@@ -10,7 +10,10 @@ interleaved in one run (ours, transformers, naive, ours, transformers, ...) on t
   - with --streams N (on by default on a GPU, N = 64): N greedy requests of that prompt length at
     once, ours stepping them as one batch against transformers `generate` on the same N prompts
     as one batch; output tokens/s over the whole run, first token included.
-Medians with min-max ranges; the last line printed is one JSON object with every figure and ratio.
+Medians with min-max ranges. A ratio against transformers, and the 2048 / 64 context ratio, is the
+median of the per-round ratios (both sides of a round run on the same prompt, back to back, the
+order alternating); against the naive loop, which runs fewer rounds, a ratio of medians. The last
+line printed is one JSON object with every figure and ratio.
 
 The naive loop calls transformers' model on the whole sequence at every step (use_cache=False)
 and takes the argmax of the last position's logits (logits_to_keep=1).
@@ -261,10 +264,18 @@ def bench_dtype(checkpoint: pathlib.Path, dtype: str, args: argparse.Namespace, 
         "naive_prefill_s", "naive_decode_tps", "ours_ms_per_token_ctx_short", "ours_ms_per_token_ctx_long",
         "ours_streams_output_tps", "transformers_streams_output_tps")}
     agreement, streams_agreement = [], []
+    # Each round runs both sides on the same prompt, so the ratios pair them round by round.
+    paired: dict[str, list[float]] = {"decode_speedup_vs_transformers": [], "prefill_time_vs_transformers": [],
+                                      "ctx2048_vs_ctx64_time_per_token": []}
     for r in range(repeats):
         prompt = random_prompt(args.prompt_len, vocab, generator)
-        ours = run_ours(engine, prompt, args.new_tokens)
-        theirs = run_transformers(reference, prompt, args.new_tokens)
+        if r % 2 == 0:  # the order alternates so that neither side always runs first
+            ours = run_ours(engine, prompt, args.new_tokens)
+            theirs = run_transformers(reference, prompt, args.new_tokens)
+        else:
+            theirs = run_transformers(reference, prompt, args.new_tokens)
+            ours = run_ours(engine, prompt, args.new_tokens)
+        paired["decode_speedup_vs_transformers"].append(ours.decode_tps / theirs.decode_tps)
         series["ours_decode_tps"].add(ours.decode_tps)
         series["transformers_decode_tps"].add(theirs.decode_tps)
         agreement.append(agreeing_prefix(ours.tokens, theirs.tokens))
@@ -279,8 +290,11 @@ def bench_dtype(checkpoint: pathlib.Path, dtype: str, args: argparse.Namespace, 
     for r in range(args.prefill_repeats):
         prompt = random_prompt(args.prompt_len, vocab, generator)
         runs = (("ours", run_ours, engine), ("transformers", run_transformers, reference))
+        ttft = {}
         for who, run, model in (runs if r % 2 == 0 else runs[::-1]):
-            series[f"{who}_prefill_s"].add(run(model, prompt, 2).ttft)
+            ttft[who] = run(model, prompt, 2).ttft
+            series[f"{who}_prefill_s"].add(ttft[who])
+        paired["prefill_time_vs_transformers"].append(ttft["ours"] / ttft["transformers"])
     if args.streams:
         run_ours_streams(engine, [warm] * args.streams, 4)  # the first full batch pays one-time costs
         run_transformers_streams(reference, [warm] * args.streams, 4)
@@ -304,6 +318,7 @@ def bench_dtype(checkpoint: pathlib.Path, dtype: str, args: argparse.Namespace, 
                                         random_prompt(args.long_context, vocab, generator)), args.context_new_tokens)
         series["ours_ms_per_token_ctx_short"].add(short * 1e3)
         series["ours_ms_per_token_ctx_long"].add(long * 1e3)
+        paired["ctx2048_vs_ctx64_time_per_token"].append(long / short)
         print(f"  {dtype} context repeat {r + 1}/{args.context_repeats}: {short * 1e3:.1f} ms/token "
               f"at {args.short_context}, {long * 1e3:.1f} ms/token at {args.long_context}", file=sys.stderr)
     del engine
@@ -313,19 +328,22 @@ def bench_dtype(checkpoint: pathlib.Path, dtype: str, args: argparse.Namespace, 
 
     series = {name: s for name, s in series.items() if s.values}
     med = {name: s.median for name, s in series.items()}
-    ratios = {
-        "decode_speedup_vs_transformers": med["ours_decode_tps"] / med["transformers_decode_tps"],
-        "prefill_time_vs_transformers": med["ours_prefill_s"] / med["transformers_prefill_s"],
-        "decode_speedup_vs_naive": med["ours_decode_tps"] / med["naive_decode_tps"],
-        "prefill_time_vs_naive": med["ours_prefill_s"] / med["naive_prefill_s"],
-        "ctx2048_vs_ctx64_time_per_token": med["ours_ms_per_token_ctx_long"] / med["ours_ms_per_token_ctx_short"],
-    }
+    paired = {name: values for name, values in paired.items() if values}
+    median_of = {name: statistics.median(values) for name, values in paired.items()}
+    ratios = {name: median_of[name] for name in ("decode_speedup_vs_transformers", "prefill_time_vs_transformers")
+              if name in median_of}
+    # The naive loop runs in fewer rounds than the others: its ratios stay ratios of medians.
+    ratios["decode_speedup_vs_naive"] = med["ours_decode_tps"] / med["naive_decode_tps"]
+    ratios["prefill_time_vs_naive"] = med["ours_prefill_s"] / med["naive_prefill_s"]
+    if "ctx2048_vs_ctx64_time_per_token" in median_of:
+        ratios["ctx2048_vs_ctx64_time_per_token"] = median_of["ctx2048_vs_ctx64_time_per_token"]
     if args.streams:
         ratios["streams_output_vs_transformers"] = (med["ours_streams_output_tps"]
                                                     / med["transformers_streams_output_tps"])
     return {
         "figures": {name: s.summary() for name, s in series.items()},
         "ratios": ratios,
+        "per_round": paired,
         "greedy_tokens_agreeing_with_transformers": agreement,
         "streams_median_tokens_agreeing_with_transformers": streams_agreement,
         "load_s": {"ours": ours_load, "transformers": transformers_load},
@@ -363,7 +381,9 @@ def print_table(results: dict, args: argparse.Namespace) -> None:
             if target is not None:
                 met = value >= target if name.startswith("decode") else value <= target
                 verdict = f"  target {'>=' if name.startswith('decode') else '<='} {target}: {'met' if met else 'MISSED'}"
-            print(f"  {name:36s}{value:8.2f}{verdict}")
+            rounds = res["per_round"].get(name)
+            per_round = f"  (per round: {', '.join(f'{v:.2f}' for v in rounds)})" if rounds else ""
+            print(f"  {name:36s}{value:8.2f}{verdict}{per_round}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -2,13 +2,14 @@
 
 Starts the tokenizer, model worker and gateway as subprocesses on the random checkpoint with
 Qwen3-0.6B's exact config (bf16), then runs one greedy request at a time (a 128-token prompt,
-64 new tokens by default), interleaved in rounds:
+64 new tokens by default), interleaved in rounds (the order reversed every other round):
   - gateway: a gRPC client streaming text from the gateway;
   - worker: a gRPC client streaming token ids straight from the model worker;
   - in-process: this script's own LLMEngine on its main thread, stepping in a loop;
   - transformers: `generate` on the same checkpoint and token ids.
 Decode tokens/s counts the tokens after the first, over the time from the first to the last;
-prefill is the time to the first token. Medians with min-max; the last line is one JSON object.
+prefill is the time to the first token. Medians with min-max; each ratio is the median of the
+per-round ratios (the paths paired within a round). The last line is one JSON object.
 
     python -m bench.bench_single_stream            # about 5 minutes on 2 cores
     python -m bench.bench_single_stream --quick    # a smoke check
@@ -124,11 +125,15 @@ def main(argv=None) -> None:
         asyncio.run(run_gateway(stack.gateway.address, text, 4))
         run_ours(engine, prompt_ids, 4)
         run_transformers(reference, prompt_ids, 4)
+        measure = {
+            "gateway": lambda: asyncio.run(run_gateway(stack.gateway.address, text, args.new_tokens)),
+            "worker": lambda: asyncio.run(run_worker(stack.worker.address, prompt_ids, args.new_tokens)),
+            "in-process": lambda: run_ours(engine, prompt_ids, args.new_tokens),
+            "transformers": lambda: run_transformers(reference, prompt_ids, args.new_tokens),
+        }
         for round_ in range(args.repeats):
-            runs["gateway"].append(asyncio.run(run_gateway(stack.gateway.address, text, args.new_tokens)))
-            runs["worker"].append(asyncio.run(run_worker(stack.worker.address, prompt_ids, args.new_tokens)))
-            runs["in-process"].append(run_ours(engine, prompt_ids, args.new_tokens))
-            runs["transformers"].append(run_transformers(reference, prompt_ids, args.new_tokens))
+            for name in (list(measure) if round_ % 2 == 0 else list(measure)[::-1]):  # no path always first
+                runs[name].append(measure[name]())
             print(f"round {round_ + 1}: " + "  ".join(f"{name} {r[-1].decode_tps:.1f} tok/s"
                                                     for name, r in runs.items()), flush=True)
     finally:
@@ -139,22 +144,22 @@ def main(argv=None) -> None:
         d, f = res["decode_tok_s"], res["prefill_s"]
         print(f"{name:14s}{d['median']:10.2f} ({d['min']:.2f}-{d['max']:.2f}){'':4s}"
               f"{f['median']:10.3f} ({f['min']:.3f}-{f['max']:.3f})")
-    median = {name: res["decode_tok_s"]["median"] for name, res in results.items()}
-    ratios = {
-        "gateway_vs_transformers": median["gateway"] / median["transformers"],
-        "gateway_vs_in_process": median["gateway"] / median["in-process"],
-        "worker_vs_in_process": median["worker"] / median["in-process"],
-        "in_process_vs_transformers": median["in-process"] / median["transformers"],
-        "per_round_gateway_vs_transformers": [g.decode_tps / t.decode_tps
-                                              for g, t in zip(runs["gateway"], runs["transformers"])],
+    # Every round runs each path once, so the ratios pair the paths within a round: the median of
+    # the per-round ratios, not a ratio of medians taken from different rounds of a drifting machine.
+    def paired(a: str, b: str) -> list[float]:
+        return [x.decode_tps / y.decode_tps for x, y in zip(runs[a], runs[b])]
+
+    per_round = {
+        "gateway_vs_transformers": paired("gateway", "transformers"),
+        "gateway_vs_in_process": paired("gateway", "in-process"),
+        "worker_vs_in_process": paired("worker", "in-process"),
+        "in_process_vs_transformers": paired("in-process", "transformers"),
     }
+    ratios = {name: statistics.median(values) for name, values in per_round.items()}
     for name, value in ratios.items():
-        if isinstance(value, list):
-            print(f"  {name:34s} " + ", ".join(f"{v:.2f}" for v in value))
-            continue
         target = TARGETS.get(name)
         verdict = f"  target >= {target}: {'met' if value >= target else 'MISSED'}" if target else ""
-        print(f"  {name:34s} {value:6.2f}{verdict}")
+        print(f"  {name:28s} {value:6.2f}{verdict}  (per round: {', '.join(f'{v:.2f}' for v in per_round[name])})")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(json.dumps({"benchmark": "bench_single_stream", "machine": {
         "cpu": cpu_name(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -162,7 +167,7 @@ def main(argv=None) -> None:
         "gpu": torch.cuda.get_device_name(args.device) if args.device != "cpu" else None},
         "settings": {"device": args.device, "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens,
                      "repeats": args.repeats, "worker_flags": args.worker_flag},
-        "results": results, "ratios": ratios, "targets": TARGETS, "wall_s": time.perf_counter() - started}))
+        "results": results, "ratios": ratios, "per_round": per_round, "targets": TARGETS, "wall_s": time.perf_counter() - started}))
 
 
 if __name__ == "__main__":
