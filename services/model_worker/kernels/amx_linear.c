@@ -128,9 +128,11 @@ int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++)
-            if (group_rows(m, g * 16)) /* a group without rows pads a pair and is never loaded */
-                pack_rows(x, packed + g * steps * 256, (int)(g * 16), group_rows(m, g * 16), k);
+        for (int64_t g = 0; g < groups; g++) {
+            const int rows = group_rows(m, g * 16);
+            if (rows) /* a group without rows pads a pair and is never loaded */
+                pack_rows(x, packed + g * steps * 256, (int)(g * 16), rows, k);
+        }
         configure(tile_rows0, tile_rows1 ? tile_rows1 : 1);
         float c[4][256] __attribute__((aligned(64)));
         for (int64_t first = 0; first < groups; first += PASS_ROWS / 16) {
