@@ -15,8 +15,9 @@ path now). Medians with min-max. The gateway's figures against the worker's are 
 round (every round runs each mode back to back): the added ms per token and the share of the
 worker's tok/s are the medians of the per-round figures. The last line is one JSON object.
 
-    python -m bench.bench_gateway            # a few minutes
-    python -m bench.bench_gateway --quick    # a smoke check
+    python -m bench.bench_gateway                  # a few minutes
+    python -m bench.bench_gateway --engine-cpus 1  # the engine core on CPU 1 alone
+    python -m bench.bench_gateway --quick          # a smoke check
 """
 from __future__ import annotations
 
@@ -250,6 +251,8 @@ def main(argv=None) -> None:
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     p.add_argument("--quick", action="store_true", help="one short round")
+    p.add_argument("--engine-cpus", default="", help="the worker's --engine-cpus, e.g. 1: the engine core on CPUs "
+                   "of its own; the other processes are left to the OS (default: all share every CPU)")
     args = p.parse_args(argv)
     if args.quick:
         args.repeats, args.new_tokens = 1, 32
@@ -258,11 +261,15 @@ def main(argv=None) -> None:
     checkpoint = tiny_checkpoint(tmp / "tiny")
     tokenizer = TokenizerCore.from_dir(checkpoint)
     http_port = free_port()
-    stack = make_stack(str(checkpoint), str(tmp), worker_flags=["--max-num-seqs", str(max(args.streams, 1))],
+    worker_flags = ["--max-num-seqs", str(max(args.streams, 1))]
+    if args.engine_cpus:
+        worker_flags += ["--engine-cpus", args.engine_cpus]
+    stack = make_stack(str(checkpoint), str(tmp), worker_flags=worker_flags,
                        gateway_flags=["--http-port", str(http_port)])
     stack.start(timeout=600)
     print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy; {args.repeats} rounds; "
-          f"load average {' '.join(f'{x:.2f}' for x in load_before)} on {os.cpu_count()} CPUs", flush=True)
+          f"load average {' '.join(f'{x:.2f}' for x in load_before)} on {os.cpu_count()} CPUs; engine core on "
+          f"{'CPUs ' + args.engine_cpus if args.engine_cpus else 'every CPU'}", flush=True)
     try:
         raw = asyncio.run(run(args, stack, http_port, tokenizer))
     finally:
@@ -307,7 +314,7 @@ def main(argv=None) -> None:
     print(json.dumps({"benchmark": "bench_gateway", "machine": {
         "cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "settings": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "streams": args.streams,
-                     "repeats": args.repeats},
+                     "repeats": args.repeats, "engine_cpus": args.engine_cpus or "all"},
         "single_ms_per_token": single, "streams_tok_s": batched, "decode_us_per_token": decode,
         "cpu_ms_per_token_1": cpu_1, "cpu_ms_per_token_many": cpu_many, "ratios": ratios, "per_round": per_round, "targets": TARGETS, "wall_s": time.perf_counter() - started}))
 

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 
-from services.model_worker import ipc
+from services.model_worker import cpu_affinity, ipc
 from services.model_worker.engine import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -39,19 +39,23 @@ class CoreProcess:
 
     @classmethod
     async def spawn(cls, checkpoint: str | os.PathLike, config: EngineConfig, log_level: str,
-                    stats_interval_s: float) -> CoreProcess:
-        """Start the process; it inherits stdout and stderr, so its log lines land in the worker's log."""
+                    stats_interval_s: float, cpus: frozenset[int] | None = None) -> CoreProcess:
+        """Start the process; it inherits stdout and stderr, so its log lines land in the worker's log.
+
+        `cpus`: the only CPUs it may run on (None: the worker's); its thread pools are sized to them.
+        """
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
         if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
             env["GOMP_SPINCOUNT"] = _DEFAULT_SPIN_COUNT
         try:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "services.model_worker.engine_core", "--fd", str(theirs.fileno()),
-                 "--checkpoint", str(checkpoint), "--config", json.dumps(ipc.config_to_dict(config)),
-                 "--log-level", log_level, "--stats-interval", str(stats_interval_s)],
-                pass_fds=[theirs.fileno()], env=env)
+            with cpu_affinity.inherited_by_children(cpus):
+                popen = subprocess.Popen(
+                    [sys.executable, "-m", "services.model_worker.engine_core", "--fd", str(theirs.fileno()),
+                     "--checkpoint", str(checkpoint), "--config", json.dumps(ipc.config_to_dict(config)),
+                     "--log-level", log_level, "--stats-interval", str(stats_interval_s)],
+                    pass_fds=[theirs.fileno()], env=env)
         except BaseException:
             ours.close()
             raise

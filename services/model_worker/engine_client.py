@@ -46,8 +46,9 @@ class EngineClient:
     def __init__(self, checkpoint: str | os.PathLike, config: EngineConfig, *, log_level: str = "info",
                  stats_interval_s: float = 10.0, on_serving: Callable[[bool], Awaitable[None]] | None = None,
                  on_step: Callable[[float, int], None] | None = None,
-                 restart_delay_s: tuple[float, float] = (1.0, 30.0)):
+                 restart_delay_s: tuple[float, float] = (1.0, 30.0), engine_cpus: frozenset[int] | None = None):
         self.checkpoint = checkpoint
+        self.engine_cpus = engine_cpus  # the CPUs every core process runs on; None: the worker's own
         self.config = config
         # Cheap to read here, so requests are validated without a trip to the core.
         self.model_config = Qwen3Config.from_json(checkpoint)
@@ -179,7 +180,7 @@ class EngineClient:
 
     async def _spawn(self) -> tuple[CoreProcess, dict]:
         self.process = core = await CoreProcess.spawn(self.checkpoint, self.config, self.log_level,
-                                                      self.stats_interval_s)
+                                                      self.stats_interval_s, cpus=self.engine_cpus)
         log.info("engine core started (pid %d); loading the model", core.pid)
         try:
             return core, await core.wait_ready()

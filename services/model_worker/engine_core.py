@@ -18,9 +18,11 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from rpcserver.errors import ServiceError, Unavailable
 from rpcserver.server import setup_logging
-from services.model_worker import ipc
+from services.model_worker import cpu_affinity, ipc
 from services.model_worker.config import ConfigError
 from services.model_worker.engine import LLMEngine, StepOutput
 from services.model_worker.loader import LoadError
@@ -151,7 +153,8 @@ def ready_info(engine: LLMEngine) -> dict:
             "max_model_len": engine.max_model_len, "vocab_size": engine.config.vocab_size,
             "eos_token_ids": sorted(engine.eos_ids), "block_size": engine.kv_cache.block_size,
             "is_demo_checkpoint": engine.is_demo_checkpoint,
-            "tensor_parallel_size": engine.engine_config.tensor_parallel_size}
+            "tensor_parallel_size": engine.engine_config.tensor_parallel_size,
+            "cpus": cpu_affinity.format_cpu_list(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
 
 
 def load_engine(checkpoint: str, config_json: str) -> tuple[LLMEngine | None, str]:

@@ -1,4 +1,6 @@
 """The worker refuses out-of-range flags at start, naming the flag, instead of failing later."""
+import os
+
 import pytest
 
 from services.model_worker.main import engine_config, parse_args
@@ -42,3 +44,21 @@ def test_a_size_that_is_not_one_is_refused(capsys):
 def test_enforce_eager_reaches_the_engine():
     assert engine_config(parse_args([])).enforce_eager is False
     assert engine_config(parse_args(["--enforce-eager"])).enforce_eager is True
+
+
+@pytest.mark.parametrize("value, message", [
+    ("1-", "is not a CPU list"), ("a", "is not a CPU list"), ("3-1", "runs backwards"), ("0,,1", "is not a CPU list"),
+    ("4096", "CPU 4096 is not available to this process"),
+])
+def test_engine_cpus_must_be_a_list_of_cpus_this_process_may_use(capsys, value, message):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--engine-cpus", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--engine-cpus" in err and message in err
+
+
+def test_engine_cpus_defaults_to_all_and_takes_available_cpus():
+    assert parse_args([]).engine_cpus == ""
+    cpu = min(os.sched_getaffinity(0))
+    assert parse_args(["--engine-cpus", str(cpu)]).engine_cpus == str(cpu)

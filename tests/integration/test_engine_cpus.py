@@ -1,0 +1,51 @@
+"""--engine-cpus: the engine core and every thread in it run on the given CPUs; the worker's front does not."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import grpc
+
+from services.model_worker.cpu_affinity import format_cpu_list
+from tests.integration.stack import Service, free_port, wait_serving
+from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
+
+
+def thread_cpus(pid: int) -> dict[int, str]:
+    """Each thread's Cpus_allowed_list, read from /proc."""
+    lists = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{task}/status") as f:
+            lists[int(task)] = next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list:"))
+    return lists
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(child) for child in f.read().split()]
+    return found
+
+
+def test_the_engine_core_runs_on_the_given_cpus_only(checkpoint, tmp_path):
+    own = os.sched_getaffinity(0)
+    cpu = max(own)
+    worker = Service("worker", ["services.model_worker", "--model", str(checkpoint), "--dtype", "float32",
+                                "--engine-cpus", str(cpu)], free_port(), str(tmp_path / "worker.log"))
+    worker.start()
+    try:
+        wait_serving(worker.address, timeout=120)
+        with grpc.insecure_channel(worker.address) as channel:
+            messages = list(worker_pb2_grpc.ModelWorkerServiceStub(channel).Generate(
+                worker_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=4, ignore_eos=True), timeout=60))
+        assert len(messages) == 4
+        (core,) = children(worker.process.pid)
+        core_threads = thread_cpus(core)
+        # The step loop, the command reader and the OpenMP team, all of them: pinned before they existed.
+        assert len(core_threads) >= 2 and set(core_threads.values()) == {str(cpu)}, core_threads
+        front = thread_cpus(worker.process.pid)
+        assert set(front.values()) == {format_cpu_list(own)}, front  # the front keeps the CPUs it was given
+        assert f"engine core: CPUs {cpu}, threads 1" in worker.log()
+    finally:
+        worker.stop()

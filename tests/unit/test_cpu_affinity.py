@@ -1,0 +1,53 @@
+"""--engine-cpus: CPU lists as Linux writes them, and a child pinned from its first instruction."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.model_worker.cpu_affinity import check_available, format_cpu_list, inherited_by_children, parse_cpu_list
+
+
+@pytest.mark.parametrize("text, cpus", [("3", {3}), ("0-3", {0, 1, 2, 3}), ("0,2,4-6", {0, 2, 4, 5, 6}),
+                                        (" 1 , 5-5 ", {1, 5}), ("2,2,1-2", {1, 2})])
+def test_cpu_lists_parse_as_linux_writes_them(text, cpus):
+    assert parse_cpu_list(text) == cpus
+
+
+@pytest.mark.parametrize("text", ["", "-1", "1-", "a", "1-b", "0x1", "1.5", "0,,2", "3-1", "1-2-3"])
+def test_what_is_not_a_cpu_list_is_refused(text):
+    with pytest.raises(ValueError, match="CPU list"):
+        parse_cpu_list(text)
+
+
+@pytest.mark.parametrize("cpus", [{0}, {0, 1, 2, 5}, {1, 3, 5}, {7, 8, 9, 10}, set(range(64))])
+def test_format_is_the_inverse_of_parse(cpus):
+    assert parse_cpu_list(format_cpu_list(cpus)) == cpus
+    assert format_cpu_list({0, 1, 2, 5}) == "0-2,5"
+
+
+def test_cpus_outside_this_process_are_named():
+    allowed = os.sched_getaffinity(0)
+    check_available(frozenset(allowed))
+    with pytest.raises(ValueError, match=f"CPU {max(allowed) + 1} is not available"):
+        check_available(frozenset({max(allowed) + 1}))
+
+
+def child_view() -> tuple[list[int], int]:
+    """A child's CPUs and torch's thread count there, read before anything else runs in it."""
+    code = "import os; print(sorted(os.sched_getaffinity(0))); import torch; print(torch.get_num_threads())"
+    lines = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                           env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}).stdout.split("\n")
+    return eval(lines[0]), int(lines[1])  # noqa: S307 - our own child's print of a list
+
+
+def test_a_child_started_inside_runs_on_those_cpus_only_and_sizes_torch_to_them():
+    before = os.sched_getaffinity(0)
+    one = frozenset({max(before)})
+    with inherited_by_children(one):
+        cpus, threads = child_view()
+    assert cpus == sorted(one) and threads == 1
+    assert os.sched_getaffinity(0) == before  # this thread's own set is back
+    with inherited_by_children(None):
+        cpus, _ = child_view()
+    assert cpus == sorted(before)
