@@ -33,6 +33,8 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 
 def check_available(cpus: frozenset[int]) -> None:
     """Raise ValueError if this process may not run on every one of `cpus` (absent, offline, or outside its cgroup)."""
+    if not hasattr(os, "sched_getaffinity"):
+        raise ValueError("CPU affinity needs Linux")
     allowed = os.sched_getaffinity(0)
     missing = sorted(cpus - allowed)
     if missing:
@@ -52,6 +54,11 @@ def format_cpu_list(cpus) -> str:
             parts.append(str(start) if start == prev else f"{start}-{prev}")
         start = prev = cpu
     return ",".join(parts)
+
+
+def current() -> str:
+    """The CPUs this thread may run on, as a list; 'any' where the OS does not say (not Linux)."""
+    return format_cpu_list(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "any"
 
 
 @contextlib.contextmanager

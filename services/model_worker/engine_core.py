@@ -154,7 +154,7 @@ def ready_info(engine: LLMEngine) -> dict:
             "eos_token_ids": sorted(engine.eos_ids), "block_size": engine.kv_cache.block_size,
             "is_demo_checkpoint": engine.is_demo_checkpoint,
             "tensor_parallel_size": engine.engine_config.tensor_parallel_size,
-            "cpus": cpu_affinity.format_cpu_list(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
+            "cpus": cpu_affinity.current(), "threads": torch.get_num_threads()}
 
 
 def load_engine(checkpoint: str, config_json: str) -> tuple[LLMEngine | None, str]:

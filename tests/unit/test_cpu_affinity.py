@@ -1,11 +1,13 @@
 """--engine-cpus: CPU lists as Linux writes them, and a child pinned from its first instruction."""
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from services.model_worker.cpu_affinity import check_available, format_cpu_list, inherited_by_children, parse_cpu_list
+from services.model_worker.cpu_affinity import (check_available, current, format_cpu_list, inherited_by_children,
+                                                parse_cpu_list)
 
 
 @pytest.mark.parametrize("text, cpus", [("3", {3}), ("0-3", {0, 1, 2, 3}), ("0,2,4-6", {0, 2, 4, 5, 6}),
@@ -35,10 +37,11 @@ def test_cpus_outside_this_process_are_named():
 
 def child_view() -> tuple[list[int], int]:
     """A child's CPUs and torch's thread count there, read before anything else runs in it."""
-    code = "import os; print(sorted(os.sched_getaffinity(0))); import torch; print(torch.get_num_threads())"
+    code = ("import json, os; print(json.dumps(sorted(os.sched_getaffinity(0))))\n"
+            "import torch; print(torch.get_num_threads())")
     lines = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                            env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}).stdout.split("\n")
-    return eval(lines[0]), int(lines[1])  # noqa: S307 - our own child's print of a list
+    return json.loads(lines[0]), int(lines[1])
 
 
 def test_a_child_started_inside_runs_on_those_cpus_only_and_sizes_torch_to_them():
@@ -51,3 +54,7 @@ def test_a_child_started_inside_runs_on_those_cpus_only_and_sizes_torch_to_them(
     with inherited_by_children(None):
         cpus, _ = child_view()
     assert cpus == sorted(before)
+
+
+def test_current_names_this_threads_cpus():
+    assert parse_cpu_list(current()) == os.sched_getaffinity(0)
