@@ -29,6 +29,18 @@ class WorkerFailed(Exception):
     """The engine can no longer serve and will not be restarted (a tensor-parallel rank died)."""
 
 
+def engine_cpus(text: str) -> frozenset[int] | None:
+    """--engine-cpus: a CPU list this process may use, or None (empty: the worker's own CPUs)."""
+    if not text:
+        return None
+    try:
+        cpus = cpu_affinity.parse_cpu_list(text)
+        cpu_affinity.check_available(cpus)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return cpus
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.model_worker", description=__doc__.split(":", 1)[1])
     add_server_flags(parser, default_port=50053)
@@ -53,18 +65,14 @@ def parse_args(argv=None) -> argparse.Namespace:
              "and vocabulary must divide by it")
     add_flag(parser, "--engine-cpus", "", "CPUs the engine core alone runs on, such as 1 or 2-15 (empty: all of "
              "the worker's); its threads are sized to them. Leaves the other CPUs to the gRPC front, gateway and "
-             "tokenizer, whose CPU time per token otherwise comes out of the engine's step on a CPU host")
+             "tokenizer, whose CPU time per token otherwise comes out of the engine's step on a CPU host",
+             type=engine_cpus)
     add_flag(parser, "--stats-interval", 10.0, "seconds between log lines on load, KV cache and throughput "
              "while busy (0: none)")
     args = parser.parse_args(argv)
     check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--stats-interval", 0, None)))
     if args.max_model_len < 0:
         parser.error(f"--max-model-len must be >= 0 (0: the model's own limit), got {args.max_model_len}")
-    if args.engine_cpus:
-        try:
-            cpu_affinity.check_available(cpu_affinity.parse_cpu_list(args.engine_cpus))
-        except ValueError as e:
-            parser.error(f"--engine-cpus: {e}")
     try:
         engine_config(args)  # EngineConfig and the scheduler limits check their own ranges
     except ValueError as e:
@@ -91,7 +99,7 @@ async def serve(args: argparse.Namespace) -> None:
     # The model loads and steps in a separate engine-core process; this one only serves gRPC.
     client = EngineClient(checkpoint, engine_config(args), log_level=args.log_level,
                           stats_interval_s=args.stats_interval, on_serving=server.set_serving, on_step=observe_step,
-                          engine_cpus=cpu_affinity.parse_cpu_list(args.engine_cpus) if args.engine_cpus else None)
+                          engine_cpus=args.engine_cpus)
     REGISTRY.register(EngineCollector(client))
     servicer.engine = client
     try:

@@ -1,6 +1,7 @@
 """Start the three real services as subprocesses, the way the README does, and wait on their health."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -69,6 +70,17 @@ class Service:
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
             return f.read()
+
+
+def child_pids(pid: int) -> list[int]:
+    """A process's children (for the worker, its engine core); none once it has gone."""
+    children = []
+    with contextlib.suppress(FileNotFoundError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    children += [int(child) for child in f.read().split()]
+    return children
 
 
 @dataclass

@@ -7,7 +7,7 @@ import os
 import grpc
 
 from services.model_worker.cpu_affinity import format_cpu_list
-from tests.integration.stack import Service, free_port, wait_serving
+from tests.integration.stack import Service, child_pids, free_port, wait_serving
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -18,14 +18,6 @@ def thread_cpus(pid: int) -> dict[int, str]:
         with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{task}/status") as f:
             lists[int(task)] = next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list:"))
     return lists
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{task}/children") as f:
-            found += [int(child) for child in f.read().split()]
-    return found
 
 
 def test_the_engine_core_runs_on_the_given_cpus_only(checkpoint, tmp_path):
@@ -40,7 +32,7 @@ def test_the_engine_core_runs_on_the_given_cpus_only(checkpoint, tmp_path):
             messages = list(worker_pb2_grpc.ModelWorkerServiceStub(channel).Generate(
                 worker_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=4, ignore_eos=True), timeout=60))
         assert len(messages) == 4
-        (core,) = children(worker.process.pid)
+        (core,) = child_pids(worker.process.pid)
         core_threads = thread_cpus(core)
         # The step loop, the command reader and the OpenMP team, all of them: pinned before they existed.
         assert len(core_threads) >= 2 and set(core_threads.values()) == {str(cpu)}, core_threads

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.integration.stack import ROOT, Service, Stack, make_stack, wait_serving
+from tests.integration.stack import ROOT, Service, Stack, child_pids, make_stack, wait_serving
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -132,16 +132,6 @@ def token_count(messages) -> int:
     return sum(len(m.token_ids) for m in messages)
 
 
-def child_pids(service: Service) -> list[int]:
-    """The service's child processes: for the worker, its engine core."""
-    pid, children = service.process.pid, []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                children += [int(child) for child in f.read().split()]
-    return children
-
-
 def is_running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -217,7 +207,7 @@ def test_downstream_crash_fails_streams_and_gateway_recovers(healthy, victim):
 
 
 def test_killed_engine_core_fails_streams_then_the_worker_restarts_it(healthy):
-    (core,) = child_pids(healthy.worker)
+    (core,) = child_pids(healthy.worker.process.pid)
     with gateway_channel(healthy) as gateway, grpc.insecure_channel(healthy.worker.address) as worker_channel:
         watch = health_pb2_grpc.HealthStub(worker_channel).Watch(health_pb2.HealthCheckRequest(), timeout=180)
         assert next(watch).status == SERVING
@@ -236,7 +226,7 @@ def test_killed_engine_core_fails_streams_then_the_worker_restarts_it(healthy):
         code, messages = drain(gateway.Generate(gateway_pb2.GenerateRequest(prompt="back again", max_tokens=4,
                                                                             ignore_eos=True), timeout=30))
     assert code == grpc.StatusCode.OK and token_count(messages) == 4
-    new_cores = child_pids(healthy.worker)
+    new_cores = child_pids(healthy.worker.process.pid)
     assert not is_running(core) and len(new_cores) == 1 and new_cores != [core]
     assert healthy.worker.process.poll() is None
     assert "was killed by SIGKILL" in healthy.worker.log()
@@ -248,7 +238,7 @@ def test_killed_engine_core_fails_streams_then_the_worker_restarts_it(healthy):
 @pytest.mark.parametrize("stopped", ["gateway", "worker"])
 def test_sigterm_finishes_in_flight_streams_and_refuses_new_calls(healthy, stopped):
     service = getattr(healthy, stopped)
-    children = child_pids(service)  # the worker's engine core must not outlive it
+    children = child_pids(service.process.pid)  # the worker's engine core must not outlive it
     assert len(children) == (1 if stopped == "worker" else 0)
     # Short enough to finish well inside the grace period, long enough to be in flight at SIGTERM.
     drain_tokens = 60

@@ -1,7 +1,6 @@
 """A worker with --tensor-parallel-size 2 (two CPU ranks on gloo): the end-to-end generate tests, a dead rank, SIGTERM."""
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
@@ -10,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from tests.integration.stack import make_stack
+from tests.integration.stack import child_pids, make_stack
 from tests.integration.test_generate import *  # noqa: F401,F403 - the same tests, against this module's stack
 from tests.integration.test_resilience import drain, is_running, start_streams
 from vllm_v0.gateway.v1 import gateway_pb2_grpc
@@ -38,20 +37,10 @@ def doomed_stack(checkpoint, tmp_path_factory):
     stack.stop()
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    with contextlib.suppress(FileNotFoundError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(FileNotFoundError):
-                with open(f"/proc/{pid}/task/{task}/children") as f:
-                    found += [int(child) for child in f.read().split()]
-    return found
-
-
 def worker_processes(stack) -> tuple[int, list[int]]:
     """The engine core (rank 0) and the other ranks it started."""
-    (core,) = children(stack.worker.process.pid)
-    return core, children(core)
+    (core,) = child_pids(stack.worker.process.pid)
+    return core, child_pids(core)
 
 
 def wait_until(condition, timeout: float) -> bool:

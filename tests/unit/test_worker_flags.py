@@ -58,7 +58,9 @@ def test_engine_cpus_must_be_a_list_of_cpus_this_process_may_use(capsys, value, 
     assert "--engine-cpus" in err and message in err
 
 
-def test_engine_cpus_defaults_to_all_and_takes_available_cpus():
-    assert parse_args([]).engine_cpus == ""
+def test_engine_cpus_defaults_to_all_and_takes_available_cpus(monkeypatch):
+    assert parse_args([]).engine_cpus is None
     cpu = min(os.sched_getaffinity(0))
-    assert parse_args(["--engine-cpus", str(cpu)]).engine_cpus == str(cpu)
+    assert parse_args(["--engine-cpus", str(cpu)]).engine_cpus == {cpu}
+    monkeypatch.setenv("VLLM_V0_ENGINE_CPUS", str(cpu))
+    assert parse_args([]).engine_cpus == {cpu}
