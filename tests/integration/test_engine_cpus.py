@@ -1,8 +1,10 @@
-"""--engine-cpus: the engine core and every thread in it run on the given CPUs; the worker's front does not."""
+"""--engine-cpus: the engine core and every thread in it run on the given CPUs, restarted or not; the front does not."""
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import time
 
 import grpc
 
@@ -20,6 +22,13 @@ def thread_cpus(pid: int) -> dict[int, str]:
     return lists
 
 
+def generate(worker: Service) -> None:
+    with grpc.insecure_channel(worker.address) as channel:
+        messages = list(worker_pb2_grpc.ModelWorkerServiceStub(channel).Generate(
+            worker_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=4, ignore_eos=True), timeout=60))
+    assert len(messages) == 4
+
+
 def test_the_engine_core_runs_on_the_given_cpus_only(checkpoint, tmp_path):
     own = os.sched_getaffinity(0)
     cpu = max(own)
@@ -28,10 +37,7 @@ def test_the_engine_core_runs_on_the_given_cpus_only(checkpoint, tmp_path):
     worker.start()
     try:
         wait_serving(worker.address, timeout=120)
-        with grpc.insecure_channel(worker.address) as channel:
-            messages = list(worker_pb2_grpc.ModelWorkerServiceStub(channel).Generate(
-                worker_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=4, ignore_eos=True), timeout=60))
-        assert len(messages) == 4
+        generate(worker)
         (core,) = child_pids(worker.process.pid)
         core_threads = thread_cpus(core)
         # The step loop, the command reader and the OpenMP team, all of them: pinned before they existed.
@@ -39,5 +45,16 @@ def test_the_engine_core_runs_on_the_given_cpus_only(checkpoint, tmp_path):
         front = thread_cpus(worker.process.pid)
         assert set(front.values()) == {format_cpu_list(own)}, front  # the front keeps the CPUs it was given
         assert f"engine core: CPUs {cpu}, threads 1" in worker.log()
+
+        # A core the worker restarts after a crash runs on the same CPUs.
+        os.kill(core, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (cores := child_pids(worker.process.pid)) in ([], [core]):
+            assert time.monotonic() < deadline, "the worker did not restart its engine core"
+            time.sleep(0.1)
+        (restarted,) = cores
+        wait_serving(worker.address, timeout=120)
+        generate(worker)
+        assert set(thread_cpus(restarted).values()) == {str(cpu)}
     finally:
         worker.stop()
