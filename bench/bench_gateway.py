@@ -12,8 +12,9 @@ It also times detokenization alone against the tokenizer service: one unary
 DecodeIncremental call per token (the gateway's first path), one DecodeStream call per
 request, and one DecodeBatches call carrying 16 streams, one message per step (the gateway's
 path now). Medians with min-max. The gateway's figures against the worker's are paired by
-round (every round runs each mode back to back): the added ms per token and the share of the
-worker's tok/s are the medians of the per-round figures. The last line is one JSON object.
+round (every round runs each mode back to back, in an order that rotates from round to round):
+the added ms per token and the share of the worker's tok/s are the medians of the per-round
+figures. The last line is one JSON object.
 
     python -m bench.bench_gateway                  # a few minutes
     python -m bench.bench_gateway --engine-cpus 1  # the engine core on CPU 1 alone
@@ -213,10 +214,10 @@ async def run(args, stack, http_port: int, tokenizer: TokenizerCore) -> dict:
         for mode in MODES:  # untimed: connections, first-call allocations
             await one_stream(clients, mode, texts[0], prompts[0], 4)
         for round_ in range(args.repeats):
-            for mode in MODES:
+            for mode in round_order(round_):
                 single[mode].append(await measured(meter, cpu, mode, counted(
                     one_stream(clients, mode, texts[0], prompts[0], args.new_tokens), args.new_tokens)))
-            for mode in MODES:
+            for mode in round_order(round_):
                 batched[mode].append(await measured(meter, cpu_many, mode, counted(
                     many_streams(clients, mode, texts, prompts, args.new_tokens), args.streams * args.new_tokens)))
             print(f"round {round_ + 1}: 1 stream ms/token " +
@@ -228,6 +229,13 @@ async def run(args, stack, http_port: int, tokenizer: TokenizerCore) -> dict:
         await clients.close()
     return {"single_ms_per_token": single, "streams_tok_s": batched, "decode_us_per_token": decode,
             "cpu_ms_per_token_1": cpu, "cpu_ms_per_token_many": cpu_many}
+
+
+def round_order(round_: int) -> tuple[str, ...]:
+    """The modes in the order round `round_` runs them: each takes each place in turn, so no mode
+    always runs first (on a machine just idle) or right after the heaviest run."""
+    shift = round_ % len(MODES)
+    return MODES[shift:] + MODES[:shift]
 
 
 async def counted(measurement, tokens: int) -> tuple[float, int]:
@@ -249,7 +257,8 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--streams", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--repeats", type=int, default=9, help="interleaved rounds (a multiple of 3 gives each "
+                   "mode each place in the order equally often)")
     p.add_argument("--quick", action="store_true", help="one short round")
     p.add_argument("--engine-cpus", default="", help="the worker's --engine-cpus, e.g. 1: the engine core on CPUs "
                    "of its own; the other processes are left to the OS (default: all share every CPU)")
