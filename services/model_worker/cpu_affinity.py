@@ -7,7 +7,9 @@ those processes, is the same split vLLM's CPU backend makes with VLLM_CPU_OMP_TH
 
 The core process is started with the set already applied, so everything in it sees the set from its
 first instruction: torch sizes its thread pool by it, OpenMP starts its threads inside it, and the
-tensor-parallel ranks the core starts inherit it.
+tensor-parallel ranks the core starts inherit it. The worker's own threads move to the CPUs left
+over: the OS would otherwise place them on the engine's CPUs whenever the others are busy, and every
+such placement preempts the engine's step.
 """
 from __future__ import annotations
 
@@ -59,6 +61,21 @@ def format_cpu_list(cpus) -> str:
 def current() -> str:
     """The CPUs this thread may run on, as a list; 'any' where the OS does not say (not Linux)."""
     return format_cpu_list(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "any"
+
+
+def keep_process_off(cpus: frozenset[int]) -> frozenset[int] | None:
+    """Move every thread of this process to its other CPUs; None (nothing moved) if `cpus` are all it has.
+
+    Threads started later inherit the set of the thread that starts them, so calling this before a
+    server starts its threads covers them too; the threads already running are moved one by one.
+    """
+    rest = frozenset(os.sched_getaffinity(0) - cpus)
+    if not rest:
+        return None
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), rest)
+    return rest
 
 
 @contextlib.contextmanager

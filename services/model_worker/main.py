@@ -64,8 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
              "cuda:0..N-1 (NCCL) on a GPU host, N CPU ranks (gloo) on CPU; heads, KV heads, intermediate size "
              "and vocabulary must divide by it")
     add_flag(parser, "--engine-cpus", "", "CPUs the engine core alone runs on, such as 1 or 2-15 (empty: all of "
-             "the worker's); its threads are sized to them. Leaves the other CPUs to the gRPC front, gateway and "
-             "tokenizer, whose CPU time per token otherwise comes out of the engine's step on a CPU host",
+             "the worker's); its threads are sized to them, and the worker's gRPC front moves to its other CPUs. "
+             "Run the gateway and tokenizer off them too (taskset, compose cpuset): on a CPU host their CPU time "
+             "per token otherwise comes out of the engine's step",
              type=engine_cpus)
     add_flag(parser, "--stats-interval", 10.0, "seconds between log lines on load, KV cache and throughput "
              "while busy (0: none)")
@@ -126,6 +127,12 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     setup_logging(args.log_level)
+    if args.engine_cpus is not None:
+        # Before the gRPC server starts its threads, so they start on the CPUs left over.
+        front = cpu_affinity.keep_process_off(args.engine_cpus)
+        log.info("--engine-cpus %s: this process runs on CPUs %s", cpu_affinity.format_cpu_list(args.engine_cpus),
+                 cpu_affinity.format_cpu_list(front) if front else
+                 f"{cpu_affinity.current()} too (no other CPU is available to it)")
     try:
         asyncio.run(serve(args))
     except (ConfigError, CoreStartError) as e:

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from services.model_worker.cpu_affinity import (check_available, current, format_cpu_list, inherited_by_children,
-                                                parse_cpu_list)
+                                                keep_process_off, parse_cpu_list)
 
 
 @pytest.mark.parametrize("text, cpus", [("3", {3}), ("0-3", {0, 1, 2, 3}), ("0,2,4-6", {0, 2, 4, 5, 6}),
@@ -58,3 +58,37 @@ def test_a_child_started_inside_runs_on_those_cpus_only_and_sizes_torch_to_them(
 
 def test_current_names_this_threads_cpus():
     assert parse_cpu_list(current()) == os.sched_getaffinity(0)
+
+
+KEEP_OFF_CHILD = """
+import json, os, sys, threading
+from services.model_worker.cpu_affinity import keep_process_off
+go = threading.Event()
+early = threading.Thread(target=go.wait)
+early.start()
+rest = keep_process_off(frozenset({int(sys.argv[1])}))
+late = threading.Thread(target=go.wait)
+late.start()
+seen = {}
+for task in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{task}/status") as f:
+        seen[task] = next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list:"))
+go.set()
+left_alone = keep_process_off(frozenset(os.sched_getaffinity(0)))
+print(json.dumps({"rest": sorted(rest), "threads": seen, "left_alone": left_alone}))
+"""
+
+
+def test_keep_process_off_moves_every_thread_and_the_ones_started_later():
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs: one to keep the process off, one for it to run on")
+    engine = max(allowed)
+    # In a child, so this process keeps its CPUs: a thread started before the move, and one after.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = json.loads(subprocess.run([sys.executable, "-c", KEEP_OFF_CHILD, str(engine)], check=True,
+                                    capture_output=True, text=True, cwd=root).stdout)
+    rest = allowed - {engine}
+    assert out["rest"] == sorted(rest)
+    assert len(out["threads"]) == 3 and set(out["threads"].values()) == {format_cpu_list(rest)}, out["threads"]
+    assert out["left_alone"] is None  # keeping off every CPU it has moves nothing
