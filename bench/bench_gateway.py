@@ -17,7 +17,7 @@ the added ms per token and the share of the worker's tok/s are the medians of th
 figures. The last line is one JSON object.
 
     python -m bench.bench_gateway                  # a few minutes
-    python -m bench.bench_gateway --engine-cpus 1  # the engine core on CPU 1 alone
+    python -m bench.bench_gateway --engine-cpus 1  # the engine core on CPU 1, the rest on the others
     python -m bench.bench_gateway --quick          # a smoke check
 """
 from __future__ import annotations
@@ -42,6 +42,7 @@ import grpc  # noqa: E402
 from bench.bench_serving import make_text, word_pool  # noqa: E402
 from bench.cpu_meter import CpuMeter  # noqa: E402
 from demo.vocab import write_tokenizer_files  # noqa: E402
+from services.model_worker.cpu_affinity import format_cpu_list, keep_process_off, parse_cpu_list  # noqa: E402
 from services.tokenizer.core import TokenizerCore  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.integration.stack import free_port, make_stack  # noqa: E402
@@ -261,7 +262,7 @@ def main(argv=None) -> None:
                    "mode each place in the order equally often)")
     p.add_argument("--quick", action="store_true", help="one short round")
     p.add_argument("--engine-cpus", default="", help="the worker's --engine-cpus, e.g. 1: the engine core on CPUs "
-                   "of its own; the other processes are left to the OS (default: all share every CPU)")
+                   "of its own, every other process on the rest (default: all share every CPU)")
     args = p.parse_args(argv)
     if args.quick:
         args.repeats, args.new_tokens = 1, 32
@@ -275,10 +276,20 @@ def main(argv=None) -> None:
         worker_flags += ["--engine-cpus", args.engine_cpus]
     stack = make_stack(str(checkpoint), str(tmp), worker_flags=worker_flags,
                        gateway_flags=["--http-port", str(http_port)])
+    placement = "every process on every CPU"
+    if args.engine_cpus:
+        # As an operator would with taskset or a compose cpuset: the tokenizer, the gateway and this
+        # client on the CPUs the engine core does not use (the worker moves its own front there).
+        engine = parse_cpu_list(args.engine_cpus)
+        stack.tokenizer.cpus = stack.gateway.cpus = frozenset(os.sched_getaffinity(0) - engine) or None
     stack.start(timeout=600)
+    if args.engine_cpus:
+        rest = keep_process_off(engine)
+        placement = f"engine core on CPUs {format_cpu_list(engine)}, the rest on " + \
+            (format_cpu_list(rest) if rest else "them too (no other CPU)")
     print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy; {args.repeats} rounds; "
-          f"load average {' '.join(f'{x:.2f}' for x in load_before)} on {os.cpu_count()} CPUs; engine core on "
-          f"{'CPUs ' + args.engine_cpus if args.engine_cpus else 'every CPU'}", flush=True)
+          f"load average {' '.join(f'{x:.2f}' for x in load_before)} on {os.cpu_count()} CPUs; {placement}",
+          flush=True)
     try:
         raw = asyncio.run(run(args, stack, http_port, tokenizer))
     finally:
@@ -323,7 +334,8 @@ def main(argv=None) -> None:
     print(json.dumps({"benchmark": "bench_gateway", "machine": {
         "cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "settings": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "streams": args.streams,
-                     "repeats": args.repeats, "engine_cpus": args.engine_cpus or "all"},
+                     "repeats": args.repeats, "engine_cpus": args.engine_cpus or "all",
+                     "placement": placement},
         "single_ms_per_token": single, "streams_tok_s": batched, "decode_us_per_token": decode,
         "cpu_ms_per_token_1": cpu_1, "cpu_ms_per_token_many": cpu_many, "ratios": ratios, "per_round": per_round, "targets": TARGETS, "wall_s": time.perf_counter() - started}))
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.model_worker.cpu_affinity import inherited_by_children
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -46,6 +48,7 @@ class Service:
     port: int
     log_path: str
     process: subprocess.Popen | None = None
+    cpus: frozenset[int] | None = None  # the CPUs to start it on (None: this process's own)
 
     @property
     def address(self) -> str:
@@ -53,9 +56,10 @@ class Service:
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
-        self.process = subprocess.Popen([sys.executable, "-m", *self.args, "--port", str(self.port)], cwd=ROOT,
-                                        stdout=log, stderr=subprocess.STDOUT, env={**os.environ,
-                                                                                   "PYTHONUNBUFFERED": "1"})
+        with inherited_by_children(self.cpus):
+            self.process = subprocess.Popen([sys.executable, "-m", *self.args, "--port", str(self.port)], cwd=ROOT,
+                                            stdout=log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int | None:
         if self.process is None or self.process.poll() is not None:
