@@ -11,7 +11,8 @@ at 1 stream (time per token after the first) and at 16 concurrent streams (aggre
 It also times detokenization alone against the tokenizer service: one unary
 DecodeIncremental call per token (the gateway's first path), one DecodeStream call per
 request, and one DecodeBatches call carrying 16 streams, one message per step (the gateway's
-path now). Medians with min-max. The gateway's figures against the worker's are paired by
+path now). It counts the engine core's involuntary context switches in each run: how often
+something else took its CPU mid-step. Medians with min-max. The gateway's figures against the worker's are paired by
 round (every round runs each mode back to back, in an order that rotates from round to round):
 the added ms per token and the share of the worker's tok/s are the medians of the per-round
 figures. The last line is one JSON object.
@@ -40,12 +41,12 @@ if str(ROOT) not in sys.path:
 import grpc  # noqa: E402
 
 from bench.bench_serving import make_text, word_pool  # noqa: E402
-from bench.cpu_meter import CpuMeter  # noqa: E402
+from bench.cpu_meter import CpuMeter, preemptions  # noqa: E402
 from demo.vocab import write_tokenizer_files  # noqa: E402
 from services.model_worker.cpu_affinity import format_cpu_list, keep_process_off, parse_cpu_list  # noqa: E402
 from services.tokenizer.core import TokenizerCore  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
-from tests.integration.stack import free_port, make_stack  # noqa: E402
+from tests.integration.stack import child_pids, free_port, make_stack  # noqa: E402
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc  # noqa: E402
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
@@ -189,10 +190,13 @@ def show(values: dict) -> str:
     return f"{values['median']:9.3f} ({values['min']:.3f}-{values['max']:.3f})"
 
 
-async def measured(meter: CpuMeter, cpu: dict, mode: str, run) -> float:
-    """Run one measurement, adding each process's CPU milliseconds per token to cpu[mode]; returns its figure."""
+async def measured(meter: CpuMeter, cpu: dict, mode: str, run, core_pid: int, preempted: dict) -> float:
+    """Run one measurement, adding each process's CPU milliseconds per token to cpu[mode] and the engine
+    core's preemptions to preempted[mode]; returns its figure."""
     meter.start()
+    switches = preemptions(core_pid)
     figure, tokens = await run
+    preempted[mode].append(preemptions(core_pid) - switches)
     used = meter.stop()
     for name, seconds in used.items():
         cpu[mode].setdefault(name, []).append(seconds * 1000 / tokens)
@@ -211,16 +215,21 @@ async def run(args, stack, http_port: int, tokenizer: TokenizerCore) -> dict:
     cpu_many = {m: {} for m in MODES}  # and at args.streams streams
     meter = CpuMeter({"tokenizer": stack.tokenizer.process.pid, "worker": stack.worker.process.pid,
                       "gateway": stack.gateway.process.pid})
+    (core_pid,) = child_pids(stack.worker.process.pid)
+    preempted = {m: [] for m in MODES}  # the engine core's involuntary context switches per run, at 1 stream
+    preempted_many = {m: [] for m in MODES}  # and at args.streams streams
     try:
         for mode in MODES:  # untimed: connections, first-call allocations
             await one_stream(clients, mode, texts[0], prompts[0], 4)
         for round_ in range(args.repeats):
             for mode in round_order(round_):
                 single[mode].append(await measured(meter, cpu, mode, counted(
-                    one_stream(clients, mode, texts[0], prompts[0], args.new_tokens), args.new_tokens)))
+                    one_stream(clients, mode, texts[0], prompts[0], args.new_tokens), args.new_tokens),
+                    core_pid, preempted))
             for mode in round_order(round_):
                 batched[mode].append(await measured(meter, cpu_many, mode, counted(
-                    many_streams(clients, mode, texts, prompts, args.new_tokens), args.streams * args.new_tokens)))
+                    many_streams(clients, mode, texts, prompts, args.new_tokens), args.streams * args.new_tokens),
+                    core_pid, preempted_many))
             print(f"round {round_ + 1}: 1 stream ms/token " +
                   "  ".join(f"{m} {single[m][-1]:.3f}" for m in MODES) + f" | {args.streams} streams tok/s " +
                   "  ".join(f"{m} {batched[m][-1]:.0f}" for m in MODES), flush=True)
@@ -229,7 +238,8 @@ async def run(args, stack, http_port: int, tokenizer: TokenizerCore) -> dict:
     finally:
         await clients.close()
     return {"single_ms_per_token": single, "streams_tok_s": batched, "decode_us_per_token": decode,
-            "cpu_ms_per_token_1": cpu, "cpu_ms_per_token_many": cpu_many}
+            "cpu_ms_per_token_1": cpu, "cpu_ms_per_token_many": cpu_many,
+            "engine_core_preempted_1": preempted, "engine_core_preempted_many": preempted_many}
 
 
 def round_order(round_: int) -> tuple[str, ...]:
@@ -303,6 +313,12 @@ def main(argv=None) -> None:
         print(f"{mode:14s}{show(single[mode]):>28s}{show(batched[mode]):>30s}")
     cpu_1 = cpu_table(raw["cpu_ms_per_token_1"], "at 1 stream")
     cpu_many = cpu_table(raw["cpu_ms_per_token_many"], f"at {args.streams} streams")
+    preempted = {"1": {m: stats(v) for m, v in raw["engine_core_preempted_1"].items()},
+                 str(args.streams): {m: stats(v) for m, v in raw["engine_core_preempted_many"].items()}}
+    print("\nthe engine core's involuntary context switches per run (preempted while runnable):")
+    for streams, by_mode in preempted.items():
+        print(f"  {streams:>2s} stream{'s' if streams != '1' else ' '}  " +
+              "  ".join(f"{m} {by_mode[m]['median']:.0f}" for m in MODES))
     print("\ndetokenization alone, µs per token:")
     for name, value in decode.items():
         print(f"  {name:26s}{show(value)}")
@@ -337,7 +353,9 @@ def main(argv=None) -> None:
                      "repeats": args.repeats, "engine_cpus": args.engine_cpus or "all",
                      "placement": placement},
         "single_ms_per_token": single, "streams_tok_s": batched, "decode_us_per_token": decode,
-        "cpu_ms_per_token_1": cpu_1, "cpu_ms_per_token_many": cpu_many, "ratios": ratios, "per_round": per_round, "targets": TARGETS, "wall_s": time.perf_counter() - started}))
+        "cpu_ms_per_token_1": cpu_1, "cpu_ms_per_token_many": cpu_many,
+        "engine_core_preempted": preempted, "ratios": ratios, "per_round": per_round, "targets": TARGETS,
+        "wall_s": time.perf_counter() - started}))
 
 
 if __name__ == "__main__":

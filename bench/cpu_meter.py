@@ -36,6 +36,23 @@ def process_tree_cpu(pid: int) -> float:
     return total
 
 
+def preemptions(pid: int) -> int:
+    """Times the threads of `pid` were switched out while still runnable (involuntary context switches).
+
+    A compute process that is preempted waits while its CPU runs someone else: on shared CPUs this
+    counts how often the serving processes got in the engine core's way.
+    """
+    total = 0
+    for task in pathlib.Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # the thread ended meanwhile
+        total += next(int(line.split()[1]) for line in status.splitlines()
+                      if line.startswith("nonvoluntary_ctxt_switches:"))
+    return total
+
+
 class CpuMeter:
     """CPU seconds per named process tree between `start()` and `stop()`, and this process's own as "client"."""
 
