@@ -13,6 +13,7 @@ such placement preempts the engine's step.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 from collections.abc import Iterator
@@ -63,13 +64,18 @@ def current() -> str:
     return format_cpu_list(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "any"
 
 
+def others(cpus: frozenset[int]) -> frozenset[int]:
+    """The CPUs this thread may run on besides `cpus` (empty if `cpus` cover them all)."""
+    return frozenset(os.sched_getaffinity(0) - cpus)
+
+
 def keep_process_off(cpus: frozenset[int]) -> frozenset[int] | None:
     """Move every thread of this process to its other CPUs; None (nothing moved) if `cpus` are all it has.
 
     Threads started later inherit the set of the thread that starts them, so calling this before a
     server starts its threads covers them too; the threads already running are moved one by one.
     """
-    rest = frozenset(os.sched_getaffinity(0) - cpus)
+    rest = others(cpus)
     if not rest:
         return None
     for task in os.listdir("/proc/self/task"):
@@ -95,3 +101,23 @@ def inherited_by_children(cpus: frozenset[int] | None) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, before)
+
+
+def main(argv=None) -> None:
+    """`--others LIST`: print the CPUs besides LIST (empty line if none), for a script that starts the
+    gateway and tokenizer with `taskset` off the engine core's CPUs."""
+    parser = argparse.ArgumentParser(prog="python -m services.model_worker.cpu_affinity",
+                                     description="CPU lists for --engine-cpus")
+    parser.add_argument("--others", required=True, metavar="LIST",
+                        help="print the CPUs this process may use besides LIST, such as 1 or 2-15")
+    args = parser.parse_args(argv)
+    try:
+        cpus = parse_cpu_list(args.others)
+        check_available(cpus)
+    except ValueError as e:
+        parser.error(str(e))
+    print(format_cpu_list(others(cpus)))
+
+
+if __name__ == "__main__":
+    main()

@@ -92,3 +92,20 @@ def test_keep_process_off_moves_every_thread_and_the_ones_started_later():
     assert out["rest"] == sorted(rest)
     assert len(out["threads"]) == 3 and set(out["threads"].values()) == {format_cpu_list(rest)}, out["threads"]
     assert out["left_alone"] is None  # keeping off every CPU it has moves nothing
+
+
+def test_others_prints_the_cpus_besides_a_list_for_scripts_and_refuses_bad_ones():
+    allowed = os.sched_getaffinity(0)
+    engine = max(allowed)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def others(text: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "services.model_worker.cpu_affinity", "--others", text],
+                              capture_output=True, text=True, cwd=root)
+
+    out = others(str(engine))
+    assert out.returncode == 0 and out.stdout == format_cpu_list(allowed - {engine}) + "\n", out
+    assert others(format_cpu_list(allowed)).stdout == "\n"  # the list takes every CPU: none is left
+    refused = others(str(max(allowed) + 1))
+    assert refused.returncode == 2 and f"CPU {max(allowed) + 1} is not available" in refused.stderr
+    assert others("1-").returncode == 2
