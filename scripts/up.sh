@@ -4,6 +4,7 @@
 #   scripts/up.sh                               # random-weight demo checkpoint (built on first run)
 #   scripts/up.sh --model /path/to/Qwen3-0.6B   # a real checkpoint directory (or a hub id)
 #   scripts/up.sh --model Qwen/Qwen3-0.6B "Why is the sky blue?"
+#   VLLM_V0_ENGINE_CPUS=2-15 scripts/up.sh      # the engine core on CPUs 2-15, the other services off them
 #
 # The services keep running until Ctrl-C. Logs go to .run/*.log.
 set -euo pipefail
@@ -37,9 +38,20 @@ stop() { kill -TERM "${pids[@]}" 2>/dev/null || true; wait "${pids[@]}" 2>/dev/n
 trap stop EXIT
 trap 'exit 130' INT TERM
 
-"$PY" -m services.tokenizer --model "$model" --port "$TOKENIZER_PORT" >.run/tokenizer.log 2>&1 & pids+=($!)
+# With VLLM_V0_ENGINE_CPUS (the worker's --engine-cpus) set, the tokenizer and gateway run on the
+# other CPUs, as the worker's own front does: none of them takes CPU time from the engine's step.
+off_engine=()
+if [ -n "${VLLM_V0_ENGINE_CPUS:-}" ]; then
+  serving_cpus=$("$PY" -m services.model_worker.cpu_affinity --others "$VLLM_V0_ENGINE_CPUS")
+  if [ -n "$serving_cpus" ]; then
+    off_engine=(taskset -c "$serving_cpus")
+    echo "Engine core on CPUs $VLLM_V0_ENGINE_CPUS; tokenizer, gateway and the worker's front on CPUs $serving_cpus."
+  fi
+fi
+${off_engine[@]+"${off_engine[@]}"} "$PY" -m services.tokenizer --model "$model" --port "$TOKENIZER_PORT" \
+  >.run/tokenizer.log 2>&1 & pids+=($!)
 "$PY" -m services.model_worker --model "$model" --port "$WORKER_PORT" >.run/worker.log 2>&1 & pids+=($!)
-"$PY" -m gateway --port "$GATEWAY_PORT" --tokenizer-addr "localhost:$TOKENIZER_PORT" \
+${off_engine[@]+"${off_engine[@]}"} "$PY" -m gateway --port "$GATEWAY_PORT" --tokenizer-addr "localhost:$TOKENIZER_PORT" \
   --worker-addr "localhost:$WORKER_PORT" --http-port "$HTTP_PORT" >.run/gateway.log 2>&1 & pids+=($!)
 
 echo "Waiting for the services (logs in .run/) ..."
