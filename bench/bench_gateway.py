@@ -12,10 +12,10 @@ It also times detokenization alone against the tokenizer service: one unary
 DecodeIncremental call per token (the gateway's first path), one DecodeStream call per
 request, and one DecodeBatches call carrying 16 streams, one message per step (the gateway's
 path now). It counts the engine core's involuntary context switches in each run: how often
-something else took its CPU mid-step. Medians with min-max. The gateway's figures against the worker's are paired by
-round (every round runs each mode back to back, in an order that rotates from round to round):
-the added ms per token and the share of the worker's tok/s are the medians of the per-round
-figures. The last line is one JSON object.
+something else took its CPU mid-step. Medians with min-max. The gateway's figures against the
+worker's are paired by round (every round runs each mode back to back, in an order that rotates
+from round to round): the added ms per token and the share of the worker's tok/s are the medians
+of the per-round figures. The last line is one JSON object.
 
     python -m bench.bench_gateway                  # a few minutes
     python -m bench.bench_gateway --engine-cpus 1  # the engine core on CPU 1, the rest on the others

@@ -9,17 +9,9 @@ import os
 import pathlib
 import time
 
+from tests.integration.stack import child_pids, thread_status
+
 TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    for task in pathlib.Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            kids.extend(int(k) for k in (task / "children").read_text().split())
-        except OSError:
-            pass
-    return kids
 
 
 def process_tree_cpu(pid: int) -> float:
@@ -32,7 +24,7 @@ def process_tree_cpu(pid: int) -> float:
         except OSError:
             continue
         total += (int(fields[11]) + int(fields[12])) / TICKS
-        todo.extend(_children(current))
+        todo.extend(child_pids(current))
     return total
 
 
@@ -42,15 +34,7 @@ def preemptions(pid: int) -> int:
     A compute process that is preempted waits while its CPU runs someone else: on shared CPUs this
     counts how often the serving processes got in the engine core's way.
     """
-    total = 0
-    for task in pathlib.Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            status = (task / "status").read_text()
-        except OSError:
-            continue  # the thread ended meanwhile
-        total += next(int(line.split()[1]) for line in status.splitlines()
-                      if line.startswith("nonvoluntary_ctxt_switches:"))
-    return total
+    return sum(int(n) for n in thread_status(pid, "nonvoluntary_ctxt_switches").values())
 
 
 class CpuMeter:

@@ -76,15 +76,27 @@ class Service:
             return f.read()
 
 
+def _thread_files(pid: int, name: str) -> dict[int, str]:
+    """/proc/PID/task/TID/NAME of each of a process's threads, by thread id; none once it has gone.
+    A thread that ends while this reads is left out."""
+    texts = {}
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                with open(f"/proc/{pid}/task/{task}/{name}") as f:
+                    texts[int(task)] = f.read()
+    return texts
+
+
 def child_pids(pid: int) -> list[int]:
     """A process's children (for the worker, its engine core); none once it has gone."""
-    children = []
-    with contextlib.suppress(FileNotFoundError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(FileNotFoundError):  # a thread that just ended
-                with open(f"/proc/{pid}/task/{task}/children") as f:
-                    children += [int(child) for child in f.read().split()]
-    return children
+    return [int(child) for text in _thread_files(pid, "children").values() for child in text.split()]
+
+
+def thread_status(pid: int, field: str) -> dict[int, str]:
+    """One field of each thread's /proc status (such as Cpus_allowed_list), by thread id."""
+    return {task: next(line.split()[1] for line in text.splitlines() if line.startswith(field + ":"))
+            for task, text in _thread_files(pid, "status").items()}
 
 
 @dataclass

@@ -1,7 +1,6 @@
 """--engine-cpus: the engine core and every thread in it run on the given CPUs, restarted or not; the front on the others."""
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
@@ -9,17 +8,13 @@ import time
 import grpc
 
 from services.model_worker.cpu_affinity import format_cpu_list
-from tests.integration.stack import Service, child_pids, free_port, wait_serving
+from tests.integration.stack import Service, child_pids, free_port, thread_status, wait_serving
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
 def thread_cpus(pid: int) -> dict[int, str]:
     """Each thread's Cpus_allowed_list, read from /proc."""
-    lists = {}
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{task}/status") as f:
-            lists[int(task)] = next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list:"))
-    return lists
+    return thread_status(pid, "Cpus_allowed_list")
 
 
 def generate(worker: Service) -> None:
