@@ -24,6 +24,7 @@ RUN useradd --create-home --uid 1000 app \
 
 COPY vllm_v0/ vllm_v0/
 COPY rpcserver/ rpcserver/
+COPY checkpoint/ checkpoint/
 COPY services/__init__.py services/__init__.py
 COPY services/tokenizer/ services/tokenizer/
 

@@ -7,7 +7,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from rpcserver.checkpoint_files import eos_token_ids, read_json
+from checkpoint.files import eos_token_ids, read_json
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "yarn")

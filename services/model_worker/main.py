@@ -9,7 +9,7 @@ from prometheus_client import REGISTRY
 
 from rpcserver.config import (SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges,
                               parse_size)
-from rpcserver.model_path import resolve_model
+from checkpoint.path import resolve_model
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
 from services.model_worker import cpu_affinity

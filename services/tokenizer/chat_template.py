@@ -7,7 +7,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from rpcserver.checkpoint_files import special_token_text
+from checkpoint.files import special_token_text
 
 # The named special tokens transformers hands to every template (its `special_tokens_map`).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -6,7 +6,7 @@ from pathlib import Path
 import jinja2
 from tokenizers import Tokenizer
 
-from rpcserver.checkpoint_files import eos_token_ids, read_json
+from checkpoint.files import eos_token_ids, read_json
 from rpcserver.errors import InvalidArgument
 from services.tokenizer.chat_template import ChatTemplate
 

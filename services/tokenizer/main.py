@@ -7,7 +7,7 @@ import logging
 import time
 
 from rpcserver.config import SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges
-from rpcserver.model_path import resolve_model
+from checkpoint.path import resolve_model
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
 from services.tokenizer.core import TokenizerCore

@@ -1,8 +1,8 @@
-"""rpcserver.check_model: the preflight that stops `docker compose up` when MODEL is not a checkpoint."""
+"""checkpoint.check: the preflight that stops `docker compose up` when MODEL is not a checkpoint."""
 import pytest
 
 from demo.vocab import write_tokenizer_files
-from rpcserver.check_model import main, problems
+from checkpoint.check import main, problems
 
 
 @pytest.fixture

@@ -190,11 +190,11 @@ def test_worker_image_has_a_c_compiler_and_defaults_to_the_cuda_12_build():
 def test_model_check_gates_the_services_that_read_the_checkpoint(config):
     services = config["services"]
     check = services["model-check"]
-    assert check["command"][:5] == ["python", "-m", "rpcserver.check_model", "--model", "/models/demo"]
+    assert check["command"][:5] == ["python", "-m", "checkpoint.check", "--model", "/models/demo"]
     assert check["restart"] == "no"
     assert "ports" not in check and "expose" not in check
     assert [(v["source"], v["target"], v.get("read_only")) for v in check["volumes"]] == [("models", "/models", True)]
-    # It runs in the tokenizer image, which has rpcserver/ and no torch.
+    # It runs in the tokenizer image, which has checkpoint/ and no torch.
     assert check["image"] == services["tokenizer"]["image"]
     for name in ("tokenizer", "worker"):
         depends_on = services[name]["depends_on"]["model-check"]

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from rpcserver.model_path import resolve_model
+from checkpoint.path import resolve_model
 from tests.integration.stack import ROOT
 
 
@@ -20,7 +20,7 @@ def test_missing_local_path_is_a_clear_error(tmp_path):
 
 def test_hub_id_offline_says_to_pass_a_local_directory(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", "from rpcserver.model_path import resolve_model; "
+    result = subprocess.run([sys.executable, "-c", "from checkpoint.path import resolve_model; "
                              "resolve_model('Qwen/Qwen3-0.6B')"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode != 0

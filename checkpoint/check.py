@@ -11,7 +11,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
 def is_hub_id(model: str) -> bool:
-    """The same rule as rpcserver.model_path: `owner/name`, not a path."""
+    """The same rule as checkpoint.path: `owner/name`, not a path."""
     return not model.startswith((".", "/", "~")) and model.count("/") == 1 and not pathlib.Path(model).exists()
 
 
@@ -31,7 +31,7 @@ def problems(model: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m rpcserver.check_model", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m checkpoint.check", description=__doc__)
     parser.add_argument("--model", required=True, help="checkpoint directory or hub id, as the services take it")
     parser.add_argument("--hint", default="pass --model a checkpoint directory (config.json, safetensors weights, "
                         "tokenizer files) or a hub id such as Qwen/Qwen3-0.6B",
