@@ -36,10 +36,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.bench_engine import DEFAULT_CHECKPOINT, cpu_name, ensure_checkpoint  # noqa: E402
-from services.model_worker.attention import TorchAttention, default_backend  # noqa: E402
-from services.model_worker.engine import EngineConfig, LLMEngine  # noqa: E402
-from services.model_worker.sampling_params import SamplingParams  # noqa: E402
-from services.model_worker.scheduler import SchedulerLimits  # noqa: E402
+from services.model_worker.config.sampling import SamplingParams  # noqa: E402
+from services.model_worker.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from services.model_worker.engine.scheduler import SchedulerLimits  # noqa: E402
+from services.model_worker.model.layers.attention.metadata import TorchAttention, default_backend  # noqa: E402
 
 TARGETS = {"step_16_vs_1": 1.5}
 

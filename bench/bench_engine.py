@@ -44,8 +44,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from demo.checkpoint import build_demo_checkpoint, qwen3_config  # noqa: E402
-from services.model_worker.engine import EngineConfig, LLMEngine  # noqa: E402
-from services.model_worker.sampling_params import SamplingParams  # noqa: E402
+from services.model_worker.config.sampling import SamplingParams  # noqa: E402
+from services.model_worker.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / ".cache" / "bench-qwen3-0.6b"
 # From the issue: decode speed over transformers', prefill time over transformers', ctx 2048 over ctx 64.

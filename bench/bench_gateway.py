@@ -43,7 +43,7 @@ import grpc  # noqa: E402
 from bench.bench_serving import make_text, word_pool  # noqa: E402
 from bench.cpu_meter import CpuMeter, preemptions  # noqa: E402
 from demo.vocab import write_tokenizer_files  # noqa: E402
-from services.model_worker.cpu_affinity import format_cpu_list, keep_process_off, others, parse_cpu_list  # noqa: E402
+from services.model_worker.host.cpu_affinity import format_cpu_list, keep_process_off, others, parse_cpu_list  # noqa: E402
 from services.tokenizer.core import TokenizerCore  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.integration.stack import child_pids, free_port, make_stack  # noqa: E402

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from bench.bench_engine import Run, cpu_name, ensure_checkpoint, run_ours, run_transformers  # noqa: E402
 from bench.bench_serving import make_text, word_pool  # noqa: E402
-from services.model_worker.engine import EngineConfig, LLMEngine  # noqa: E402
+from services.model_worker.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from services.tokenizer.core import TokenizerCore  # noqa: E402
 from tests.integration.stack import make_stack  # noqa: E402
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402

@@ -42,7 +42,7 @@ trap 'exit 130' INT TERM
 # other CPUs, as the worker's own front does: none of them takes CPU time from the engine's step.
 off_engine=()
 if [ -n "${VLLM_V0_ENGINE_CPUS:-}" ]; then
-  serving_cpus=$("$PY" -m services.model_worker.cpu_affinity --others "$VLLM_V0_ENGINE_CPUS")
+  serving_cpus=$("$PY" -m services.model_worker.host.cpu_affinity --others "$VLLM_V0_ENGINE_CPUS")
   if [ -n "$serving_cpus" ]; then
     off_engine=(taskset -c "$serving_cpus")
     echo "Engine core on CPUs $VLLM_V0_ENGINE_CPUS; tokenizer, gateway and the worker's front on CPUs $serving_cpus."

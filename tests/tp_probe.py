@@ -10,10 +10,11 @@ import sys
 
 import torch
 
-from services.model_worker.engine import EngineConfig, LLMEngine
-from services.model_worker.sampling_params import SamplingParams
-from services.model_worker.scheduler import SchedulerLimits
-from services.model_worker.step_inputs import StepInputs
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.engine import SchedulerLimits
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.engine.llm_engine import LLMEngine
+from services.model_worker.executor.step_inputs import StepInputs
 
 BLOCK_SIZE = 8
 # Small enough that a 40-token prompt is prefilled in three chunks and a batch of three in several steps.

@@ -7,19 +7,19 @@ import logging
 
 from prometheus_client import REGISTRY
 
+from checkpoint.path import resolve_model
 from rpcserver.config import (SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges,
                               parse_size)
-from checkpoint.path import resolve_model
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
-from services.model_worker import cpu_affinity
-from services.model_worker.config import ConfigError
-from services.model_worker.core_process import CoreStartError
-from services.model_worker.engine import EngineConfig
-from services.model_worker.engine_client import EngineClient
-from services.model_worker.metrics import EngineCollector, observe_step
-from services.model_worker.scheduler import SchedulerLimits
-from services.model_worker.servicer import ModelWorkerServicer
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.engine import SchedulerLimits
+from services.model_worker.config.model import ConfigError
+from services.model_worker.core.client import EngineClient
+from services.model_worker.core.process import CoreStartError
+from services.model_worker.host import cpu_affinity
+from services.model_worker.server.metrics import EngineCollector, observe_step
+from services.model_worker.server.servicer import ModelWorkerServicer
 from vllm_v0.worker.v1 import worker_pb2
 
 log = logging.getLogger("model_worker")

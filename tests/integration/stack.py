@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.model_worker.cpu_affinity import inherited_by_children
+from services.model_worker.host.cpu_affinity import inherited_by_children
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from services.model_worker.cpu_affinity import format_cpu_list
+from services.model_worker.host.cpu_affinity import format_cpu_list
 from tests.integration.stack import Service, child_pids, free_port, thread_status, wait_serving
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 

@@ -6,10 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.model_worker import attention
-from services.model_worker.attention import (AttentionMetadata, CpuPagedAttention, TorchAttention,
-                                             TritonPagedAttention, paged_attention)
 from services.model_worker.kernels import build, cpu_attention, triton_attention
+from services.model_worker.model.layers.attention import sdpa as sdpa_backend
+from services.model_worker.model.layers.attention.cpu_paged import CpuPagedAttention
+from services.model_worker.model.layers.attention.dispatch import paged_attention
+from services.model_worker.model.layers.attention.metadata import AttentionMetadata
+from services.model_worker.model.layers.attention.sdpa import TorchAttention
+from services.model_worker.model.layers.attention.triton_paged import TritonPagedAttention
 
 HEAD_DIM = 16
 NUM_BLOCKS = 160
@@ -199,7 +202,7 @@ def test_kernel_calls_per_layer_do_not_grow_with_the_batch(kernel, monkeypatch):
         calls["decode"] += 1
         return decode(*args, **kwargs)
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting_sdpa)
+    monkeypatch.setattr(sdpa_backend.F, "scaled_dot_product_attention", counting_sdpa)
     monkeypatch.setattr(backend, "decode", counting_decode)
     for num_seqs in (1, 16, 64):
         for kinds in (["decode"], ["prompt", "chunk", "decode"]):
@@ -246,9 +249,10 @@ def _transposed_layout(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_non_contiguous_attention_outputs_change_nothing(tmp_path, monkeypatch):
-    from services.model_worker.engine import EngineConfig, LLMEngine
-    from services.model_worker.models import qwen3
-    from services.model_worker.sampling_params import SamplingParams
+    from services.model_worker.config.engine import EngineConfig
+    from services.model_worker.engine.llm_engine import LLMEngine
+    from services.model_worker.model import qwen3
+    from services.model_worker.config.sampling import SamplingParams
     from tests.checkpoints import make_checkpoint
 
     make_checkpoint(tmp_path, num_attention_heads=8, num_key_value_heads=2)  # grouped heads, as in every Qwen3
@@ -259,7 +263,7 @@ def test_non_contiguous_attention_outputs_change_nothing(tmp_path, monkeypatch):
     expected = engine.generate(prompts, params)
 
     sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+    monkeypatch.setattr(sdpa_backend.F, "scaled_dot_product_attention",
                         lambda *a, **k: _transposed_layout(sdpa(*a, **k)))
     layer_attention = qwen3.paged_attention
     monkeypatch.setattr(qwen3, "paged_attention", lambda *a, **k: _transposed_layout(layer_attention(*a, **k)))

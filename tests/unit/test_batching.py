@@ -5,9 +5,10 @@ import random
 
 import pytest
 
-from services.model_worker.engine import EngineConfig, LLMEngine
-from services.model_worker.sampling_params import SamplingParams
-from services.model_worker.scheduler import SchedulerLimits
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.engine import SchedulerLimits
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.engine.llm_engine import LLMEngine
 from tests.checkpoints import make_checkpoint
 
 VOCAB = 512  # tests.checkpoints.TINY

@@ -7,9 +7,9 @@ import random
 import torch
 
 from gateway.block_hash import prompt_block_hashes
-from services.model_worker.block_manager import BlockManager, block_hash
-from services.model_worker.sampling_params import SamplingParams
-from services.model_worker.sequence import Sequence
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.engine.block_manager import BlockManager, block_hash
+from services.model_worker.engine.sequence import Sequence
 
 
 def spec_hashes(ids: list[int], block_size: int) -> list[bytes]:

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from rpcserver.errors import ResourceExhausted
-from services.model_worker import block_manager as block_manager_module
-from services.model_worker.block_manager import BlockManager
-from services.model_worker.sampling_params import SamplingParams
-from services.model_worker.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
-from services.model_worker.sequence import Sequence, SequenceStatus
+from services.model_worker.config.engine import SchedulerLimits
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.engine import block_manager as block_manager_module
+from services.model_worker.engine.block_manager import BlockManager
+from services.model_worker.engine.scheduler import ScheduledBatch, Scheduler
+from services.model_worker.engine.sequence import Sequence, SequenceStatus
 
 CPU = torch.device("cpu")
 

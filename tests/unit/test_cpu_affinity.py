@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from services.model_worker.cpu_affinity import (check_available, current, format_cpu_list, inherited_by_children,
-                                                keep_process_off, parse_cpu_list)
+from services.model_worker.host.cpu_affinity import (check_available, current, format_cpu_list,
+                                                     inherited_by_children, keep_process_off, parse_cpu_list)
 
 
 @pytest.mark.parametrize("text, cpus", [("3", {3}), ("0-3", {0, 1, 2, 3}), ("0,2,4-6", {0, 2, 4, 5, 6}),
@@ -62,7 +62,7 @@ def test_current_names_this_threads_cpus():
 
 KEEP_OFF_CHILD = """
 import json, os, sys, threading
-from services.model_worker.cpu_affinity import keep_process_off
+from services.model_worker.host.cpu_affinity import keep_process_off
 go = threading.Event()
 early = threading.Thread(target=go.wait)
 early.start()
@@ -100,7 +100,7 @@ def test_others_prints_the_cpus_besides_a_list_for_scripts_and_refuses_bad_ones(
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def others(text: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "services.model_worker.cpu_affinity", "--others", text],
+        return subprocess.run([sys.executable, "-m", "services.model_worker.host.cpu_affinity", "--others", text],
                               capture_output=True, text=True, cwd=root)
 
     out = others(str(engine))

@@ -2,13 +2,14 @@
 import pytest
 import torch
 
-from services.model_worker.attention import AttentionMetadata
-from services.model_worker.cuda_graphs import bucket_for, graph_batch_sizes
-from services.model_worker.engine import EngineConfig, LLMEngine
-from services.model_worker.kv_cache import KVCache
-from services.model_worker.model_runner import ModelRunner
-from services.model_worker.sampling_params import SamplingParams
-from services.model_worker.step_inputs import StepInputs
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.engine.llm_engine import LLMEngine
+from services.model_worker.executor.cuda_graphs import bucket_for, graph_batch_sizes
+from services.model_worker.executor.kv_cache import KVCache
+from services.model_worker.executor.model_runner import ModelRunner
+from services.model_worker.executor.step_inputs import StepInputs
+from services.model_worker.model.layers.attention.metadata import AttentionMetadata
 from tests.checkpoints import make_checkpoint
 
 BLOCK = 4

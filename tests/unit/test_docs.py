@@ -23,3 +23,11 @@ def test_readme_grpcurl_examples_use_the_installed_binary_and_up_installs_it():
 def test_up_says_what_it_is_doing_while_installing():
     up = (ROOT / "scripts" / "up.sh").read_text()
     assert up.index("echo \"Installing") < up.index("scripts/install.sh\n")
+
+
+def test_docs_name_only_worker_files_that_exist():
+    """A path into the worker's tree in the docs is one a reader can open (folders move; docs must follow)."""
+    named = re.compile(r"services/model_worker/[\w/]+\.(?:py|c|h)")
+    missing = [f"{doc.name}: {path}" for doc in DOCS for path in named.findall(doc.read_text())
+               if not (ROOT / path).exists()]
+    assert not missing, missing

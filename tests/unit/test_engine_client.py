@@ -9,11 +9,11 @@ import signal
 import pytest
 
 from rpcserver.errors import InvalidArgument, ResourceExhausted, Unavailable
-from services.model_worker import ipc
-from services.model_worker.core_process import CoreProcess, CoreStartError
-from services.model_worker.engine import EngineConfig
-from services.model_worker.engine_client import EngineClient
-from services.model_worker.scheduler import SchedulerLimits
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.engine import SchedulerLimits
+from services.model_worker.core import protocol as ipc
+from services.model_worker.core.client import EngineClient
+from services.model_worker.core.process import CoreProcess, CoreStartError
 from tests.checkpoints import make_checkpoint
 from tests.unit.test_batching import VOCAB, greedy, make_engine, requests
 
@@ -159,7 +159,7 @@ def test_killed_core_fails_open_streams_then_restarts_and_serves(checkpoint, cap
         assert client.process.pid != killed and serving_changes == [True, False, True]
         return await collect(client, "again", [3, 1, 4, 1, 5], greedy(8))
 
-    with caplog.at_level(logging.ERROR, logger="services.model_worker.engine_client"):
+    with caplog.at_level(logging.ERROR, logger="services.model_worker.core.client"):
         tokens = run_client(checkpoint, scenario, on_serving=on_serving)
     assert tokens == make_engine(checkpoint).generate([[3, 1, 4, 1, 5]], greedy(8))[0]
     assert any("was killed by SIGKILL" in r.getMessage() and "3 open streams" in r.getMessage()

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from services.model_worker import ipc
-from services.model_worker.engine_core import EngineCore
+from services.model_worker.core import protocol as ipc
+from services.model_worker.core.engine_core import EngineCore
 from tests.checkpoints import make_checkpoint
 from tests.unit.test_batching import VOCAB, greedy, make_engine
 

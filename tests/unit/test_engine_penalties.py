@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from services.model_worker.engine import EngineConfig, LLMEngine
-from services.model_worker.sampling_params import SamplingParams
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.engine.llm_engine import LLMEngine
 from tests.checkpoints import make_checkpoint
 from tests.penalties import penalised_greedy
 from tests.unit.test_engine_reference import random_prompt

@@ -2,10 +2,11 @@
 import pytest
 import torch
 
-from services.model_worker.attention import AttentionMetadata
-from services.model_worker.engine import EngineConfig, LLMEngine
-from services.model_worker.sampling_params import SamplingParams
-from services.model_worker.sequence import Sequence
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.engine.llm_engine import LLMEngine
+from services.model_worker.engine.sequence import Sequence
+from services.model_worker.model.layers.attention.metadata import AttentionMetadata
 from tests.checkpoints import make_checkpoint
 
 SHAPES = {

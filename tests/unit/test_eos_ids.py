@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from services.model_worker.config import GenerationDefaults
+from services.model_worker.config.model import GenerationDefaults
 from services.tokenizer.core import TokenizerCore
 
 ENDOFTEXT, IM_END = 151643, 151645  # Qwen3's added tokens

@@ -6,11 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.model_worker.attention import AttentionMetadata, CpuPagedAttention, TorchAttention
-from services.model_worker.engine import EngineConfig, LLMEngine
-from services.model_worker.fused_decode import FusedDecode
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.engine.llm_engine import LLMEngine
 from services.model_worker.kernels import build, cpu_attention, cpu_decoder
-from services.model_worker.sampling_params import SamplingParams
+from services.model_worker.model.fused_decode import FusedDecode
+from services.model_worker.model.layers.attention.cpu_paged import CpuPagedAttention
+from services.model_worker.model.layers.attention.metadata import AttentionMetadata
+from services.model_worker.model.layers.attention.sdpa import TorchAttention
 from tests.checkpoints import make_checkpoint
 from tests.unit.test_engine_reference import random_prompt
 

@@ -3,10 +3,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.model_worker import hugepages
-from services.model_worker.config import Qwen3Config
-from services.model_worker.kv_cache import KVCache
-from services.model_worker.loader import load_model
+from services.model_worker.config.model import Qwen3Config
+from services.model_worker.executor.kv_cache import KVCache
+from services.model_worker.host import hugepages
+from services.model_worker.model.loader import load_model
 from tests.checkpoints import make_checkpoint
 
 

@@ -7,11 +7,12 @@ import io
 import pytest
 
 from rpcserver.errors import InvalidArgument, ResourceExhausted, Unavailable
-from services.model_worker import ipc
-from services.model_worker.engine import EngineConfig, StepOutput
-from services.model_worker.sampling_params import SamplingParams
-from services.model_worker.scheduler import SchedulerLimits
-from services.model_worker.sequence import FinishReason
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.engine import SchedulerLimits
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.core import protocol as ipc
+from services.model_worker.engine.llm_engine import StepOutput
+from services.model_worker.engine.sequence import FinishReason
 
 
 def test_frames_round_trip_blocking_and_async():
@@ -43,7 +44,7 @@ def test_a_frame_cut_short_is_refused_by_the_core_reader():
 def test_payloads_round_trip():
     config = EngineConfig(device="cpu", dtype="float32", num_blocks=12, max_model_len=None,
                           limits=SchedulerLimits(3, 64, 5))
-    assert ipc.config_from_dict(ipc.config_to_dict(config)) == config
+    assert EngineConfig.from_dict(config.to_dict()) == config
     params = SamplingParams(temperature=0.7, top_k=5, seed=2**64 - 1, logprobs=2, max_tokens=9,
                             stop_token_ids=(4, 5), ignore_eos=True)
     assert ipc.params_from_dict(ipc.params_to_dict(params)) == params

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from services.model_worker.config import ConfigError
-from services.model_worker.memory import GIB, GpuMemory, plan_kv_cache
+from services.model_worker.config.model import ConfigError
+from services.model_worker.executor.kv_sizing import GIB, GpuMemory, plan_kv_cache
 
 MIB = 1 << 20
 H200 = 141 * GIB
@@ -65,7 +65,8 @@ def test_weights_larger_than_the_share_refuse_instead_of_a_negative_cache():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_profiling_on_the_gpu_measures_a_peak_and_sizes_a_cache(tmp_path):
-    from services.model_worker.engine import EngineConfig, LLMEngine
+    from services.model_worker.config.engine import EngineConfig
+    from services.model_worker.engine.llm_engine import LLMEngine
     from tests.checkpoints import make_checkpoint
     make_checkpoint(tmp_path)
     engine = LLMEngine(tmp_path, EngineConfig(device="cuda", dtype="float32", gpu_memory_utilization=0.3,
@@ -77,9 +78,10 @@ def test_profiling_on_the_gpu_measures_a_peak_and_sizes_a_cache(tmp_path):
 
 def test_profiling_runs_the_largest_step_and_reports_what_it_measured(tmp_path, monkeypatch):
     """The profiling pass on CPU, with torch.cuda's memory readings faked: what it runs and returns."""
-    from services.model_worker import profile
-    from services.model_worker.engine import EngineConfig, LLMEngine
-    from services.model_worker.scheduler import SchedulerLimits
+    from services.model_worker.executor import kv_sizing as profile
+    from services.model_worker.config.engine import EngineConfig
+    from services.model_worker.engine.llm_engine import LLMEngine
+    from services.model_worker.config.engine import SchedulerLimits
     from tests.checkpoints import make_checkpoint
     make_checkpoint(tmp_path)
     engine = LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="float32", num_blocks=8, block_size=16))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.model_worker.load_feed import LoadFeed
+from services.model_worker.core.kv_events import LoadFeed
 
 IDLE = {"running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_free": 10, "prefix_cache_hit_rate": 0.0}
 

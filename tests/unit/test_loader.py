@@ -5,8 +5,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.model_worker.config import ConfigError, GenerationDefaults, Qwen3Config
-from services.model_worker.loader import LoadError, load_model, resolve_dtype
+from services.model_worker.config.model import ConfigError, GenerationDefaults, Qwen3Config
+from services.model_worker.model.loader import LoadError, load_model, resolve_dtype
 from tests.checkpoints import make_checkpoint
 
 

@@ -6,9 +6,9 @@ import asyncio
 import grpc
 
 from rpcserver.errors import InvalidArgument, Unavailable
-from services.model_worker.engine import StepOutput
-from services.model_worker.multiplex import MultiplexedCall
-from services.model_worker.sequence import FinishReason
+from services.model_worker.engine.llm_engine import StepOutput
+from services.model_worker.engine.sequence import FinishReason
+from services.model_worker.server.multiplex import MultiplexedCall
 from vllm_v0.worker.v1 import worker_pb2
 
 WAIT_S = 5.0  # bounded waits on conditions, never a measure of speed

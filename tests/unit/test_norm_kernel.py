@@ -2,9 +2,10 @@
 import pytest
 import torch
 
-from services.model_worker.engine import EngineConfig, LLMEngine
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.engine.llm_engine import LLMEngine
 from services.model_worker.kernels import cpu_norm
-from services.model_worker.models.qwen3 import RMSNorm, rms_norm
+from services.model_worker.model.layers.norm import RMSNorm, rms_norm
 from tests.checkpoints import make_checkpoint
 
 
@@ -63,8 +64,8 @@ def test_engine_points_every_norm_at_the_kernel_on_cpu(tmp_path):
 
 def rope_case(dtype):
     """q and k heads cut from a fused projection, their norm weights, and the rotary tables at scattered positions."""
-    from services.model_worker.config import Qwen3Config
-    from services.model_worker.models.qwen3 import RotaryEmbedding
+    from services.model_worker.config.model import Qwen3Config
+    from services.model_worker.model.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(1)
     tokens, heads, kv_heads, dim = 6, 4, 2, 32
@@ -81,7 +82,8 @@ def rope_case(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_norm_and_rotary_equal_the_torch_ops(library, dtype):
-    from services.model_worker.models.qwen3 import apply_rotary, norm_and_rotate
+    from services.model_worker.model.layers.norm import norm_and_rotate
+    from services.model_worker.model.layers.rotary import apply_rotary
 
     x, weight, rope = rope_case(dtype)
     assert cpu_norm.supports_rope(x, weight, rope)

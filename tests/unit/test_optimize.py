@@ -1,11 +1,13 @@
-"""Weights packed for oneDNN give the plain nn.Linear model's logits and greedy tokens, in float32 and bfloat16."""
+"""Weights packed for oneDNN give the plain model's logits and greedy tokens, in float32 and bfloat16."""
 import pytest
 import torch
 from torch import nn
 
-from services.model_worker.engine import EngineConfig, LLMEngine
-from services.model_worker.optimize import PackedLinear, pack_linears, packing_supported
-from services.model_worker.sampling_params import SamplingParams
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.engine.llm_engine import LLMEngine
+from services.model_worker.model.layers.linear import (LinearBase, LinearMethod, PackedLinearMethod, PlainLinearMethod,
+                                                       ReplicatedLinear, packing_supported, use_linear_method)
 from tests.checkpoints import make_checkpoint
 from tests.unit.test_engine_reference import forward, random_prompt
 
@@ -14,6 +16,15 @@ DTYPES = [pytest.param(d, marks=pytest.mark.skipif(not packing_supported(CPU, d)
           for d in (torch.float32, torch.bfloat16)]
 # bf16 packed matmuls are bit-identical on the machines measured; allow for a different kernel elsewhere.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def as_layer(linear: nn.Linear, method: LinearMethod) -> ReplicatedLinear:
+    """Our linear layer holding nn.Linear's very weight and bias, processed by `method`."""
+    layer = ReplicatedLinear(linear.in_features, linear.out_features, linear.bias is not None).to(linear.weight.dtype)
+    layer.weight, layer.bias = linear.weight, linear.bias
+    layer.method = method
+    method.process_weights_after_loading(layer)
+    return layer
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +43,17 @@ def engines(checkpoint, dtype: torch.dtype) -> tuple[LLMEngine, LLMEngine]:
 
 def test_every_linear_is_swapped(checkpoint):
     plain, packed = engines(checkpoint, torch.float32)
-    linears = [n for n, m in plain.model.named_modules() if isinstance(m, nn.Linear)]
+    linears = [n for n, m in plain.model.named_modules() if isinstance(m, LinearBase)]
     assert len(linears) == 2 * plain.config.num_hidden_layers * 2 + 1
-    assert not any(isinstance(m, nn.Linear) for m in packed.model.modules())
-    assert sorted(n for n, m in packed.model.named_modules() if isinstance(m, PackedLinear)) == sorted(linears)
+    assert all(isinstance(m.method, PlainLinearMethod) for m in plain.model.modules() if isinstance(m, LinearBase))
+    assert not any(isinstance(getattr(m, "method", None), PlainLinearMethod) for m in packed.model.modules())
+    assert sorted(n for n, m in packed.model.named_modules()
+                  if isinstance(getattr(m, "method", None), PackedLinearMethod)) == sorted(linears)
 
 
 def test_packing_is_on_by_default_on_cpu(checkpoint):
     engine = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="float32", num_blocks=16, block_size=8))
-    assert isinstance(engine.model.lm_head, PackedLinear)
+    assert isinstance(engine.model.lm_head.method, PackedLinearMethod)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 200])
@@ -50,7 +63,7 @@ def test_packed_linear_matches_linear_for_any_row_count(dtype, rows):
     linear = nn.Linear(96, 80, bias=True).to(dtype)
     x = torch.randn(rows, 96, dtype=dtype)
     expected = linear(x)
-    out = PackedLinear(linear)(x)
+    out = as_layer(linear, PackedLinearMethod())(x)
     assert out.dtype == dtype and out.shape == expected.shape
     assert (out.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype]
 
@@ -81,6 +94,6 @@ def test_packed_model_generates_the_same_tokens(checkpoint, dtype):
 
 def test_pack_linears_can_leave_the_head_alone(checkpoint):
     plain, _ = engines(checkpoint, torch.float32)
-    swapped = pack_linears(plain.model, include_lm_head=False)
+    swapped = use_linear_method(plain.model, PackedLinearMethod(), include_lm_head=False)
     assert swapped == 2 * plain.config.num_hidden_layers * 2
-    assert isinstance(plain.model.lm_head, nn.Linear)
+    assert isinstance(plain.model.lm_head.method, PlainLinearMethod)

@@ -12,8 +12,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from services.model_worker.sampler import Sampler, _scale, _truncate, apply_penalties
-from services.model_worker.sampling_params import SamplingParams
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.executor.sampler import Sampler, _scale, _truncate, apply_penalties
 
 NO_IDS = torch.empty(0, dtype=torch.long)
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from rpcserver.errors import InvalidArgument
-from services.model_worker.sampling_params import SamplingParams
+from services.model_worker.config.sampling import SamplingParams
 
 QWEN3_GENERATION_CONFIG = {
     "bos_token_id": 151643,

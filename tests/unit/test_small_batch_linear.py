@@ -4,12 +4,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.model_worker.engine import EngineConfig, LLMEngine
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.engine.llm_engine import LLMEngine
 from services.model_worker.kernels import build, cpu_linear
-from services.model_worker.optimize import PackedLinear, SmallBatchLinear, use_small_batch_kernel
-from services.model_worker.sampling_params import SamplingParams
+from services.model_worker.model.layers.linear import (PackedLinearMethod, ReplicatedLinear, SmallBatchLinearMethod,
+                                                       use_linear_method)
 from tests.checkpoints import make_checkpoint
 from tests.unit.test_engine_reference import forward, random_prompt
+from tests.unit.test_optimize import as_layer
 
 HAS_BF16_DOT = "avx512_bf16" in build.cpu_features()
 needs_kernel = pytest.mark.skipif(not HAS_BF16_DOT, reason="the CPU has no AVX512-BF16")
@@ -57,7 +60,7 @@ def test_kernel_matches_float64(library, rows, out_features, in_features):
 def test_module_routes_few_rows_to_the_kernel_and_many_to_oneDNN(library):
     torch.manual_seed(0)
     linear = nn.Linear(64, 48, bias=True).bfloat16()
-    module = SmallBatchLinear(linear, library)
+    module = as_layer(linear, SmallBatchLinearMethod(library))
     many = torch.randn(2, 3, 64).bfloat16()  # 6 rows: over MAX_ROWS, plain F.linear bit for bit
     assert torch.equal(module(many), F.linear(many, linear.weight, linear.bias))
     few = torch.randn(3, 64).bfloat16()
@@ -68,10 +71,11 @@ def test_module_routes_few_rows_to_the_kernel_and_many_to_oneDNN(library):
 
 @needs_kernel
 def test_only_weights_the_kernel_takes_are_swapped(library):
-    model = nn.Sequential(nn.Linear(64, 8), nn.Linear(8, 64), nn.Linear(64, 64)).bfloat16()
+    model = nn.Sequential(ReplicatedLinear(64, 8), ReplicatedLinear(8, 64), ReplicatedLinear(64, 64)).bfloat16()
     model[2].float()
-    assert use_small_batch_kernel(model, library) == 1  # 8 inputs: not a multiple of 32; float32: not bf16
-    assert isinstance(model[0], SmallBatchLinear) and isinstance(model[1], nn.Linear)
+    assert use_linear_method(model, SmallBatchLinearMethod(library)) == 3
+    # 8 inputs: not a multiple of 32; float32: not bf16. Those two run F.linear.
+    assert [m.kernel is not None for m in model] == [True, False, False]
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +93,12 @@ def make_engine(checkpoint, kernel: bool) -> LLMEngine:
 @needs_kernel
 def test_engine_uses_the_kernel_by_default_for_bf16_and_packs_otherwise(checkpoint):
     default = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=16, block_size=8))
-    assert isinstance(default.model.lm_head, SmallBatchLinear)
+    assert isinstance(default.model.lm_head.method, SmallBatchLinearMethod)
     off = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=16, block_size=8,
                                           small_batch_kernel=False))
-    assert isinstance(off.model.lm_head, PackedLinear)
+    assert isinstance(off.model.lm_head.method, PackedLinearMethod)
     fp32 = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="float32", num_blocks=16, block_size=8))
-    assert not any(isinstance(m, SmallBatchLinear) for m in fp32.model.modules())
+    assert not any(isinstance(getattr(m, "method", None), SmallBatchLinearMethod) for m in fp32.model.modules())
 
 
 @needs_kernel
@@ -150,7 +154,7 @@ def test_amx_kernel_matches_float64(amx, rows, out_features, in_features):
 def test_decode_batches_and_short_prefills_go_to_amx_and_long_prefills_to_oneDNN(library, amx, monkeypatch):
     torch.manual_seed(0)
     linear = nn.Linear(64, 96, bias=True).bfloat16()
-    module = SmallBatchLinear(linear, library, amx)
+    module = as_layer(linear, SmallBatchLinearMethod(library, amx))
     calls = []
     for name in ("amx_linear", "small_batch_linear"):
         kernel = getattr(cpu_linear, name)
@@ -164,4 +168,4 @@ def test_decode_batches_and_short_prefills_go_to_amx_and_long_prefills_to_oneDNN
         assert calls == ([path] if path else [])
         reference = x.double() @ linear.weight.double().T + linear.bias.double()
         assert (out.double() - reference).abs().max().item() <= rounding_bound(reference) * 2
-    assert SmallBatchLinear(nn.Linear(64, 48).bfloat16(), library, amx).amx is None  # 48 outputs: not whole tiles
+    assert as_layer(nn.Linear(64, 48).bfloat16(), SmallBatchLinearMethod(library, amx)).amx is None  # 48 outputs: not whole tiles

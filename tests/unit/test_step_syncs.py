@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from services.model_worker.engine import EngineConfig, LLMEngine
-from services.model_worker.sampling_params import SamplingParams
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.engine.llm_engine import LLMEngine
 from tests.checkpoints import make_checkpoint
 
 READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero"}
@@ -30,7 +31,7 @@ class DeviceReads(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in READS:
             frames = traceback.extract_stack()[:-1]
-            if not any(f.name in HOST_SIDE and f.filename.endswith(("step_inputs.py", "attention.py"))
+            if not any(f.name in HOST_SIDE and f.filename.endswith(("step_inputs.py", "metadata.py"))
                        for f in frames):
                 self.reads.append((name, frames[-1].filename.rsplit("/", 1)[-1], frames[-1].lineno))
         return func(*args, **(kwargs or {}))

@@ -8,10 +8,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from services.model_worker.config import ConfigError, Qwen3Config
-from services.model_worker.engine import EngineConfig, LLMEngine
-from services.model_worker.loader import load_model
-from services.model_worker.parallel import TensorParallel, check_divisible
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.model import ConfigError, Qwen3Config
+from services.model_worker.distributed.parallel import TensorParallel, check_divisible
+from services.model_worker.engine.llm_engine import LLMEngine
+from services.model_worker.model.loader import load_model
 from tests.checkpoints import make_checkpoint
 from tests.tp_probe import probe, prompt
 
@@ -100,3 +101,4 @@ def test_sizes_that_do_not_divide_are_refused_naming_the_numbers(tmp_path):
     with pytest.raises(ConfigError, match=r"size 3 must divide num_attention_heads \(4\)"):
         LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="float32", num_blocks=8, tensor_parallel_size=3))
     check_divisible(config, 2)
+

@@ -1,0 +1,81 @@
+"""The engine's settings, from the worker's flags: device, KV cache, CPU kernels, parallelism and scheduler limits."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerLimits:
+    max_num_seqs: int = 64              # sequences in one step
+    max_num_batched_tokens: int = 2048  # tokens in one step: bounds how long a prefill chunk stalls decoding
+    max_waiting: int = 256              # queued requests before new ones are refused
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        # Otherwise a step could not give every running sequence its token.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs})")
+
+
+
+@dataclass
+class EngineConfig:
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    # KV cache size: an explicit block count, else bytes on CPU, else a fraction of free GPU memory.
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 2 << 30
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    # Weights pre-packed for oneDNN at load time (same numerics, faster CPU matmuls), the vocab
+    # projection included. None: on for CPU, off elsewhere; False gives tests the plain model.
+    pack_weights: bool | None = None
+    # bf16 on CPU: the matmuls of decode steps (up to 32 rows) in C kernels that stream the weights
+    # near memory speed: AVX512-BF16 dot products for 1-2 rows (up to 4 without AMX), AMX tiles for
+    # 3-32 where the CPU has AMX; the weights stay unpacked. Where it is used, packing is not. None: on where it
+    # builds (a CPU with AVX512-BF16 and a C compiler).
+    small_batch_kernel: bool | None = None
+    # RMSNorm in a C kernel on CPU (same arithmetic, one call instead of about ten ops). None: where it builds.
+    norm_kernel: bool | None = None
+    # bf16 on CPU with both kernels above: every layer of a decode step in one C call
+    # (fused_decode.py), the same arithmetic bit for bit. None: where it builds; False: layer by layer.
+    fused_decode: bool | None = None
+    # CPU: the weights and the KV cache on memory advised for 2 MiB pages (hugepages.py).
+    huge_pages: bool = True
+    # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
+    enforce_eager: bool = False
+    # Ranks (processes, one device each) the model is split across; rank 0 is the engine itself.
+    tensor_parallel_size: int = 1
+    limits: SchedulerLimits = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.limits is None:
+            self.limits = SchedulerLimits()
+        # Checked here, at start, with the flag's name: a bad value would otherwise surface later as a
+        # division by zero, an empty cache or a cache larger than the machine.
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+    def to_dict(self) -> dict:
+        """As JSON-ready data: how the config crosses to the engine core and to tensor-parallel ranks."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> EngineConfig:
+        return cls(**{**raw, "limits": SchedulerLimits(**raw["limits"])})

@@ -1,0 +1,299 @@
+"""The worker's side of the engine core: streams each request's tokens to asyncio callers, restarts a dead core."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
+
+from rpcserver.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.model import GenerationDefaults, Qwen3Config
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.core import protocol
+from services.model_worker.core.kv_events import LoadFeed
+from services.model_worker.core.process import CoreProcess, CoreStartError, describe_exit
+from services.model_worker.distributed.parallel import check_divisible
+from services.model_worker.engine.llm_engine import StepOutput
+
+log = logging.getLogger(__name__)
+
+# What stats read before any core has reported, and after one died: nothing running, nothing cached.
+EMPTY_STATS = {"running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_free": 0, "prefix_cache_hit_rate": 0.0,
+               "preemptions": 0, "prefix_queries": 0, "prefix_hits": 0, "adds_applied": 0, "steps": 0}
+
+
+class Sink(Protocol):
+    """Where a request's outputs go: each StepOutput, then its end (the one with finish_reason, or an exception).
+
+    Called on the event loop while a step's frame is dispatched, so it must not block; an
+    asyncio.Queue is one, and a multiplexed call gathers all its requests' outputs in another.
+    """
+
+    def put_nowait(self, item: StepOutput | BaseException) -> None: ...
+
+
+class EngineClient:
+    """Runs the model in an engine-core process and fans its per-step outputs out to per-request sinks.
+
+    Lives on the worker's event loop and never computes: requests go to the core as add and abort
+    commands, and each step comes back as one frame. If the core dies, every open stream fails with
+    Unavailable, `on_serving(False)` is called, and a new core is started after a back-off
+    (`on_serving(True)` once it is ready).
+    """
+
+    def __init__(self, checkpoint: str | os.PathLike, config: EngineConfig, *, log_level: str = "info",
+                 stats_interval_s: float = 10.0, on_serving: Callable[[bool], Awaitable[None]] | None = None,
+                 on_step: Callable[[float, int], None] | None = None,
+                 restart_delay_s: tuple[float, float] = (1.0, 30.0), engine_cpus: frozenset[int] | None = None):
+        self.checkpoint = checkpoint
+        self.engine_cpus = engine_cpus  # the CPUs every core process runs on; None: the worker's own
+        self.config = config
+        # Cheap to read here, so requests are validated without a trip to the core.
+        self.model_config = Qwen3Config.from_json(checkpoint)
+        self.generation = GenerationDefaults.from_dir(checkpoint)
+        check_divisible(self.model_config, config.tensor_parallel_size)  # refuse before starting any process
+        self.log_level = log_level
+        self.stats_interval_s = stats_interval_s
+        self.on_serving = on_serving
+        self.on_step = on_step  # each step's seconds and tokens sampled, e.g. for metrics
+        self.restart_delay_s = restart_delay_s  # first and longest wait before restarting a dead core
+        self.info: dict | None = None  # the model facts the last ready core reported
+        self.stats: dict = dict(EMPTY_STATS)  # the core's latest snapshot, replaced whole on every frame
+        self.load_feed = LoadFeed()  # load and cached block hashes, for WatchLoad
+        # Tokens computed for requests whose caller had already gone: the price of aborting only
+        # at step boundaries, which should stay at a step or two per cancelled stream.
+        self.tokens_after_cancel = 0
+        self.process: CoreProcess | None = None  # the latest core started, ready or not
+        self._core: CoreProcess | None = None    # the core serving requests; None while loading or restarting
+        self._down_reason = "the model is still loading; retry shortly"
+        # Requests cross the socket under ids unique for this client's life, so a late output of a
+        # cancelled stream never reaches a new stream that reuses its request id.
+        self._ids = itertools.count()
+        self._streams: dict[str, tuple[str, Sink]] = {}  # core id -> (request id, outputs); open requests only
+        self._request_ids: set[str] = set()
+        self._adds_sent = 0  # to this core; with its adds_applied, the adds still on their way
+        self._supervisor: asyncio.Task | None = None
+        # Set when the core is gone for good (tensor parallelism): the worker should exit, non-zero.
+        self.failed = asyncio.Event()
+        self.failure = ""
+        self._closing = False
+        self._draining = False
+
+    @property
+    def serving(self) -> bool:
+        return self._core is not None
+
+    async def start(self) -> dict:
+        """Start the first core and wait until it is ready; raises CoreStartError if it cannot load the model."""
+        core, ready = await self._spawn()
+        await self._became_ready(core, ready)
+        self._supervisor = asyncio.create_task(self._supervise(core), name="engine-core-supervisor")
+        return ready["info"]
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Stop the core (a shutdown command, then a kill after `timeout` seconds); fail what is still open."""
+        if self._closing:
+            return
+        self._closing = True
+        self._down_reason = "the worker is shutting down"
+        core, self._core = self._core, None
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
+        process = self.process
+        if process is not None and process.popen.poll() is None:
+            returncode = await (process.stop(timeout) if process is core else process.kill())
+            log.info("engine core (pid %d) %s", process.pid, describe_exit(returncode))
+        self._fail_streams(self._down_reason)
+        self.load_feed.close()
+
+    async def drain(self) -> None:
+        """The worker is stopping: refuse new requests (callers retry elsewhere), let open ones finish."""
+        self._draining = True
+        await self.load_feed.aclose()
+
+    def make_params(self, overrides: dict) -> SamplingParams:
+        """Sampling parameters from a request's set fields, defaults from generation_config.json."""
+        params = SamplingParams.resolve(overrides, self.generation.sampling)
+        params.validate(self.model_config.vocab_size)
+        return params
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[StepOutput]:
+        """Yield one StepOutput per step for this request; the last has finish_reason set.
+
+        Leaving the iteration early (the caller cancelled) aborts the sequence.
+        """
+        out: asyncio.Queue = asyncio.Queue()
+        core_id = self.submit(request_id, prompt_ids, params, out)
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self.abort(core_id)
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> str:
+        """Queue a request on the core; its outputs and its end go to `sink`. Returns the id abort() takes.
+
+        Raises Unavailable (no core, or draining), InvalidArgument (a request id already generating)
+        or ResourceExhausted (the waiting queue is full) at once, before anything reaches the core.
+        """
+        core = self._core
+        if core is None:
+            raise Unavailable(self._down_reason)
+        if self._draining:
+            raise Unavailable("the worker is shutting down; retry on another worker")
+        if request_id in self._request_ids:
+            raise InvalidArgument(f"request id {request_id!r} is already generating; use a unique id")
+        limit = self.config.limits.max_waiting
+        # Refuse at once rather than after a trip through the core: count the adds it has not applied yet.
+        if self.stats["waiting"] + self._adds_sent - self.stats["adds_applied"] >= limit:
+            raise ResourceExhausted(f"the worker's queue is full ({limit} requests waiting); retry later")
+        core_id = str(next(self._ids))
+        self._streams[core_id] = (request_id, sink)
+        self._request_ids.add(request_id)
+        self._adds_sent += 1
+        core.send({"type": "add", "id": core_id, "prompt": list(prompt_ids), "params": protocol.params_to_dict(params)})
+        return core_id
+
+    def abort(self, core_id: str) -> None:
+        """Drop a request that has not ended (a no-op once it has): the core frees it at its next step boundary."""
+        if self._end(core_id) and self._core is not None:
+            self._core.send({"type": "abort", "id": core_id})
+
+    def _end(self, core_id: str) -> bool:
+        """Forget an open request; False if it had already ended."""
+        stream = self._streams.pop(core_id, None)
+        if stream is None:
+            return False
+        self._request_ids.discard(stream[0])
+        return True
+
+    # -- the core's life -----------------------------------------------------------------------------
+
+    async def _spawn(self) -> tuple[CoreProcess, dict]:
+        self.process = core = await CoreProcess.spawn(self.checkpoint, self.config, self.log_level,
+                                                      self.stats_interval_s, cpus=self.engine_cpus)
+        log.info("engine core started (pid %d); loading the model", core.pid)
+        try:
+            return core, await core.wait_ready()
+        except BaseException:
+            if core.popen.poll() is None:  # cancelled while loading: the worker is stopping
+                core.popen.kill()
+                core.popen.wait()
+            raise
+
+    async def _became_ready(self, core: CoreProcess, ready: dict) -> None:
+        self.info, self.stats, self._adds_sent = ready["info"], ready["stats"], 0
+        self.load_feed.reset(self.stats)
+        self._core = core
+        log.info("engine core ready (pid %d)", core.pid)
+        await self._notify(True)
+
+    async def _supervise(self, core: CoreProcess) -> None:
+        """Pump the core's frames; when it dies, fail its streams and start another, backing off on failures."""
+        first_delay, max_delay = self.restart_delay_s
+        try:
+            while True:
+                await self._pump(core)
+                why = await self._went_down(core)
+                if self.config.tensor_parallel_size > 1:
+                    # A lost rank usually means a lost device, which a restart on the same devices
+                    # will not cure: stop, and let whatever runs the worker decide.
+                    log.error("%s; a tensor-parallel worker does not restart its ranks: the worker stops", why)
+                    self._down_reason = f"{why}; the worker is stopping"
+                    self.failure = why
+                    self.failed.set()
+                    return
+                delay = first_delay
+                while True:
+                    log.error("%s; restarting it in %.0f s", why, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, max_delay)
+                    try:
+                        core, ready = await self._spawn()
+                        break
+                    except (CoreStartError, OSError) as e:  # OSError: could not even start the process
+                        why = f"the engine core failed to start: {e}"
+                await self._became_ready(core, ready)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - say so; requests keep getting Unavailable
+            log.exception("the engine core supervisor failed; the worker cannot serve until it is restarted")
+            self._core = None
+            self._down_reason = "the worker's engine core supervisor failed; restart the worker"
+            await self._notify(False)
+
+    async def _pump(self, core: CoreProcess) -> None:
+        """Dispatch the core's frames until its socket closes (or it sends one this client cannot read)."""
+        while (message := await core.read()) is not None:
+            try:
+                self._dispatch(message)
+            except Exception:  # noqa: BLE001 - a core that says nonsense is as good as dead
+                log.exception("unreadable frame from the engine core (pid %d); killing it", core.pid)
+                await core.kill()
+                return
+
+    def _dispatch(self, message: dict) -> None:
+        if message["type"] != "update":
+            raise protocol.ProtocolError(f"unexpected {message['type']!r} frame")
+        outputs = [protocol.output_from_list(raw) for raw in message["outputs"]]
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                self.tokens_after_cancel += 1
+                continue
+            if output.finish_reason is not None:
+                self._end(output.request_id)
+            output.request_id = stream[0]
+            stream[1].put_nowait(output)
+        for raw in message["errors"]:
+            core_id, error = protocol.error_from_list(raw)
+            stream = self._streams.get(core_id)
+            if stream is not None:
+                self._end(core_id)
+                stream[1].put_nowait(error)
+        self.stats = message["stats"]
+        self.load_feed.update(self.stats, [bytes.fromhex(h) for h in message.get("kv_stored", ())],
+                              [bytes.fromhex(h) for h in message.get("kv_evicted", ())])
+        if message["step_seconds"] is not None and self.on_step is not None:
+            self.on_step(message["step_seconds"], len(outputs))
+
+    async def _went_down(self, core: CoreProcess) -> str:
+        """Stop serving, fail every open stream, and return why."""
+        self._core = None
+        self._down_reason = "the engine core is down; the worker is restarting it, retry shortly"
+        core.close_socket()
+        returncode = await core.wait_exit(timeout=5)
+        if returncode is None:  # its socket closed but it runs on: it cannot serve, so end it
+            returncode = await core.kill()
+        why = f"the engine core (pid {core.pid}) {describe_exit(returncode)}"
+        self._down_reason = f"{why}; the worker is restarting it, retry shortly"
+        self.stats = dict(EMPTY_STATS)
+        self.load_feed.reset(self.stats)
+        failed = self._fail_streams(f"{why} while generating; retry the request")
+        if failed:
+            log.error("%s: failed %d open streams", why, failed)
+        await self._notify(False)
+        return why
+
+    def _fail_streams(self, message: str) -> int:
+        streams = list(self._streams.values())
+        self._streams.clear()
+        self._request_ids.clear()
+        for _, out in streams:
+            out.put_nowait(Unavailable(message))
+        return len(streams)
+
+    async def _notify(self, serving: bool) -> None:
+        if self.on_serving is not None and not self._closing:
+            await self.on_serving(serving)
+

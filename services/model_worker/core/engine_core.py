@@ -1,0 +1,222 @@
+"""python -m services.model_worker.core.engine_core: the process whose main thread loads the model and runs the step loop.
+
+The worker starts it with one end of a socket pair; everything it learns and says crosses that
+socket as frames (see protocol.py). Stepping on this process's main thread, with nothing else computing
+here, keeps torch to one OpenMP team, which decodes faster than stepping on a side thread.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from rpcserver.errors import ServiceError, Unavailable
+from rpcserver.server import setup_logging
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.model import ConfigError
+from services.model_worker.core import protocol
+from services.model_worker.core.stats_log import StatsLog
+from services.model_worker.engine.llm_engine import LLMEngine, StepOutput
+from services.model_worker.host import cpu_affinity
+from services.model_worker.model.loader import LoadError
+
+log = logging.getLogger("engine_core")
+
+
+class EngineCore:
+    """Owns the engine; commands come in from a queue and one update frame goes out per step.
+
+    Commands are applied between steps, so a sequence joins or leaves at any step boundary.
+    """
+
+    def __init__(self, engine: LLMEngine, send: Callable[[dict], None], stats_interval_s: float = 10.0):
+        self.engine = engine
+        self.send = send
+        self.stats_log = StatsLog(engine, stats_interval_s)
+        self.live: set[str] = set()  # requests added and neither finished nor aborted
+        self.adds_applied = 0  # lets the worker count adds still in flight, for its exact queue limit
+        self.steps = 0
+        self.errors: list[list] = []  # for the next update frame
+
+    def run(self, commands: queue.SimpleQueue) -> None:
+        """Until a shutdown command or the end of the socket (None in the queue)."""
+        while True:
+            batch = self._take(commands)
+            for command in batch:
+                if isinstance(command, BaseException):
+                    raise command  # the reader thread failed
+                if command is None or command["type"] == "shutdown":
+                    return
+                self._apply(command)
+            if self.engine.has_work():
+                self._step()
+            elif batch:
+                self._send_update([], None)  # e.g. aborts that emptied the engine: the worker's stats must say so
+
+    def stats(self) -> dict:
+        blocks = self.engine.block_manager
+        return {**self.engine.stats(), "prefix_queries": blocks.prefix_queries, "prefix_hits": blocks.prefix_hits,
+                "adds_applied": self.adds_applied, "steps": self.steps}
+
+    def _take(self, commands: queue.SimpleQueue) -> list:
+        """Every command waiting; when there is nothing to step, block until one comes."""
+        batch = []
+        if not self.engine.has_work():
+            self.stats_log.maybe_log()  # the tail of a busy spell
+            try:
+                batch.append(commands.get(timeout=self.stats_log.seconds_until_due()))
+            except queue.Empty:
+                return batch
+        while True:
+            try:
+                batch.append(commands.get_nowait())
+            except queue.Empty:
+                return batch
+
+    def _apply(self, command: dict) -> None:
+        kind = command["type"]
+        if kind == "add":
+            request_id = command["id"]
+            self.adds_applied += 1
+            try:
+                self.engine.add_request(request_id, command["prompt"], protocol.params_from_dict(command["params"]))
+            except ServiceError as e:
+                self.errors.append(protocol.error_to_list(request_id, e))
+            else:
+                self.live.add(request_id)
+        elif kind == "abort":
+            self.engine.abort(command["id"])
+            self.live.discard(command["id"])
+        else:
+            raise protocol.ProtocolError(f"unknown command {kind!r}")
+
+    def _step(self) -> None:
+        self.stats_log.step_started()
+        start = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the live requests, keep the core up
+            log.exception("engine step failed; failing the running requests")
+            error = Unavailable(f"the engine failed: {type(e).__name__}: {e}")
+            for request_id in sorted(self.live):
+                self.engine.abort(request_id)
+                self.errors.append(protocol.error_to_list(request_id, error))
+            self.live.clear()
+            self._send_update([], None)
+            return
+        seconds = time.perf_counter() - start
+        self.steps += 1
+        for output in outputs:
+            if output.finish_reason is not None:
+                self.live.discard(output.request_id)
+        self._send_update(outputs, seconds)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: %d tokens in %.1f ms", self.steps, len(outputs), seconds * 1e3)
+        self.stats_log.step_done(len(outputs))
+
+    def _send_update(self, outputs: list[StepOutput], seconds: float | None) -> None:
+        stored, evicted = self.engine.block_manager.take_events()
+        self.send({"type": "update", "outputs": [protocol.output_to_list(o) for o in outputs], "errors": self.errors,
+                   "step_seconds": seconds, "stats": self.stats(), "kv_stored": [h.hex() for h in stored],
+                   "kv_evicted": [h.hex() for h in evicted]})
+        self.errors = []
+
+
+def read_commands(sock: socket.socket, commands: queue.SimpleQueue, loading: threading.Event) -> None:
+    """The reader thread: frames into the queue, so the worker's writes never wait on a busy step."""
+    try:
+        with sock.makefile("rb") as stream:
+            while (message := protocol.read_blocking(stream)) is not None:
+                commands.put(message)
+    except ConnectionError:
+        pass  # the worker is gone, as at end of file
+    except Exception as e:  # noqa: BLE001 - the main thread raises it, and exits
+        commands.put(e)
+        return
+    if loading.is_set():
+        log.info("the worker is gone; stopping before the model has loaded")
+        os._exit(0)  # the main thread is inside the load and would finish it for nobody
+    commands.put(None)
+
+
+def ready_info(engine: LLMEngine) -> dict:
+    """What the worker's GetInfo reports about the model, besides live stats."""
+    return {"dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
+            "max_model_len": engine.max_model_len, "vocab_size": engine.config.vocab_size,
+            "eos_token_ids": sorted(engine.eos_ids), "block_size": engine.kv_cache.block_size,
+            "is_demo_checkpoint": engine.is_demo_checkpoint,
+            "tensor_parallel_size": engine.engine_config.tensor_parallel_size,
+            "cpus": cpu_affinity.current(), "threads": torch.get_num_threads()}
+
+
+def load_engine(checkpoint: str, config_json: str) -> tuple[LLMEngine | None, str]:
+    """The engine, or why it cannot be built."""
+    try:
+        return LLMEngine(checkpoint, EngineConfig.from_dict(json.loads(config_json))), ""
+    except (ConfigError, LoadError) as e:
+        return None, str(e)
+    except Exception as e:  # noqa: BLE001 - the worker must hear why, whatever it was
+        log.exception("cannot load %s", checkpoint)
+        return None, f"{type(e).__name__}: {e}"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m services.model_worker.core.engine_core",
+                                     description="the model worker's engine process; the worker starts it")
+    parser.add_argument("--fd", type=int, required=True, help="this process's end of the worker's socket pair")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    parser.add_argument("--config", required=True, help="the EngineConfig as JSON")
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--stats-interval", type=float, default=10.0, help="seconds between stats lines (0: none)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    # The worker owns shutdown: on SIGTERM it drains its streams first, then sends "shutdown".
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sock = socket.socket(fileno=args.fd)
+    commands: queue.SimpleQueue = queue.SimpleQueue()
+    loading = threading.Event()  # set while the model loads, when only the reader thread can notice the worker go
+    loading.set()
+    threading.Thread(target=read_commands, args=(sock, commands, loading), name="engine-core-reader",
+                     daemon=True).start()
+
+    def send(message: dict) -> None:
+        sock.sendall(protocol.encode(message))
+
+    engine, failure = load_engine(args.checkpoint, args.config)
+    loading.clear()  # from here on the main thread answers the end of the socket itself
+    try:
+        if engine is None:
+            send({"type": "failed", "message": failure})
+            return 1
+        core = EngineCore(engine, send, args.stats_interval)
+        send({"type": "ready", "info": ready_info(engine), "stats": core.stats()})
+        core.run(commands)
+    except (BrokenPipeError, ConnectionResetError):
+        log.info("the worker is gone; exiting")
+        return 0
+    except Exception:  # noqa: BLE001 - never die silently: the worker turns this exit into UNAVAILABLE
+        log.exception("the engine core failed outside a step; exiting")
+        return 1
+    finally:
+        if engine is not None:
+            engine.close()  # the other tensor-parallel ranks, if any, stop with this one
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

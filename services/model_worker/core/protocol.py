@@ -1,0 +1,102 @@
+"""What crosses the socket between the worker and its engine core: length-prefixed JSON frames, never pickle.
+
+Worker to core: {"type": "add", "id", "prompt", "params"}, {"type": "abort", "id"}, {"type": "shutdown"}.
+Core to worker: {"type": "ready", "info"} once the model is loaded, or {"type": "failed", "message"} if it
+cannot load; then {"type": "update", "outputs", "errors", "step_seconds", "stats", "kv_stored", "kv_evicted"} after every
+step, and after applying commands that left nothing to step; kv_stored and kv_evicted are the hex block hashes
+the prefix cache gained and lost since the last update.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import struct
+from typing import BinaryIO
+
+from rpcserver.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.engine.llm_engine import StepOutput
+from services.model_worker.engine.sequence import FinishReason
+
+_HEADER = struct.Struct(">I")  # body length in bytes
+ERROR_KINDS: dict[str, type[ServiceError]] = {
+    "invalid_argument": InvalidArgument,
+    "resource_exhausted": ResourceExhausted,
+    "unavailable": Unavailable,
+}
+
+
+class ProtocolError(Exception):
+    """A frame that is not what the other side should have sent."""
+
+
+def encode(message: dict) -> bytes:
+    body = json.dumps(message, separators=(",", ":")).encode()
+    return _HEADER.pack(len(body)) + body
+
+
+def _decode(body: bytes) -> dict:
+    try:
+        message = json.loads(body)
+    except ValueError as e:
+        raise ProtocolError(f"a frame is not JSON: {e}") from None
+    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+        raise ProtocolError(f"a frame has no message type: {body[:80]!r}")
+    return message
+
+
+def read_blocking(stream: BinaryIO) -> dict | None:
+    """The next frame from a file object over the socket; None at end of file."""
+    header = stream.read(_HEADER.size)
+    if not header:
+        return None
+    if len(header) < _HEADER.size:
+        raise ProtocolError("the socket closed inside a frame header")
+    (size,) = _HEADER.unpack(header)
+    body = stream.read(size)
+    if len(body) < size:
+        raise ProtocolError("the socket closed inside a frame")
+    return _decode(body)
+
+
+async def read_async(reader: asyncio.StreamReader) -> dict | None:
+    """The next frame from an asyncio stream; None at end of file (even inside a frame: the writer is gone)."""
+    try:
+        (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+        return _decode(await reader.readexactly(size))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+
+
+# -- payloads -------------------------------------------------------------------------------------------
+
+
+def params_to_dict(params: SamplingParams) -> dict:
+    return dataclasses.asdict(params)
+
+
+def params_from_dict(raw: dict) -> SamplingParams:
+    return SamplingParams(**raw)
+
+
+def output_to_list(output: StepOutput) -> list:
+    reason = output.finish_reason.value if output.finish_reason is not None else None
+    return [output.request_id, output.token_id, output.logprob, [list(t) for t in output.top_logprobs], reason,
+            output.prompt_tokens]
+
+
+def output_from_list(raw: list) -> StepOutput:
+    request_id, token_id, logprob, top_logprobs, reason, prompt_tokens = raw
+    return StepOutput(request_id, token_id, logprob, [(t, lp) for t, lp in top_logprobs],
+                      FinishReason(reason) if reason is not None else None, prompt_tokens)
+
+
+def error_to_list(request_id: str, error: ServiceError) -> list:
+    kind = next((k for k, cls in ERROR_KINDS.items() if isinstance(error, cls)), "unavailable")
+    return [request_id, kind, str(error)]
+
+
+def error_from_list(raw: list) -> tuple[str, ServiceError]:
+    request_id, kind, message = raw
+    return request_id, ERROR_KINDS.get(kind, Unavailable)(message)

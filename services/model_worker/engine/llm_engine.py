@@ -1,0 +1,145 @@
+"""The engine: accept requests, and advance every live sequence one step at a time."""
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from rpcserver.errors import InvalidArgument
+from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.model import GenerationDefaults, Qwen3Config
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.distributed.parallel import check_divisible
+from services.model_worker.engine.block_manager import BlockManager
+from services.model_worker.engine.scheduler import Scheduler
+from services.model_worker.engine.sequence import FinishReason, Sequence
+from services.model_worker.executor.executor import Executor
+from services.model_worker.executor.sampler import Sampler
+from services.model_worker.executor.transfer import to_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+
+
+class LLMEngine:
+    """Wires the parts: an executor that steps the model on its device (and its other tensor-parallel
+    ranks), a scheduler and block manager that choose each step, and a sampler for its tokens."""
+
+    def __init__(self, checkpoint_dir: str | pathlib.Path, config: EngineConfig | None = None):
+        self.engine_config = config = config or EngineConfig()
+        self.checkpoint_dir = pathlib.Path(checkpoint_dir)
+        self.config = Qwen3Config.from_json(self.checkpoint_dir)
+        check_divisible(self.config, config.tensor_parallel_size)
+        self.generation = GenerationDefaults.from_dir(self.checkpoint_dir)
+        # The offline demo checkpoint (demo/checkpoint.py) marks its config: its weights are random.
+        self.is_demo_checkpoint = "vllm_v0_demo_checkpoint" in json.loads(
+            (self.checkpoint_dir / "config.json").read_text())
+        self.executor = executor = Executor(self.checkpoint_dir, config, self.config)
+        self.device, self.dtype, self.model = executor.device, executor.dtype, executor.model
+        self.kv_cache, self.runner, self.max_model_len = executor.kv_cache, executor.runner, executor.max_model_len
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.limits)
+        self.sampler = Sampler()
+        self.eos_ids = frozenset(self.generation.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        self.executor.close()
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if request_id in self._seqs:
+            raise InvalidArgument(f"request id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise InvalidArgument("prompt_token_ids is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidArgument(f"prompt_token_ids holds ids outside the vocabulary [0, {self.config.vocab_size}): "
+                                  f"{bad[:5]}")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise InvalidArgument(f"the prompt has {len(prompt_ids)} tokens; this worker's context is "
+                                  f"{self.max_model_len} tokens, which leaves no room to generate")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidArgument(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                                  f"context of {self.max_model_len} tokens; lower max_tokens to at most {room}")
+        seq = Sequence(request_id, prompt_ids, params, max_tokens, self.eos_ids, self.device)
+        self.scheduler.add(seq)
+        self._seqs[request_id] = seq
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.abort(request_id)
+        seq.finish(FinishReason.ABORTED)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- stepping -----------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        host, seqs = batch.step_inputs(self.kv_cache.block_size)
+        logits = self.runner.run(host)
+        outputs = []
+        if seqs:
+            # Token histories matter only to penalties; skip building them for the common case.
+            none = torch.empty(0, dtype=torch.long, device=self.device)
+            history = [(to_device(s.prompt_ids, torch.long, self.device),
+                        to_device(s.output_ids, torch.long, self.device))
+                       if s.params.has_penalties else (none, none) for s in seqs]
+            sampled = self.sampler(logits, [s.params for s in seqs], [h[0] for h in history],
+                                   [h[1] for h in history], [s.generator for s in seqs])
+            for i, seq in enumerate(seqs):
+                seq.append(sampled.token_ids[i])
+                outputs.append(StepOutput(seq.request_id, sampled.token_ids[i], sampled.logprobs[i],
+                                          sampled.top_logprobs[i], seq.finish_reason, len(seq.prompt_ids)))
+        self.scheduler.finish_step(batch)
+        for seq in seqs:
+            if seq.is_finished:
+                self._seqs.pop(seq.request_id, None)
+        return outputs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion together; returns each one's generated ids (for tests and benchmarks)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{i}-{id(prompts)}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while any(rid in self._seqs for rid in ids):
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].append(out.token_id)
+        return [results[rid] for rid in ids]
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": self.block_manager.num_used,
+            "kv_blocks_free": self.block_manager.num_free,
+            "prefix_cache_hit_rate": self.block_manager.hit_rate,
+            "preemptions": self.scheduler.num_preemptions,
+        }

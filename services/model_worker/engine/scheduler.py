@@ -1,0 +1,123 @@
+"""Decides which sequences run in each step, and how many of their tokens, under token and memory budgets."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from rpcserver.errors import ResourceExhausted
+from services.model_worker.config.engine import SchedulerLimits
+from services.model_worker.engine.block_manager import BlockManager
+from services.model_worker.engine.sequence import Sequence, SequenceStatus
+from services.model_worker.executor.step_inputs import StepInputs
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_tokens: list[int]  # new tokens computed for each sequence this step
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+    def step_inputs(self, block_size: int) -> tuple[StepInputs, list[Sequence]]:
+        """The step's flat inputs, and the sequences that get a next token from it."""
+        token_ids, context_lens, sampled = [], [], []
+        for i, (seq, n) in enumerate(zip(self.seqs, self.num_tokens)):
+            start = seq.num_cached_tokens
+            token_ids.append(seq.token_ids[start:start + n])
+            context_lens.append(start + n)
+            # A prompt prefilled in chunks yields a token only after its last chunk.
+            if start + n == len(seq):
+                sampled.append(i)
+        host = StepInputs.build(token_ids, [s.block_table for s in self.seqs], context_lens, block_size, sampled)
+        return host, [self.seqs[i] for i in sampled]
+
+
+class Scheduler:
+    """Continuous batching: every running sequence advances each step; waiting ones join when they fit.
+
+    Running sequences are served first, oldest first, so a new arrival never delays
+    tokens already streaming. A prompt longer than the step's token budget is
+    prefilled in chunks across steps. When the cache is full, the newest running
+    sequence is preempted: its blocks are freed and it is recomputed later.
+    """
+
+    def __init__(self, block_manager: BlockManager, limits: SchedulerLimits):
+        self.block_manager = block_manager
+        self.limits = limits
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_computed_tokens = 0  # prompt and output tokens run through the model, for throughput logs
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.limits.max_waiting:
+            raise ResourceExhausted(
+                f"the worker's queue is full ({self.limits.max_waiting} requests waiting); retry later")
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.block_manager.free_blocks(seq)
+                    return seq
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.limits.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted below by an older sequence
+                continue
+            wanted = min(seq.num_uncached_tokens, budget)
+            while not self.block_manager.can_grow(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            self.block_manager.grow(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(wanted)
+            budget -= wanted
+
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            # Keep one free block per running sequence so admitting this one doesn't force a preemption next step.
+            if not self.block_manager.can_allocate(seq, reserve=len(self.running)):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            wanted = min(seq.num_uncached_tokens, budget)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(wanted)
+            budget -= wanted
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_blocks(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish_step(self, batch: ScheduledBatch) -> None:
+        """Account for the computed tokens; release finished sequences."""
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_cached_tokens += n
+            self.num_computed_tokens += n
+            self.block_manager.commit(seq)
+        for seq in batch.seqs:
+            if seq.is_finished and seq in self.running:
+                self.running.remove(seq)
+                self.block_manager.free_blocks(seq)

@@ -1,0 +1,79 @@
+"""A request's sequence: its tokens, sampling parameters, cache blocks and progress."""
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from services.model_worker.config.sampling import SamplingParams
+
+_arrival = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    EOS = "eos"          # an eos id or a stop token id
+    LENGTH = "length"    # max_tokens or the context limit
+    ABORTED = "aborted"  # cancelled by the caller
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+                 eos_ids: frozenset[int], device: torch.device):
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        # Prompt then output, kept as one list: the runner and block manager slice it every step.
+        self.token_ids: list[int] = list(prompt_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        # Ids that end this sequence: the checkpoint's eos (unless ignored) plus the request's own.
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.block_table: list[int] = []
+        # Tokens whose K/V are already in the cache (prefix hits, earlier prefill chunks, decoded tokens).
+        self.num_cached_tokens = 0
+        # Leading blocks already registered for prefix caching (kept by the block manager).
+        self.num_hashed_blocks = 0
+        # Chain hashes of its leading full blocks, computed once by the block manager.
+        self.block_hashes: list[bytes] = []
+        self.arrival = next(_arrival)
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            # One generator per sequence: its draws depend on nothing else in the batch.
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncached_tokens(self) -> int:
+        return len(self) - self.num_cached_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.token_ids.append(token_id)
+        if token_id in self.stop_ids:
+            self.finish(FinishReason.EOS)
+        elif len(self.output_ids) >= self.max_tokens:
+            self.finish(FinishReason.LENGTH)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, prompt={len(self.prompt_ids)}, "
+                f"output={len(self.output_ids)}, cached={self.num_cached_tokens})")

@@ -1,0 +1,74 @@
+"""A step's inputs as a handful of integer tensors, built on the host and sent up in one copy.
+
+Built from the scheduled sequences with no per-token Python beyond collecting the new token ids.
+A pure decode step can be padded to a captured CUDA graph's batch size (see cuda_graphs.py):
+padding rows are one-token sequences that read and write only a spare cache block, so the real
+rows' results do not change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from services.model_worker.executor.transfer import upload_all
+from services.model_worker.model.layers.attention.metadata import FlatLayout
+
+TENSOR_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "context_lens", "block_tables",
+                 "sample_rows")
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor        # (T,) int64, the new tokens, sequence by sequence
+    positions: torch.Tensor        # (T,) int64
+    slot_mapping: torch.Tensor     # (T,) int64: cache slot each new token's key and value go to
+    query_start_loc: torch.Tensor  # (B + 1,) int32: cu_seqlens of the new tokens
+    context_lens: torch.Tensor     # (B,) int32: tokens in each sequence's context after this step
+    block_tables: torch.Tensor     # (B, W) int32, padded with block 0
+    sample_rows: torch.Tensor      # (S,) int64: rows whose next token is sampled (a prompt's last chunk, decodes)
+    max_query_len: int
+    max_context_len: int
+
+    @classmethod
+    def build(cls, token_ids: list[list[int]], block_tables: list[list[int]], context_lens: list[int],
+              block_size: int, sampled: list[int] | None = None) -> "StepInputs":
+        """token_ids: each sequence's new tokens; context_lens: its tokens after this step (cached + new).
+
+        sampled: the sequences whose last new token yields a next token (default: all).
+        """
+        flat = FlatLayout.build([len(t) for t in token_ids], block_tables, context_lens, block_size)
+        last_rows = flat.query_start_loc[1:].long() - 1
+        sample_rows = last_rows if sampled is None else last_rows[torch.tensor(sampled, dtype=torch.int64)]
+        return cls(torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64), flat.positions,
+                   flat.slot_mapping, flat.query_start_loc, flat.context_lens, flat.block_tables, sample_rows,
+                   flat.max_query_len, flat.max_context_len)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    def to(self, device: torch.device) -> "StepInputs":
+        """On the device, all tensors in one (pinned, non-blocking) copy."""
+        moved = upload_all([getattr(self, name) for name in TENSOR_FIELDS], device)
+        return replace(self, **dict(zip(TENSOR_FIELDS, moved)))
+
+    def padded(self, num_seqs: int, table_width: int, pad_block: int, block_size: int) -> "StepInputs":
+        """A decode step (one token per sequence) padded to num_seqs sequences and table_width blocks.
+
+        Padding sequences hold one token at position 0 in pad_block, a block no sequence owns.
+        """
+        assert self.max_query_len == 1 and num_seqs >= self.num_seqs and table_width >= self.block_tables.shape[1]
+        extra = num_seqs - self.num_seqs
+        table = torch.full((num_seqs, table_width), pad_block, dtype=torch.int32)
+        table[:self.num_seqs, :self.block_tables.shape[1]] = self.block_tables
+        return replace(
+            self,
+            input_ids=torch.cat((self.input_ids, torch.zeros(extra, dtype=torch.int64))),
+            positions=torch.cat((self.positions, torch.zeros(extra, dtype=torch.int64))),
+            slot_mapping=torch.cat((self.slot_mapping, torch.full((extra,), pad_block * block_size))),
+            query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+            context_lens=torch.cat((self.context_lens, torch.ones(extra, dtype=torch.int32))),
+            block_tables=table,
+        )
+

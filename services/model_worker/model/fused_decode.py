@@ -1,0 +1,129 @@
+"""Decode steps through every layer in one C call, where the model and the step allow it.
+
+On CPU in bf16 a decode step's arithmetic already runs in C kernels (matmuls, norms, attention);
+what the layer-by-layer forward adds around them is Python: about 0.2 ms a layer of module calls,
+views, adds and ctypes calls, 5-6 ms of a 0.6B model's step. FusedDecode hands the whole layer
+loop to kernels/decoder.c, which calls the same kernels in the same order and rounds as torch, so
+the hidden states are the same bit for bit; anything it does not take (prefill, mixed steps, more
+rows than the matmul kernels take, another attention backend) runs the layers as before.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from services.model_worker.kernels import cpu_decoder
+from services.model_worker.model.layers.attention.cpu_paged import CpuPagedAttention
+from services.model_worker.model.layers.attention.metadata import AttentionMetadata
+from services.model_worker.model.layers.linear import SmallBatchLinearMethod
+from services.model_worker.model.layers.norm import RMSNorm
+from services.model_worker.model.qwen3 import Qwen3Model
+
+log = logging.getLogger(__name__)
+
+
+def _layer_linears(layer) -> tuple:
+    """A decoder layer's four matmuls, in the order decode_layers runs them."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _linears(model: Qwen3Model) -> list:
+    return [m for layer in model.layers for m in _layer_linears(layer)]
+
+
+class FusedDecode:
+    """The layers of one Qwen3Model, run by decode_layers for the pure decode steps it takes."""
+
+    def __init__(self, library: ctypes.CDLL, model: Qwen3Model):
+        self.library = library
+        self.model = model
+        first = model.layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        linears = _linears(model)
+        self.max_rows = SmallBatchLinearMethod.AMX_MAX_ROWS if all(m.amx is not None for m in linears) \
+            else SmallBatchLinearMethod.MAX_ROWS
+        self.small_library, self.amx_library = linears[0].kernel, linears[0].method.amx
+        self.norm_library = first.input_layernorm.kernel
+        self.shape = dict(hidden=first.input_layernorm.weight.shape[0], heads=attn.num_heads,
+                          kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=mlp.intermediate_size,
+                          eps=first.input_layernorm.eps, scale=attn.scale)
+        self._layers: tuple | None = None     # (cache key, ctypes array, tensors it points into)
+        self._kernels: tuple | None = None    # (attention library, Kernels)
+
+    @classmethod
+    def build(cls, model: Qwen3Model) -> "FusedDecode | None":
+        """The fused loop for this model, or None where its layers are not all on the C kernels it calls."""
+        layers = list(model.layers)
+        if not layers or model.embed_tokens.weight.dtype != torch.bfloat16 \
+                or model.embed_tokens.weight.device.type != "cpu":
+            return None
+        linears = _linears(model)
+        norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+        method = linears[0].method
+        if not all(isinstance(m.method, SmallBatchLinearMethod) and m.method is method and m.bias is None
+                   and m.kernel is not None for m in linears):
+            return None
+        if any(m.tp.size != 1 for m in linears):
+            return None
+        if not all(n.kernel is not None and n.kernel is norms[0].kernel and n.eps == norms[0].eps for n in norms):
+            return None
+        library = cpu_decoder.load()
+        return None if library is None else cls(library, model)
+
+    def takes(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A pure decode step (one new token per sequence) of few enough rows, on the C attention kernel."""
+        return (meta.max_query_len == 1 and isinstance(meta.backend, CpuPagedAttention)
+                and 1 <= hidden.shape[0] <= self.max_rows and hidden.dtype == torch.bfloat16
+                and hidden.is_contiguous() and meta.context_lens.shape[0] == hidden.shape[0])
+
+    def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> None:
+        """Every layer on hidden (rows, hidden_size), in place, as the layer-by-layer forward would."""
+        array, shape = self._layer_array(kv_caches, meta.block_size)
+        cpu_decoder.decode_layers(self.library, self._kernel_table(meta.backend.library), shape, array, hidden,
+                                  tuple(t.contiguous() for t in rope), meta.slot_mapping.contiguous(),
+                                  meta.context_lens.contiguous(), meta.block_tables.contiguous())
+
+    def _kernel_table(self, attention_library: ctypes.CDLL) -> cpu_decoder.Kernels:
+        if self._kernels is None or self._kernels[0] is not attention_library:
+            address = cpu_decoder.address
+            amx = address(self.amx_library, "amx_linear") if self.amx_library is not None else None
+            table = cpu_decoder.Kernels(
+                address(self.small_library, "small_batch_linear"), amx, address(self.norm_library, "rms_norm"),
+                address(self.norm_library, "rms_norm_rope"), address(attention_library, "write_kv"),
+                address(attention_library, "paged_decode_attention"), SmallBatchLinearMethod.MAX_ROWS,
+                SmallBatchLinearMethod.AMX_MIN_ROWS, SmallBatchLinearMethod.AMX_MAX_ROWS)
+            self._kernels = (attention_library, table)
+        return self._kernels[1]
+
+    def _layer_array(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> tuple:
+        """(ctypes Layer array, Shape), built once for these caches; the tensors it points into are kept alive."""
+        key = tuple((k.data_ptr(), v.data_ptr(), k.shape) for k, v in kv_caches) + (block_size,)
+        if self._layers is None or self._layers[0] != key:
+            array, kept = (cpu_decoder.Layer * len(self.model.layers))(), []
+            for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches)):
+                attn, mlp = layer.self_attn, layer.mlp
+                if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.bfloat16):
+                    raise ValueError("the fused decode loop needs contiguous bf16 caches")
+                tensors = (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qk_norm_weight(),
+                           attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+                           mlp.down_proj.weight)
+                if not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in tensors):
+                    raise ValueError("the fused decode loop needs contiguous bf16 weights")
+                kept.extend(tensors)
+                flags = [int(m.amx is not None) for m in _layer_linears(layer)]
+                array[i] = cpu_decoder.Layer(*(t.data_ptr() for t in tensors), k_cache.data_ptr(), v_cache.data_ptr(),
+                                             *flags)
+            num_slots = kv_caches[0][0].shape[1]
+            shape = cpu_decoder.Shape(num_slots=num_slots, block_size=block_size, **self.shape)
+            self._layers = (key, (array, shape), kept)
+        return self._layers[1]
+
+
+def use_fused_decode(model: Qwen3Model) -> bool:
+    """Give the model the fused decode loop where it applies; returns whether it did."""
+    model.fused_decode = FusedDecode.build(model)
+    log.info("fused decode layers (one C call a decode step): %s", "yes" if model.fused_decode else "no")
+    return model.fused_decode is not None

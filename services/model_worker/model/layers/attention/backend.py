@@ -1,0 +1,45 @@
+"""The interface every attention backend implements, and the cache gather they share."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # annotations only: the metadata module imports this one
+    from services.model_worker.model.layers.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend:
+    """Computes attention for one layer of a step, given q and this step's k, v (already in the cache)."""
+
+    name = "base"
+    whole_step = False  # True: attend() takes decodes and prefills together, no layout needed
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """q: (T, H, D) for the whole step, its keys already in the cache. Returns (T, H, D)."""
+        raise NotImplementedError
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
+               block_tables: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+        """q: (N, H, D), one query per sequence at its last position. Returns (N, H, D)."""
+        raise NotImplementedError
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """This step's keys and values, (T, Hkv, D), into their cache slots."""
+        k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def gather_cache(cache: torch.Tensor, slots: torch.Tensor, batch: int) -> torch.Tensor:
+    """(Hkv, slots, D) cache rows at the given slots, as (batch, Hkv, slots / batch, D)."""
+    rows = cache.index_select(1, slots)
+    return rows.view(cache.shape[0], batch, -1, cache.shape[2]).transpose(0, 1)
+
+
+def cache_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """(N, length) cache slots of positions 0..length-1 of each sequence (past a table's end: its last block)."""
+    j = torch.arange(length, device=block_tables.device)
+    blocks = torch.clamp(j // block_size, max=block_tables.shape[1] - 1)
+    return block_tables.long()[:, blocks] * block_size + j % block_size

@@ -1,0 +1,273 @@
+"""Linear layers and the seam where weight formats plug in.
+
+A layer knows its shape and its tensor-parallel split, and reads its slice of each checkpoint
+tensor (weight_loader). How its weights are stored and multiplied is a LinearMethod: create the
+parameters, process them once loaded, apply them to an input. The model file never names a
+format; the executor picks the method for the device before the model is built, as vLLM's
+LinearMethodBase and nano-vllm's layers/linear.py split the work. A new format (8-bit weights, say)
+is one more method here.
+
+Methods today, all exact for bf16 (fp32 packing differs in summation order only):
+- PlainLinearMethod: F.linear on the weight as loaded; every device and dtype.
+- PackedLinearMethod: CPU, the weight reordered once into oneDNN's blocked layout.
+- SmallBatchLinearMethod: CPU bf16, decode-sized matmuls in C kernels on the plain weight.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.model_worker.distributed.parallel import TensorParallel
+from services.model_worker.kernels import cpu_linear
+from services.model_worker.model.layers.weights import CheckpointTensor, read_whole, split_rows
+
+log = logging.getLogger(__name__)
+
+# oneDNN lays a packed weight out for this many input rows (other row counts still run correctly).
+# A decode step has one row per running sequence. Measured on the engine (0.6B shape, bf16, Xeon
+# with AMX, weights streamed from memory): a layout for 16 rows decoded one sequence in 121 ms a
+# step against 165 ms for a layout for 1 row (and 136 ms unpacked), and it is the batch serving runs.
+DECODE_ROWS_HINT = 16
+
+
+class LinearMethod:
+    """How a linear layer's weights are held and applied. One object serves every layer that uses it."""
+
+    name = "base"
+
+    def create_weights(self, layer: LinearBase, in_features: int, out_features: int, bias: bool) -> None:
+        """The parameters the checkpoint fills: weight (out, in) and an optional bias (out,)."""
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        layer.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Turn the loaded weights into this method's form (once, before the first forward)."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PlainLinearMethod(LinearMethod):
+    """The weight as the checkpoint has it, multiplied by F.linear."""
+
+    name = "plain"
+
+    def apply(self, layer, x):
+        return F.linear(x, layer.weight, layer.bias)
+
+
+def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
+
+
+class PackedLinearMethod(LinearMethod):
+    """The weight reordered once into oneDNN's blocked layout (CPU, bf16 or float32).
+
+    F.linear hands oneDNN a plain row-major weight, which it re-blocks on the fly at every call;
+    reading a pre-blocked one is what makes a small-batch matmul run near memory speed. These are
+    the ops inductor's weight freezing emits (torch/_inductor/fx_passes/mkldnn_fusion.py). bf16
+    results are bit-identical to F.linear's; fp32 ones differ in summation order only.
+
+    The plain weight is dropped from the layer once packed; a head tied to the embedding gets a
+    packed copy of its own (the embedding keeps the plain table), which costs vocab x hidden more
+    memory.
+    """
+
+    name = "onednn-packed"
+
+    def process_weights_after_loading(self, layer):
+        # A plain attribute, not a buffer: an opaque oneDNN tensor has no place in a state dict.
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), DECODE_ROWS_HINT)
+        layer.weight = None
+
+    def apply(self, layer, x):
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
+
+
+class SmallBatchLinearMethod(LinearMethod):
+    """bf16 on CPU: the matmuls of decode-sized batches in C kernels, on the plain weight.
+
+    A decode step of up to a few dozen sequences only streams the weights: the small-batch kernel
+    (kernels/small_batch_linear.c) does that at close to memory speed for one or two rows, the AMX
+    kernel (kernels/amx_linear.c) from there to 32 rows, and oneDNN at about half that speed. Short
+    prefills are compute-bound, and the AMX kernel still beats oneDNN on plain weights there, up to
+    AMX_MAX_ROWS; longer ones go to F.linear. The weight stays in its plain layout, shared with the
+    checkpoint's tensor: no second copy. A layer whose shape the kernels do not take runs F.linear.
+    """
+
+    name = "small-batch"
+    MAX_ROWS = 4       # the AVX512-BF16 kernel: faster than oneDNN up to 4 rows here, slower from 8
+    AMX_MIN_ROWS = 3   # measured: the AMX kernel beats the AVX512-BF16 one from 3 rows
+    # Measured on the 0.6B model's weights, 28 layers streamed: the AMX kernel took 0.58-0.71x
+    # oneDNN's time at 32 and 64 rows, 0.68-0.83x at 128, 0.92-1.14x at 256 and 1.14-1.44x at 512.
+    AMX_MAX_ROWS = 128
+
+    def __init__(self, library, amx=None):
+        self.library = library
+        self.amx = amx
+
+    def process_weights_after_loading(self, layer):
+        layer.kernel = self.library if cpu_linear.supports(layer.weight) else None
+        # AMX tiles cover 32 outputs at a time.
+        layer.amx = self.amx if layer.kernel is not None and layer.weight.shape[0] % 32 == 0 else None
+
+    def apply(self, layer, x):
+        rows = x.numel() // x.shape[-1]
+        if layer.amx is not None and self.AMX_MIN_ROWS <= rows <= self.AMX_MAX_ROWS:
+            out = cpu_linear.amx_linear(layer.amx, x, layer.weight)
+        elif layer.kernel is not None and rows <= self.MAX_ROWS:
+            out = cpu_linear.small_batch_linear(layer.kernel, x, layer.weight)
+        else:
+            return F.linear(x, layer.weight, layer.bias)
+        return out if layer.bias is None else out + layer.bias
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b over this rank's slice; the method decides how W is held and multiplied."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod | None,
+                 tp: TensorParallel | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features  # this rank's shape
+        self.tp = tp or TensorParallel()
+        self.method = method or PlainLinearMethod()
+        self.method.create_weights(self, in_features, out_features, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def weight_loader(self, leaf: str, source: CheckpointTensor, shard=None) -> None:
+        """Fill parameter `leaf` (weight or bias) from a checkpoint tensor; raises WeightShapeError."""
+        param = getattr(self, leaf)
+        param.data.copy_(read_whole(source, param.data))
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, method={self.method.name}")
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None):
+        super().__init__(in_features, out_features, bias, method, None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Each rank computes a slice of the outputs: the weight (and bias) split along dim 0."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None,
+                 tp: TensorParallel | None = None):
+        tp = tp or TensorParallel()
+        super().__init__(in_features, out_features // tp.size, bias, method, tp)
+
+    def shard_slice(self, shard) -> slice:
+        """Where a fused weight's part goes in this rank's outputs; one part by default."""
+        return slice(0, self.out_features)
+
+    def weight_loader(self, leaf, source, shard=None):
+        param = getattr(self, leaf).data
+        dest = param if shard is None else param[self.shard_slice(shard)]
+        dest.copy_(split_rows(source, dest, 0, self.tp))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input in one matmul (gate and up); shard i is the i-th."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 method: LinearMethod | None = None, tp: TensorParallel | None = None):
+        tp = tp or TensorParallel()
+        self.local_sizes = [size // tp.size for size in output_sizes]
+        super().__init__(in_features, sum(output_sizes), bias, method, tp)
+
+    def shard_slice(self, shard: int) -> slice:
+        start = sum(self.local_sizes[:shard])
+        return slice(start, start + self.local_sizes[shard])
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The query, key and value projections in one matmul; each rank holds its heads of all three."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 method: LinearMethod | None = None, tp: TensorParallel | None = None):
+        tp = tp or TensorParallel()
+        self.q_size = num_heads // tp.size * head_dim
+        self.kv_size = num_kv_heads // tp.size * head_dim
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, method, tp)
+
+    def shard_slice(self, shard: str) -> slice:
+        start = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard]
+        return slice(start, start + (self.q_size if shard == "q" else self.kv_size))
+
+
+class RowParallelLinear(LinearBase):
+    """Each rank sums part of the inputs: the weight split along dim 1, the partial outputs all-reduced.
+
+    The bias is whole and added by rank 0 alone (the others hold zeros), so it counts once in the sum.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None,
+                 tp: TensorParallel | None = None):
+        tp = tp or TensorParallel()
+        super().__init__(in_features // tp.size, out_features, bias, method, tp)
+
+    def weight_loader(self, leaf, source, shard=None):
+        param = getattr(self, leaf).data
+        if leaf == "bias":
+            loaded = read_whole(source, param)
+            param.copy_(loaded if self.tp.rank == 0 else torch.zeros_like(param))
+        else:
+            param.copy_(split_rows(source, param, 1, self.tp))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.method.apply(self, x))
+
+
+def linear_layers(model: nn.Module, include_lm_head: bool = True) -> list[tuple[str, LinearBase]]:
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, LinearBase) and (include_lm_head or not name.endswith("lm_head"))]
+
+
+def use_linear_method(model: nn.Module, method: LinearMethod, include_lm_head: bool = True) -> int:
+    """Hand the model's loaded linear layers to `method`; returns how many.
+
+    For layers whose weights are in the plain form (what PlainLinearMethod loads), so a model
+    loaded plain, e.g. as a reference in tests, can be switched afterwards.
+    """
+    layers = linear_layers(model, include_lm_head)
+    for _, layer in layers:
+        if type(layer.method) is not PlainLinearMethod:
+            raise ValueError(f"{layer.method.name} weights cannot change method")
+        layer.method = method
+        method.process_weights_after_loading(layer)
+    return len(layers)
+
+
+def cpu_linear_method(device: torch.device, dtype: torch.dtype, small_batch_kernel: bool | None,
+                      pack_weights: bool | None) -> LinearMethod:
+    """The fastest exact method for this device and dtype, as the engine's flags allow.
+
+    small_batch_kernel None: the C kernels where they build (bf16, a CPU with AVX512-BF16 and a C
+    compiler); True: required. pack_weights None: oneDNN packing on CPU where the kernels are not used.
+    """
+    on_cpu = device.type == "cpu"
+    if small_batch_kernel is not False and on_cpu and dtype == torch.bfloat16:
+        library = cpu_linear.load()
+        if library is not None:
+            return SmallBatchLinearMethod(library, cpu_linear.load_amx())
+        if small_batch_kernel:
+            raise ValueError("small_batch_kernel needs a C compiler and a CPU with AVX512-BF16")
+    pack = pack_weights if pack_weights is not None else on_cpu
+    if pack and packing_supported(device, dtype):
+        return PackedLinearMethod()
+    return PlainLinearMethod()

@@ -1,0 +1,50 @@
+"""The worker's Prometheus metrics: engine state read at scrape time, and per-step timings."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from services.model_worker.core.client import EngineClient
+
+STEP_SECONDS = Histogram("vllm_v0_worker_step_duration_seconds", "one engine step: schedule, forward, sample",
+                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+GENERATED_TOKENS = Counter("vllm_v0_worker_generated_tokens", "tokens sampled, over all sequences")
+# Per request, not per call: one GenerateMany call carries many, which the gRPC call counters cannot see.
+REQUESTS = Counter("vllm_v0_worker_requests", "generation requests received, valid or not, by the RPC that "
+                   "carried them", ("rpc",))
+
+
+def observe_step(seconds: float, num_tokens: int) -> None:
+    """EngineClient's on_step hook, called as each step's frame arrives from the engine core."""
+    STEP_SECONDS.observe(seconds)
+    GENERATED_TOKENS.inc(num_tokens)
+
+
+class EngineCollector:
+    """Reads the engine core's latest stats snapshot when /metrics is scraped, so the step loop does no extra work.
+
+    It reads from the HTTP server's thread without a lock: the client replaces the snapshot whole,
+    never edits it, so a scrape sees one step's numbers.
+    """
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+
+    def collect(self):
+        stats = self.client.stats
+        yield GaugeMetricFamily("vllm_v0_worker_waiting_requests", "requests queued, not yet running",
+                                value=stats["waiting"])
+        yield GaugeMetricFamily("vllm_v0_worker_running_sequences", "sequences in the running batch",
+                                value=stats["running"])
+        yield GaugeMetricFamily("vllm_v0_worker_kv_blocks_used", "KV cache blocks held by live sequences (cached "
+                                "but unreferenced blocks count as free)", value=stats["kv_blocks_used"])
+        yield GaugeMetricFamily("vllm_v0_worker_kv_blocks_total", "KV cache blocks in all",
+                                value=stats["kv_blocks_used"] + stats["kv_blocks_free"])
+        yield CounterMetricFamily("vllm_v0_worker_prefix_cache_queried_tokens", "prompt tokens looked up in the "
+                                  "prefix cache", value=stats["prefix_queries"])
+        yield CounterMetricFamily("vllm_v0_worker_prefix_cache_hit_tokens", "prompt tokens found in the prefix "
+                                  "cache, whose K/V was reused", value=stats["prefix_hits"])
+        yield GaugeMetricFamily("vllm_v0_worker_prefix_cache_hit_ratio", "hit tokens / queried tokens since start",
+                                value=stats["prefix_cache_hit_rate"])
+        yield CounterMetricFamily("vllm_v0_worker_preemptions", "sequences preempted for lack of KV blocks",
+                                  value=stats["preemptions"])

@@ -1,0 +1,160 @@
+"""GenerateMany's core: many requests on one call, each engine step's outputs for all of them in one message."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+
+import grpc
+
+from rpcserver.errors import InvalidArgument, ServiceError
+from rpcserver.handlers import MalformedRequest
+from rpcserver.status import status_for
+from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.core.client import EngineClient
+from services.model_worker.engine.llm_engine import StepOutput
+from services.model_worker.engine.sequence import FinishReason
+from services.model_worker.server.metrics import REQUESTS
+from vllm_v0.worker.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {None: worker_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.EOS: worker_pb2.FINISH_REASON_EOS,
+                  FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH}
+
+
+def step_message(out: StepOutput, first: bool) -> worker_pb2.GenerateResponse:
+    """One step of one request as Generate streams it; the prompt length rides on the first."""
+    msg = worker_pb2.GenerateResponse(token_id=out.token_id, finish_reason=FINISH_REASONS[out.finish_reason],
+                                      prompt_tokens=out.prompt_tokens if first else 0)
+    if out.logprob is not None:
+        msg.logprob = out.logprob
+        msg.top_logprobs.extend(worker_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in out.top_logprobs)
+    return msg
+
+
+class _RequestSink:
+    """The engine client's sink for one request of a call: hands each output to the call, naming the request."""
+
+    __slots__ = ("call", "request_id", "first")
+
+    def __init__(self, call: MultiplexedCall, request_id: str):
+        self.call = call
+        self.request_id = request_id
+        self.first = True
+
+    def put_nowait(self, item: StepOutput | BaseException) -> None:
+        self.call._collect(self, item)
+
+
+class MultiplexedCall:
+    """One GenerateMany call: starts and cancels its requests, and sends their outputs a batch per message.
+
+    The engine client hands a step's outputs to the requests' sinks one after another, all within
+    the dispatch of that step's frame; each lands in this call's pending list and sets one event.
+    The single writer wakes once, after the whole step, and sends everything pending as one
+    message: one wake-up and one message per step, however many requests the call carries.
+    """
+
+    def __init__(self, engine: Callable[[], EngineClient],
+                 make_params: Callable[[worker_pb2.GenerateRequest], SamplingParams]):
+        self._engine = engine  # raises Unavailable while the model loads
+        self._make_params = make_params
+        self._client: EngineClient | None = None  # the engine the open requests went to
+        self._open: dict[str, tuple[str, _RequestSink]] = {}  # request id -> (engine's id, sink)
+        self._pending: list[worker_pb2.RequestOutput] = []
+        self._ready = asyncio.Event()
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._open)
+
+    async def serve(self, requests: AsyncIterable) -> AsyncIterator[worker_pb2.GenerateManyResponse]:
+        """The call's responses, while its requests are read beside them.
+
+        Ends once the caller has half-closed and every request has ended; leaving early (the
+        caller cancelled or went away) drops the requests still open.
+        """
+        reader = asyncio.create_task(self._read(requests), name="GenerateMany reader")
+        reader.add_done_callback(lambda _: self._ready.set())
+        try:
+            while True:
+                if self._pending:
+                    batch, self._pending = self._pending, []
+                    yield worker_pb2.GenerateManyResponse(outputs=batch)
+                    continue
+                if reader.done():
+                    reader.result()  # an unreadable message ends the call with its status
+                    if not self._open:
+                        return
+                self._ready.clear()
+                await self._ready.wait()
+        finally:
+            reader.cancel()
+            self.close()
+
+    def start(self, request: worker_pb2.GenerateRequest) -> None:
+        REQUESTS.labels("GenerateMany").inc()
+        request_id = request.request_id
+        try:
+            if not request_id:
+                raise InvalidArgument("request_id is required on GenerateMany: outputs and cancels name it")
+            if request_id in self._open:
+                raise InvalidArgument(f"request id {request_id!r} is already open on this call; use a unique id")
+            client = self._engine()
+            sink = _RequestSink(self, request_id)
+            engine_id = client.submit(request_id, list(request.prompt_token_ids), self._make_params(request), sink)
+        except ServiceError as e:
+            self._fail(request_id, status_for(e), str(e))
+            return
+        except Exception as e:  # noqa: BLE001 - one request's fault must not end the call's others
+            log.exception("request %s: internal error", request_id)
+            self._fail(request_id, grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            return
+        self._client = client
+        self._open[request_id] = (engine_id, sink)
+
+    def cancel(self, request_id: str) -> None:
+        """Drop an open request; an unknown or finished one is ignored (its end may be on its way)."""
+        entry = self._open.pop(request_id, None)
+        if entry is not None and self._client is not None:
+            self._client.abort(entry[0])
+
+    def close(self) -> None:
+        """Drop every open request: their blocks are freed at the engine's next step boundary."""
+        for request_id in list(self._open):
+            self.cancel(request_id)
+
+    async def _read(self, requests: AsyncIterable) -> None:
+        async for message in requests:
+            if isinstance(message, MalformedRequest):
+                # No request id can be read from it, so no single request can be failed.
+                raise InvalidArgument(f"a message is not a valid {message.type_name} ({message.error}); "
+                                      "string fields must be valid UTF-8")
+            action = message.WhichOneof("action")
+            if action == "start":
+                self.start(message.start)
+            elif action == "cancel":
+                self.cancel(message.cancel)
+            # No action: one this worker does not know (a newer caller's); nothing to do.
+
+    def _collect(self, sink: _RequestSink, item: StepOutput | BaseException) -> None:
+        request_id = sink.request_id
+        entry = self._open.get(request_id)
+        if entry is None or entry[1] is not sink:
+            return  # cancelled: the engine may have had its output in flight
+        if isinstance(item, BaseException):
+            del self._open[request_id]
+            code = status_for(item) if isinstance(item, ServiceError) else grpc.StatusCode.INTERNAL
+            self._fail(request_id, code, str(item))
+            return
+        self._pending.append(worker_pb2.RequestOutput(request_id=request_id, step=step_message(item, sink.first)))
+        sink.first = False
+        if item.finish_reason is not None:
+            del self._open[request_id]
+        self._ready.set()
+
+    def _fail(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        self._pending.append(worker_pb2.RequestOutput(request_id=request_id, error_code=code.value[0],
+                                                      error_message=message))
+        self._ready.set()

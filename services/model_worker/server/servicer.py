@@ -1,0 +1,82 @@
+"""ModelWorkerService: requests to engine calls and engine outputs to stream messages."""
+from __future__ import annotations
+
+import uuid
+
+from rpcserver.errors import Unavailable
+from rpcserver.shared import SAMPLING_FIELDS
+from rpcserver.status import grpc_errors
+from services.model_worker.config.sampling import MAX_LOGPROBS, SamplingParams
+from services.model_worker.core.client import EngineClient
+from services.model_worker.server.metrics import REQUESTS
+from services.model_worker.server.multiplex import MultiplexedCall, step_message
+from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
+
+
+class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
+    def __init__(self, model_name: str, engine: EngineClient | None = None):
+        # Registered before the server starts; the engine arrives once the checkpoint is found.
+        self._engine = engine
+        self.model_name = model_name
+
+    @property
+    def engine(self) -> EngineClient:
+        if self._engine is None:
+            raise Unavailable("the model is still loading; retry shortly")
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: EngineClient) -> None:
+        self._engine = engine
+
+    def _params(self, request: worker_pb2.GenerateRequest) -> SamplingParams:
+        overrides = {f: getattr(request.sampling, f) for f in SAMPLING_FIELDS if request.sampling.HasField(f)}
+        if request.HasField("max_tokens"):
+            overrides["max_tokens"] = request.max_tokens
+        if request.HasField("logprobs"):
+            overrides["logprobs"] = request.logprobs
+        overrides["stop_token_ids"] = tuple(request.stop_token_ids)
+        overrides["ignore_eos"] = request.ignore_eos
+        return self.engine.make_params(overrides)
+
+    @grpc_errors
+    async def Generate(self, request: worker_pb2.GenerateRequest, context):
+        REQUESTS.labels("Generate").inc()
+        params = self._params(request)
+        request_id = request.request_id or uuid.uuid4().hex
+        first = True
+        async for out in self.engine.generate(request_id, list(request.prompt_token_ids), params):
+            yield step_message(out, first)
+            first = False
+
+    @grpc_errors
+    async def GenerateMany(self, requests, context):
+        # Each request's errors are outputs on the call; only an unreadable message ends it early.
+        async for response in MultiplexedCall(lambda: self.engine, self._params).serve(requests):
+            yield response
+
+    @grpc_errors
+    async def WatchLoad(self, request, context):
+        engine = self.engine
+        watcher = engine.load_feed.watch()
+        try:
+            while (delta := await watcher.next()) is not None:
+                block_size = engine.info["block_size"] if engine.info else 0
+                yield worker_pb2.LoadUpdate(reset=delta.reset, block_size=block_size, stored_block_hashes=delta.stored,
+                                            evicted_block_hashes=delta.evicted, **delta.load)
+        finally:
+            watcher.close()
+
+    @grpc_errors
+    async def GetInfo(self, request, context) -> worker_pb2.GetInfoResponse:
+        engine = self.engine
+        info, stats = engine.info, engine.stats
+        if info is None:
+            raise Unavailable("the model is still loading; retry shortly")
+        return worker_pb2.GetInfoResponse(
+            model=self.model_name, dtype=info["dtype"], device=info["device"], max_context=info["max_model_len"],
+            vocab_size=info["vocab_size"], eos_token_ids=info["eos_token_ids"], running=stats["running"],
+            waiting=stats["waiting"], kv_blocks_used=stats["kv_blocks_used"], kv_blocks_free=stats["kv_blocks_free"],
+            block_size=info["block_size"], prefix_cache_hit_rate=stats["prefix_cache_hit_rate"],
+            tokens_after_cancel=engine.tokens_after_cancel, max_logprobs=MAX_LOGPROBS)
+

@@ -1,0 +1,106 @@
+"""The model worker's folders import one way, from the front to the kernels, and no module imports itself back."""
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKER = ROOT / "services" / "model_worker"
+PACKAGE = "services.model_worker"
+
+# Lowest first: a module may import its own folder and any folder below it, never one above.
+# model/layers/ sits below the rest of model/ (the model file is built of its layers).
+FLOORS = ["kernels", "host", "config", "distributed", "model/layers", "model", "executor", "engine", "core",
+          "server", "main"]
+SAME_FLOOR = {"kernels": "host", "host": "kernels"}  # two independent leaves, neither imports the other
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def folder_of(module: str) -> str:
+    """The FLOORS entry a worker module belongs to (main.py and __main__.py are the top)."""
+    rest = module.removeprefix(PACKAGE).lstrip(".").replace(".", "/")
+    if rest in ("", "main", "__main__"):
+        return "main"
+    return max((f for f in FLOORS if rest == f or rest.startswith(f + "/")), key=len)
+
+
+def imports(path: pathlib.Path, at_run_time: bool) -> set[str]:
+    """Worker modules that `path` imports; at_run_time leaves out `if TYPE_CHECKING:` blocks."""
+    tree = ast.parse(path.read_text())
+    skipped = set()
+    if at_run_time:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                skipped.update(id(n) for n in ast.walk(node))
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.startswith(PACKAGE):
+                for alias in node.names:  # `from package import module` names a module
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if (ROOT / (sub.replace(".", "/") + ".py")).exists() else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith(PACKAGE + "."))
+    return found
+
+
+def worker_modules() -> dict[str, pathlib.Path]:
+    return {module_name(p): p for p in WORKER.rglob("*.py")}
+
+
+def test_every_worker_module_is_in_a_folder_with_a_floor():
+    top_level = sorted(p.name for p in WORKER.glob("*.py"))
+    assert top_level == ["__init__.py", "__main__.py", "main.py"]
+    for folder in (p for p in WORKER.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+        init = folder / "__init__.py"
+        assert init.exists(), f"{folder} has no __init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and "\n" not in doc.strip(), f"{init} needs a one-line docstring saying the folder's job"
+
+
+def test_no_import_goes_up_a_floor():
+    upward = []
+    for module, path in worker_modules().items():
+        mine = folder_of(module)
+        for target in imports(path, at_run_time=False):
+            theirs = folder_of(target)
+            if theirs != mine and SAME_FLOOR.get(mine) != theirs and FLOORS.index(theirs) > FLOORS.index(mine):
+                upward.append(f"{module} ({mine}) imports {target} ({theirs})")
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_circle():
+    graph = {module: imports(path, at_run_time=True) for module, path in worker_modules().items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                circles.append(" -> ".join(path[path.index(target):] + [target]) if target in path else target)
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "\n".join(circles)
+
+
+def test_the_checks_see_a_circle_and_an_upward_import(tmp_path):
+    """The two checks above would fail on the shapes they look for (the engine -> ranks -> ipc -> engine circle)."""
+    assert folder_of("services.model_worker.model.layers.linear") == "model/layers"
+    assert folder_of("services.model_worker.model.qwen3") == "model"
+    assert FLOORS.index(folder_of("services.model_worker.core.protocol")) > FLOORS.index("distributed")
+    source = tmp_path / "m.py"
+    source.write_text("from typing import TYPE_CHECKING\nfrom services.model_worker.core import protocol\n"
+                      "if TYPE_CHECKING:\n    from services.model_worker.engine.llm_engine import LLMEngine\n")
+    assert imports(source, at_run_time=True) == {"services.model_worker.core.protocol"}
+    assert imports(source, at_run_time=False) == {"services.model_worker.core.protocol",
+                                                  "services.model_worker.engine.llm_engine"}
