@@ -102,3 +102,37 @@ def test_sizes_that_do_not_divide_are_refused_naming_the_numbers(tmp_path):
         LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="float32", num_blocks=8, tensor_parallel_size=3))
     check_divisible(config, 2)
 
+
+GROUPS_PROBE = """
+import torch, torch.distributed as dist
+from services.model_worker.distributed.group import _join
+from services.model_worker.distributed.parallel import TensorParallel
+store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+tp = TensorParallel(0, 1)
+_join(store, tp, torch.device("cpu"))
+tp.size = 2  # one process, but take the collective paths a real group takes
+out = {"min": tp.min(7), "sum": tp.all_reduce(torch.ones(2)).tolist()}
+try:
+    dist.all_reduce(torch.ones(1))
+    out["default"] = "ran"
+except RuntimeError as e:
+    out["default"] = str(e)
+tp.cpu_group = None  # what a min on the default group would meet
+try:
+    tp.min(7)
+    out["min_on_default"] = "ran"
+except RuntimeError as e:
+    out["min_on_default"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_host_collectives_never_use_the_default_group_which_has_no_cpu_backend():
+    """As on GPUs, where the default group is NCCL: a CPU tensor on it fails, so CPU runs catch one left there."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-c", "import json\n" + GROUPS_PROBE], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120, check=True)
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["min"] == 7 and out["sum"] == [1.0, 1.0]
+    assert "No backend type associated with device type cpu" in out["default"]
+    assert "No backend type associated with device type cpu" in out["min_on_default"]

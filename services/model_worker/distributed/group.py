@@ -122,10 +122,19 @@ class RankGroup:
 
 
 def _join(store, tp: TensorParallel, device: torch.device):
-    """Initialise the default group (NCCL on CUDA, gloo on CPU) and a gloo group for step metadata."""
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=tp.rank,
-                            world_size=tp.size, timeout=COLLECTIVE_TIMEOUT)
-    # Step inputs are built on the host; a separate gloo group lets the idle wait have its own timeout.
+    """Join the ranks' groups; returns the gloo group for step inputs.
+
+    The default group is bound to CUDA tensors alone: NCCL on GPUs, and on CPU hosts a gloo binding
+    for CUDA that nothing uses. A collective that forgets to name its group then fails on every
+    machine, CPU test runs included, rather than only on GPUs, where NCCL cannot take a host tensor.
+    The model's collectives go over the device group, host data over gloo groups.
+    """
+    on_cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if on_cuda else "cuda:gloo", store=store, rank=tp.rank, world_size=tp.size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    tp.device_group = dist.group.WORLD if on_cuda else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    tp.cpu_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    # Step inputs are built on the host; a group of their own lets the idle wait have its own timeout.
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 

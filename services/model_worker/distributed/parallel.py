@@ -4,6 +4,10 @@ Attention heads, KV heads and the MLP's intermediate dimension are split across 
 parallel qkv_proj and gate_up_proj, row-parallel o_proj and down_proj, one all-reduce after each),
 and the vocabulary is split for the embedding and the LM head. The layers that hold the slices
 (model/layers/linear.py, embedding.py) read only their rank's part of each checkpoint tensor.
+
+Control data computed on the host (a block count every rank must agree on) goes over a gloo group
+of its own, never the device group: on GPUs that is NCCL, which has no CPU tensors, as vLLM keeps
+a cpu_group beside its device_group.
 """
 from __future__ import annotations
 
@@ -28,12 +32,16 @@ class TensorParallel:
     size: int = 1
     # Called with the error when a collective fails (a rank died or timed out); the rank group makes it fatal.
     on_failure: Callable[[Exception], None] = field(default=_raise, repr=False, compare=False)
+    # The model's collectives go over device_group (NCCL on GPUs, gloo on CPUs), host tensors over
+    # cpu_group (gloo); never the default group, which holds no CPU backend (distributed/group.py).
+    device_group: object = field(default=None, repr=False, compare=False)
+    cpu_group: object = field(default=None, repr=False, compare=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial results in place (a row-parallel linear's output)."""
         if self.size > 1:
             try:
-                dist.all_reduce(x)
+                dist.all_reduce(x, group=self.device_group)
             except RuntimeError as e:
                 self.on_failure(e)
                 raise
@@ -46,7 +54,7 @@ class TensorParallel:
         local = local.contiguous()
         parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
         try:
-            dist.gather(local, parts, dst=0)
+            dist.gather(local, parts, dst=0, group=self.device_group)
         except RuntimeError as e:
             self.on_failure(e)
             raise
@@ -57,7 +65,11 @@ class TensorParallel:
         if self.size == 1:
             return value
         tensor = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        except RuntimeError as e:
+            self.on_failure(e)
+            raise
         return int(tensor.item())
 
 
