@@ -1,15 +1,25 @@
-"""The engine core's loop in-process: commands in, one update per step out, a failing step contained."""
+"""The engine core's loop: commands in, one update per step out; a failing step ends the core, a bad request does not."""
 from __future__ import annotations
 
+import json
+import os
+import pathlib
 import queue
+import socket
+import subprocess
+import sys
 import threading
 
 import pytest
 
+from services.model_worker.config.engine import EngineConfig
 from services.model_worker.core import protocol as ipc
-from services.model_worker.core.engine_core import EngineCore
+from services.model_worker.core.engine_core import EngineCore, EngineDeadError
+from services.model_worker.core.process import describe_exit
 from tests.checkpoints import make_checkpoint
 from tests.unit.test_batching import VOCAB, greedy, make_engine
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +33,11 @@ def add(request_id: str, prompt: list[int], max_tokens: int) -> dict:
     return {"type": "add", "id": request_id, "prompt": prompt, "params": ipc.params_to_dict(greedy(max_tokens))}
 
 
-def test_a_failing_step_fails_the_live_requests_and_the_loop_goes_on(checkpoint):
+def test_a_failing_step_fails_the_live_requests_and_ends_the_core(checkpoint):
+    """A step that raises may have poisoned the device: the open requests hear why, then the core ends.
+
+    A bad request, by contrast (the out-of-vocabulary prompt), fails alone and the core steps on.
+    """
     engine = make_engine(checkpoint)
     real_step, steps = engine.step, 0
 
@@ -37,35 +51,67 @@ def test_a_failing_step_fails_the_live_requests_and_the_loop_goes_on(checkpoint)
     engine.step = step
     commands: queue.SimpleQueue = queue.SimpleQueue()
     frames = []
-
-    def send(frame: dict) -> None:
-        frames.append(frame)
-        # Stand in for the worker: after the failure, one more request; when it is done, end of socket.
-        if any(kind == "unavailable" for _, kind, _ in frame["errors"]):
-            commands.put(add("after", [4, 5, 6], 5))
-        if any(out[0] == "after" and out[4] is not None for out in frame["outputs"]):
-            commands.put(None)
-
     for command in (add("a", [1, 2, 3], 20), add("b", [7, 8], 20), add("oov", [VOCAB], 2)):
         commands.put(command)
-    # On a thread only so that a loop that never gets its end of socket fails the test instead of hanging it.
+    # On a thread only so that a loop that never ends fails the test instead of hanging it.
     errors = []
-    loop = threading.Thread(target=lambda: _run(EngineCore(engine, send, stats_interval_s=0), commands, errors),
-                            daemon=True)
+    loop = threading.Thread(target=lambda: _run(EngineCore(engine, frames.append, stats_interval_s=0), commands,
+                                                errors), daemon=True)
     loop.start()
     loop.join(60)
-    assert not loop.is_alive() and not errors, errors
+    assert not loop.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], EngineDeadError), errors
+    assert "RuntimeError: kernel exploded" in str(errors[0])
 
     assert frames[0]["errors"][0][:2] == ["oov", "invalid_argument"]
     assert [out[0] for out in frames[0]["outputs"]] == ["a", "b"]  # one frame per step, every sequence in it
-    failed = next(f for f in frames if f["errors"] and f["errors"][0][1] == "unavailable")
+    assert [out[0] for out in frames[1]["outputs"]] == ["a", "b"]
+    failed = frames[-1]
     assert sorted((rid, kind) for rid, kind, _ in failed["errors"]) == [("a", "unavailable"), ("b", "unavailable")]
     assert "RuntimeError: kernel exploded" in failed["errors"][0][2]
-    assert (failed["stats"]["running"], failed["stats"]["kv_blocks_used"]) == (0, 0)
-    after = [out[1] for f in frames for out in f["outputs"] if out[0] == "after"]
-    assert after == make_engine(checkpoint).generate([[4, 5, 6]], greedy(5))[0]
-    assert frames[-1]["stats"]["adds_applied"] == 4 and frames[-1]["stats"]["kv_blocks_used"] == 0
-    assert all(f["step_seconds"] is not None for f in frames if f["outputs"])
+    assert len(frames) == 3 and steps == 3
+
+
+FAILING_CORE = """
+import sys
+from services.model_worker.core import engine_core
+from services.model_worker.engine.llm_engine import LLMEngine
+
+real_step, steps = LLMEngine.step, []
+
+def step(self):
+    steps.append(1)
+    if len(steps) == 2:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    return real_step(self)
+
+LLMEngine.step = step
+sys.exit(engine_core.main(sys.argv[1:]))
+"""
+
+
+def test_a_core_process_whose_step_fails_says_why_and_exits_with_its_own_code(checkpoint):
+    """The real process: the worker reads UNAVAILABLE for the open request, then end of file and EXIT_ENGINE_DEAD."""
+    ours, theirs = socket.socketpair()
+    config = EngineConfig(device="cpu", dtype="float32", num_blocks=64, block_size=4)
+    process = subprocess.Popen([sys.executable, "-c", FAILING_CORE, "--fd", str(theirs.fileno()), "--checkpoint",
+                                str(checkpoint), "--config", json.dumps(config.to_dict()), "--stats-interval", "0"],
+                               pass_fds=[theirs.fileno()], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                               stderr=subprocess.PIPE, text=True)
+    theirs.close()
+    with ours, ours.makefile("rwb") as stream:
+        assert ipc.read_blocking(stream)["type"] == "ready"
+        stream.write(ipc.encode(add("open", [1, 2, 3], 50)))
+        stream.flush()
+        frames = []
+        while (frame := ipc.read_blocking(stream)) is not None:
+            frames.append(frame)
+    assert process.wait(60) == ipc.EXIT_ENGINE_DEAD
+    assert describe_exit(process.returncode) == "exited with code 4 after a failed step"
+    assert [out[0] for out in frames[0]["outputs"]] == ["open"]
+    assert [(rid, kind) for rid, kind, _ in frames[-1]["errors"]] == [("open", "unavailable")]
+    assert "illegal memory access" in frames[-1]["errors"][0][2]
+    assert "engine step failed; the engine core stops" in process.stderr.read()
 
 
 def _run(core: EngineCore, commands: queue.SimpleQueue, errors: list) -> None:

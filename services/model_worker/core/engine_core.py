@@ -33,6 +33,14 @@ from services.model_worker.model.loader import LoadError
 log = logging.getLogger("engine_core")
 
 
+class EngineDeadError(Exception):
+    """A step failed inside the model's forward or the sampler.
+
+    The device may be poisoned (after a CUDA illegal address or launch failure every later step
+    fails too), so the core ends and the worker starts a fresh one, as vLLM v1's EngineDeadError.
+    """
+
+
 class EngineCore:
     """Owns the engine; commands come in from a queue and one update frame goes out per step.
 
@@ -105,15 +113,13 @@ class EngineCore:
         start = time.perf_counter()
         try:
             outputs = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - fail the live requests, keep the core up
-            log.exception("engine step failed; failing the running requests")
-            error = Unavailable(f"the engine failed: {type(e).__name__}: {e}")
-            for request_id in sorted(self.live):
-                self.engine.abort(request_id)
-                self.errors.append(protocol.error_to_list(request_id, error))
+        except Exception as e:
+            log.exception("engine step failed; the engine core stops, since its device may be unusable")
+            error = Unavailable(f"the engine failed: {type(e).__name__}: {e}; the worker is restarting it, retry")
+            self.errors.extend(protocol.error_to_list(request_id, error) for request_id in sorted(self.live))
             self.live.clear()
-            self._send_update([], None)
-            return
+            self._send_update([], None)  # each open request hears why before the socket closes
+            raise EngineDeadError(f"{type(e).__name__}: {e}") from e
         seconds = time.perf_counter() - start
         self.steps += 1
         for output in outputs:
@@ -209,6 +215,8 @@ def main(argv=None) -> int:
     except (BrokenPipeError, ConnectionResetError):
         log.info("the worker is gone; exiting")
         return 0
+    except EngineDeadError:
+        return protocol.EXIT_ENGINE_DEAD
     except Exception:  # noqa: BLE001 - never die silently: the worker turns this exit into UNAVAILABLE
         log.exception("the engine core failed outside a step; exiting")
         return 1

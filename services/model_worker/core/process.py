@@ -130,6 +130,8 @@ class CoreProcess:
 
 
 def describe_exit(returncode: int) -> str:
+    if returncode == protocol.EXIT_ENGINE_DEAD:
+        return f"exited with code {returncode} after a failed step"
     if returncode < 0:
         try:
             return f"was killed by {signal.Signals(-returncode).name}"

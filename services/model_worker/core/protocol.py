@@ -20,6 +20,8 @@ from services.model_worker.engine.llm_engine import StepOutput
 from services.model_worker.engine.sequence import FinishReason
 
 _HEADER = struct.Struct(">I")  # body length in bytes
+# The core's exit code after a step failed (EngineDeadError): the worker fails its streams and starts a new core.
+EXIT_ENGINE_DEAD = 4
 ERROR_KINDS: dict[str, type[ServiceError]] = {
     "invalid_argument": InvalidArgument,
     "resource_exhausted": ResourceExhausted,
