@@ -42,6 +42,7 @@ class DecodeGraphs:
     def __init__(self, model, kv_layers, backend: AttentionBackend, device: torch.device, max_num_seqs: int,
                  table_width: int, block_size: int, pad_block: int):
         self.model = model
+        self.device = device
         self.kv_layers = kv_layers
         self.backend = backend
         self.sizes = graph_batch_sizes(max_num_seqs)
@@ -55,15 +56,17 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         start = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool's memory
-            self.model(*self._arguments(size))  # warm-up: Triton compiles, allocators settle
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(*self._arguments(size))
-            self.graphs[size] = (graph, hidden)
-        torch.cuda.synchronize()
+        # Capture, its pool and its syncs act on the current device: name the worker's, never cuda:0 by default.
+        with torch.cuda.device(self.device):
+            pool = torch.cuda.graph_pool_handle()
+            for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool's memory
+                self.model(*self._arguments(size))  # warm-up: Triton compiles, allocators settle
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self.model(*self._arguments(size))
+                self.graphs[size] = (graph, hidden)
+            torch.cuda.synchronize(self.device)
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes, time.monotonic() - start)
 
     def bucket_for(self, inputs: StepInputs) -> int | None:

@@ -13,6 +13,7 @@ check it against a float64 reference.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -115,13 +116,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q) if out is None else out
     num_seqs = context_lens.shape[0]
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len * group, BLOCK_M))
-    _paged_attention_kernel[grid](
-        out, q, k_cache, v_cache, query_start_loc, context_lens, block_tables, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(max(head_dim, 16)), PAGE=block_size,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
-        # Triton's interpreter multiplies bfloat16 wrongly (numpy has no bfloat16): upcast there.
-        UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
-    )
+    # Triton launches on the current device; on a GPU other than cuda:0 that must be q's.
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _paged_attention_kernel[grid](
+            out, q, k_cache, v_cache, query_start_loc, context_lens, block_tables, scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(max(head_dim, 16)), PAGE=block_size,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
+            # Triton's interpreter multiplies bfloat16 wrongly (numpy has no bfloat16): upcast there.
+            UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        )
     return out
