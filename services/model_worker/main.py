@@ -7,6 +7,7 @@ import logging
 
 from prometheus_client import REGISTRY
 
+from rpcserver.auth import add_auth_flags, auth_interceptors
 from rpcserver.config import (SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges,
                               parse_size)
 from checkpoint.path import resolve_model
@@ -70,6 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
              type=engine_cpus)
     add_flag(parser, "--stats-interval", 10.0, "seconds between log lines on load, KV cache and throughput "
              "while busy (0: none)")
+    add_auth_flags(parser)  # for deployments without mTLS; the gateway sends its --downstream-api-key
     args = parser.parse_args(argv)
     check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--stats-interval", 0, None)))
     if args.max_model_len < 0:
@@ -92,7 +94,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 async def serve(args: argparse.Namespace) -> None:
     service = worker_pb2.DESCRIPTOR.services_by_name["ModelWorkerService"]
-    server = GrpcServer(ServerConfig.from_args(args), [service.full_name])
+    server = GrpcServer(ServerConfig.from_args(args), [service.full_name], interceptors=auth_interceptors(args))
     servicer = ModelWorkerServicer(args.model)
     add_servicer(server.server, service, servicer)
     await server.start()  # health answers NOT_SERVING while the weights load

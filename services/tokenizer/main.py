@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 
+from rpcserver.auth import add_auth_flags, auth_interceptors
 from rpcserver.config import SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges
 from checkpoint.path import resolve_model
 from rpcserver.handlers import add_servicer
@@ -27,6 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
              "hold open; a new one past it replaces the least recently used if that one is idle, else is refused")
     add_flag(parser, "--decode-stream-idle-timeout", StreamLimits.idle_s, "seconds without an item after which "
              "a DecodeBatches stream may be dropped to make room for a new one (a caller that never sends final)")
+    add_auth_flags(parser)  # for deployments without mTLS; the gateway sends its --downstream-api-key
     args = parser.parse_args(argv)
     check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--max-decode-streams", 1, None),
                                 ("--decode-stream-idle-timeout", 0, None)))
@@ -35,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     service = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"]
-    server = GrpcServer(ServerConfig.from_args(args), [service.full_name])
+    server = GrpcServer(ServerConfig.from_args(args), [service.full_name], interceptors=auth_interceptors(args))
     servicer = TokenizerServicer(stream_limits=StreamLimits(args.max_decode_streams,
                                                             args.decode_stream_idle_timeout))
     add_servicer(server.server, service, servicer)
