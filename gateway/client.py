@@ -6,7 +6,7 @@ import sys
 
 import grpc
 
-from rpcserver.shared import SAMPLING_FIELDS
+from rpcserver.shared import MAX_SEED, SAMPLING_FIELDS
 from rpcserver.version import add_version_flag
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -14,6 +14,21 @@ from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 _OPTIONAL_FIELDS = ("max_tokens", *SAMPLING_FIELDS, "logprobs")
 # Unset, the server would generate up to the rest of the context (thousands of tokens, minutes on a CPU).
 DEFAULT_MAX_TOKENS = 256
+UINT32_MAX, INT32_MAX = 2**32 - 1, 2**31 - 1
+
+
+def int_in(low: int, high: int):
+    """An argparse type for an integer in [low, high]: the proto field's range, so a bad value is
+    a one-line usage error here rather than a ValueError from protobuf after parsing."""
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
+        return value
+    return convert
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -31,23 +46,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     chat.add_argument("--no-think", action="store_true", help="turn Qwen3's thinking off")
 
     sampling = parser.add_argument_group("sampling (unset: the checkpoint's defaults)")
-    sampling.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+    sampling.add_argument("--max-tokens", type=int_in(0, UINT32_MAX), default=DEFAULT_MAX_TOKENS,
                           help="most tokens to generate (default: %(default)s; 0: up to the rest of the context)")
     sampling.add_argument("--temperature", type=float)
     sampling.add_argument("--top-p", type=float)
-    sampling.add_argument("--top-k", type=int)
+    sampling.add_argument("--top-k", type=int_in(-1, INT32_MAX))
     sampling.add_argument("--min-p", type=float)
     sampling.add_argument("--repetition-penalty", type=float)
     sampling.add_argument("--presence-penalty", type=float)
     sampling.add_argument("--frequency-penalty", type=float)
-    sampling.add_argument("--seed", type=int)
+    sampling.add_argument("--seed", type=int_in(0, MAX_SEED))
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     sampling.add_argument(
-        "--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)"
+        "--stop-token-id", type=int_in(0, UINT32_MAX), action="append", default=[], help="stop token id (repeatable)"
     )
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument(
-        "--logprobs", type=int, metavar="N", help="print each token's logprob and N alternatives"
+        "--logprobs", type=int_in(0, UINT32_MAX), metavar="N", help="print each token's logprob and N alternatives"
     )
     sampling.add_argument("--keep-special-tokens", action="store_true")
 

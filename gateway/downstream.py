@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.bearer import bearer_interceptors
 from gateway.detokenize import Detokenizer
 from gateway.fleet import Fleet, Worker, parse_targets
 from gateway.fleet_metrics import RETRIED, ROUTED
@@ -45,13 +46,16 @@ class DownstreamTLS:
     key: str | None = None
 
 
-def open_channel(address: str, tls: DownstreamTLS) -> grpc.aio.Channel:
+def open_channel(address: str, tls: DownstreamTLS, api_key: str | None = None) -> grpc.aio.Channel:
+    """A channel to a tokenizer or worker: TLS as `tls` says, sending `api_key` on every call when given."""
     if bool(tls.cert) != bool(tls.key):
         raise SystemExit("--downstream-tls-cert and --downstream-tls-key go together")
+    # Metadata rather than call credentials: grpc sends those over TLS only, and the key is for plaintext too.
+    interceptors = bearer_interceptors(api_key) or None
     if not tls.ca and not tls.cert:
-        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
     credentials = grpc.ssl_channel_credentials(read_file(tls.ca), read_file(tls.key), read_file(tls.cert))
-    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
 # Starts a request on a worker: an async-iterable of GenerateResponse with cancel(), failing as a Generate call does.
@@ -142,18 +146,19 @@ class Downstreams:
     """The tokenizer's stub, the fleet of workers, and facts fetched once they answer (context size, eos tokens)."""
 
     def __init__(self, tokenizer_addr: str, worker_targets: list[str] | str, tls: DownstreamTLS,
-                 health_interval: float = 1.0, router: Router | None = None, worker_stream: str = "multiplexed"):
+                 health_interval: float = 1.0, router: Router | None = None, worker_stream: str = "multiplexed",
+                 api_key: str | None = None):
         if worker_stream not in WORKER_STREAMS:
             raise ValueError(f"worker_stream must be one of {', '.join(WORKER_STREAMS)}, got {worker_stream!r}")
         self.tls = tls
         # One shared call per worker costs a message per engine step rather than one per request per step.
         self._open_call: OpenCall = MultiplexedCalls() if worker_stream == "multiplexed" else generate_call
         self.addresses = {"tokenizer": tokenizer_addr, "worker": ",".join(parse_targets(worker_targets))}
-        self._tokenizer_channel = open_channel(tokenizer_addr, tls)
+        self._tokenizer_channel = open_channel(tokenizer_addr, tls, api_key)
         self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(self._tokenizer_channel)
         self._tokenizer_health = health_pb2_grpc.HealthStub(self._tokenizer_channel)
         self.detokenizer = Detokenizer(self.tokenizer)  # one DecodeBatches call for every request's text
-        self.fleet = Fleet(parse_targets(worker_targets), lambda address: open_channel(address, tls),
+        self.fleet = Fleet(parse_targets(worker_targets), lambda address: open_channel(address, tls, api_key),
                            health_interval, router or Router())
         self.token_text: dict[int, str] = {}  # special token id -> text, for stop reasons
 

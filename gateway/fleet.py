@@ -146,6 +146,9 @@ class Fleet:
         self.router = router
         self.workers: dict[str, Worker] = {}
         self._resolver: asyncio.Task | None = None
+        # The event loop holds tasks only weakly: without this set a retiring worker's task could be
+        # collected mid-wait, leaving its channel open for good.
+        self._retiring: set[asyncio.Task] = set()
         self.changed = asyncio.Event()  # set whenever a worker joins, leaves or changes state
 
     async def start(self) -> None:
@@ -172,7 +175,10 @@ class Fleet:
     async def close(self) -> None:
         if self._resolver is not None:
             self._resolver.cancel()
+        for task in self._retiring:
+            task.cancel()  # closes the worker at once rather than after its streams
         await asyncio.gather(*(w.close() for w in self.workers.values()))
+        await asyncio.gather(*self._retiring, return_exceptions=True)
         self.workers.clear()
 
     def _changed(self) -> None:
@@ -189,7 +195,9 @@ class Fleet:
         for address in [a for a in self.workers if a not in wanted]:
             log.info("worker %s: no longer in %s; removing it", address, ", ".join(self.targets))
             worker = self.workers.pop(address)
-            asyncio.create_task(self._retire(worker))
+            task = asyncio.create_task(self._retire(worker), name=f"retire {address}")
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
             self._changed()
         for address in wanted:
             if address not in self.workers:
@@ -199,10 +207,12 @@ class Fleet:
                 self._changed()
 
     async def _retire(self, worker: Worker) -> None:
-        """Close a removed worker's channel once the streams this gateway has on it are done."""
-        while worker.in_flight:
-            await asyncio.sleep(self.interval)
-        await worker.close()
+        """Close a removed worker's channel once the streams this gateway has on it are done (or the fleet closes)."""
+        try:
+            while worker.in_flight:
+                await asyncio.sleep(self.interval)
+        finally:
+            await worker.close()
 
     async def _resolve_every_interval(self) -> None:
         while True:

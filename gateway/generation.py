@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from gateway.convert import SAMPLING_FIELDS
 from gateway.metrics import RequestRecord
+from gateway.request_id import new_request_id
 from gateway.stop import StopStringMatcher
 from gateway.validation import GenerationRequest, Limits, check_prompt_length, validate
 from rpcserver.errors import Unavailable
@@ -80,8 +81,11 @@ class GenerationCore:
         validate(req, limits)
         prompt_ids = await self.encode(req, timeout())
         record.prompt_tokens = len(prompt_ids)
+        # Callers choose their ids freely and may reuse one; the worker needs each open request's id to be
+        # unique, so it gets the gateway's own.
+        record.worker_request_id = new_request_id()
         work = worker_request(req, prompt_ids, check_prompt_length(len(prompt_ids), req.max_tokens, limits),
-                              record.request_id)
+                              record.worker_request_id)
 
         stops = StopStringMatcher(req.stop)
         stream = self.downstreams.open_worker_stream(work, timeout())

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -16,6 +15,7 @@ from gateway.metrics import RequestRecord
 from gateway.openai_format import ResponseFormat
 from gateway.openai_protocol import ChatRequest, CompletionRequest, chat_request, choice_requests, \
     completion_request, parse
+from gateway.request_id import check_request_id, new_request_id
 from gateway.validation import GenerationRequest
 from rpcserver.auth import ApiKeyInterceptor
 from rpcserver.errors import ServiceError
@@ -181,7 +181,9 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
             body = parse(ChatRequest if chat else CompletionRequest, await read_body(request))
             req = chat_request(body) if chat else completion_request(body)
             want_logprobs = req.logprobs is not None
-            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            request_id = request.headers.get("x-request-id", "")
+            check_request_id(request_id)  # the gRPC request_id's rule
+            request_id = request_id or new_request_id()
             prompt = (req.prompt if req.prompt is not None else req.messages) if log_prompts else None
             records = [RequestRecord(request_id if body.n == 1 else f"{request_id}-{i}", prompt)
                        for i in range(body.n)]

@@ -16,7 +16,7 @@ from gateway.http_app import create_app
 from gateway.http_server import HttpServer
 from gateway.router import POLICIES, Router, RouterConfig
 from gateway.servicer import GatewayServicer
-from rpcserver.auth import add_auth_flags, api_key_from_args, auth_interceptors
+from rpcserver.auth import add_auth_flags, api_key_from_args, auth_interceptors, read_api_key
 from rpcserver.config import SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges, env_default
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
@@ -48,6 +48,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--downstream-tls-ca", None, "CA bundle to verify the tokenizer and worker (TLS to them)")
     add_flag(parser, "--downstream-tls-cert", None, "client certificate presented to them (mTLS)")
     add_flag(parser, "--downstream-tls-key", None, "key of --downstream-tls-cert")
+    # Not add_flag, as for --api-key: its help would print a key taken from the environment.
+    parser.add_argument("--downstream-api-key", default=env_default("--downstream-api-key", None),
+                        help="sent as 'authorization: Bearer KEY' on every call to the tokenizer and workers, "
+                             "for ones started with --api-key (default: this gateway's own --api-key, so one "
+                             "key set for all three services works) [env VLLM_V0_DOWNSTREAM_API_KEY]")
+    parser.add_argument("--downstream-api-key-file", default=env_default("--downstream-api-key-file", None),
+                        help="read --downstream-api-key from this file [env VLLM_V0_DOWNSTREAM_API_KEY_FILE]")
     add_flag(parser, "--http-port", 0, "serve the OpenAI-compatible HTTP API on this port too (0: off)")
     add_flag(parser, "--health-interval", 1.0, "seconds between checks of the downstream services (and DNS "
              "lookups of dns:/// worker addresses)")
@@ -63,6 +70,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 ("--max-logprobs", 0, None), ("--max-prompt-chars", 1, None),
                                 ("--health-interval", 0.01, None), ("--http-port", 0, 65535)))
     return args
+
+
+def downstream_api_key(args: argparse.Namespace) -> str | None:
+    """The key sent to the tokenizer and workers: --downstream-api-key, else the gateway's own key."""
+    return (read_api_key(args.downstream_api_key, args.downstream_api_key_file, "--downstream-api-key")
+            or api_key_from_args(args))
 
 
 def limits_overrides(args: argparse.Namespace) -> dict:
@@ -106,7 +119,8 @@ async def serve(args: argparse.Namespace) -> None:
     server = GrpcServer(ServerConfig.from_args(args), [service.full_name], interceptors=auth_interceptors(args))
     downstreams = Downstreams(args.tokenizer_addr, args.worker_addr,
                               DownstreamTLS(args.downstream_tls_ca, args.downstream_tls_cert, args.downstream_tls_key),
-                              args.health_interval, Router(RouterConfig(args.routing)), args.worker_stream)
+                              args.health_interval, Router(RouterConfig(args.routing)), args.worker_stream,
+                              downstream_api_key(args))
     REGISTRY.register(FleetCollector(downstreams.fleet))
     core = GenerationCore(downstreams, limits_overrides(args))
     add_servicer(server.server, service, GatewayServicer(core, args.model_name, args.log_prompts))

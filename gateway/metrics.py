@@ -25,8 +25,9 @@ FINISHED = Counter("vllm_v0_gateway_requests_finished", "Generate calls by how t
 @dataclass
 class RequestRecord:
     """Facts about one Generate call, filled in as it runs; `done()` logs and counts them once."""
-    request_id: str
+    request_id: str  # the caller's (checked) or a generated one: logged and echoed back
     prompt: object = None  # the prompt text or chat messages, kept only with --log-prompts
+    worker_request_id: str = ""  # the gateway's own id for it on the worker, once sent there
     arrival: float = field(default_factory=time.perf_counter)
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -51,6 +52,8 @@ class RequestRecord:
                 f"prompt {self.prompt_tokens} tokens, completion {self.completion_tokens} tokens, "
                 f"ttft {f'{ttft:.3f} s' if ttft is not None else '-'}, "
                 f"total {time.perf_counter() - self.arrival:.3f} s")
+        if self.worker_request_id:
+            line += f", worker request {self.worker_request_id}"
         if code != grpc.StatusCode.OK and error is not None:
             line += f", why {_reason(error)!r}"  # repr keeps it on one line
         if self.prompt is not None:

@@ -1,13 +1,12 @@
 """GatewayService: the public gRPC API, a thin adapter over the generation core."""
 from __future__ import annotations
 
-import uuid
-
 import grpc
 
 from gateway.convert import from_proto
 from gateway.generation import Delta, GenerationCore
 from gateway.metrics import RequestRecord
+from gateway.request_id import caller_request_id
 from rpcserver.status import code_for, grpc_errors
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -24,7 +23,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     @grpc_errors
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         prompt = (request.prompt or [(m.role, m.content) for m in request.messages]) if self.log_prompts else None
-        record = RequestRecord(request.request_id or uuid.uuid4().hex, prompt)
+        record = RequestRecord(caller_request_id(request.request_id), prompt)  # a bad id is refused in validate()
         error = None
         try:
             req = from_proto(request)

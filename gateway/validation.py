@@ -5,6 +5,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from gateway.request_id import check_request_id
 from rpcserver.errors import InvalidArgument
 from rpcserver.shared import MAX_SEED
 
@@ -84,11 +85,12 @@ class GenerationRequest:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    request_id: str = ""
+    request_id: str = ""  # the caller's; checked by validate(), never sent to the worker
 
 
 def validate(req: GenerationRequest, limits: Limits) -> None:
     """Raises InvalidArgument naming the first field that is out of range."""
+    check_request_id(req.request_id)
     _check_input(req, limits)
     _check_sampling(req)
     # Its upper bound depends on the prompt's length: check_prompt_length checks it after tokenization.

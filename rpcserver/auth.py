@@ -31,18 +31,23 @@ def add_auth_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def api_key_from_args(args: argparse.Namespace) -> str | None:
-    if args.api_key and args.api_key_file:
-        raise SystemExit("give --api-key or --api-key-file, not both")
-    if args.api_key_file:
+    return read_api_key(args.api_key, args.api_key_file, "--api-key")
+
+
+def read_api_key(key: str | None, key_file: str | None, flag: str) -> str | None:
+    """The key given as `flag KEY` or `flag-file PATH` (exiting with a message if both or the file is bad)."""
+    if key and key_file:
+        raise SystemExit(f"give {flag} or {flag}-file, not both")
+    if key_file:
         try:
-            with open(args.api_key_file, encoding="utf-8") as f:
+            with open(key_file, encoding="utf-8") as f:
                 key = f.read().strip()
         except OSError as e:
-            raise SystemExit(f"cannot read --api-key-file: {e}") from None
+            raise SystemExit(f"cannot read {flag}-file: {e}") from None
         if not key:
-            raise SystemExit(f"--api-key-file {args.api_key_file} is empty")
+            raise SystemExit(f"{flag}-file {key_file} is empty")
         return key
-    return args.api_key or None
+    return key or None
 
 
 def _digest(value: str) -> bytes:

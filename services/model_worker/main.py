@@ -8,12 +8,12 @@ import logging
 from prometheus_client import REGISTRY
 
 from checkpoint.path import resolve_model
+from rpcserver.auth import add_auth_flags, auth_interceptors
 from rpcserver.config import (SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges,
                               parse_size)
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
-from services.model_worker.config.engine import EngineConfig
-from services.model_worker.config.engine import SchedulerLimits
+from services.model_worker.config.engine import EngineConfig, SchedulerLimits
 from services.model_worker.config.model import ConfigError
 from services.model_worker.core.client import EngineClient
 from services.model_worker.core.process import CoreStartError
@@ -70,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
              type=engine_cpus)
     add_flag(parser, "--stats-interval", 10.0, "seconds between log lines on load, KV cache and throughput "
              "while busy (0: none)")
+    add_auth_flags(parser)  # for deployments without mTLS; the gateway sends its --downstream-api-key
     args = parser.parse_args(argv)
     check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--stats-interval", 0, None)))
     if args.max_model_len < 0:
@@ -92,7 +93,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 async def serve(args: argparse.Namespace) -> None:
     service = worker_pb2.DESCRIPTOR.services_by_name["ModelWorkerService"]
-    server = GrpcServer(ServerConfig.from_args(args), [service.full_name])
+    server = GrpcServer(ServerConfig.from_args(args), [service.full_name], interceptors=auth_interceptors(args))
     servicer = ModelWorkerServicer(args.model)
     add_servicer(server.server, service, servicer)
     await server.start()  # health answers NOT_SERVING while the weights load

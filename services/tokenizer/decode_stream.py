@@ -21,6 +21,11 @@ def byte_level_table() -> dict[str, int]:
 
 
 BYTE_LEVEL = byte_level_table()
+# A UTF-8 character spans at most 4 bytes, hence at most 4 byte tokens (a few more with skipped
+# special tokens between them). A tail held back over more ids than this is not a character being
+# completed but invalid bytes: it is emitted (as U+FFFD, as `final` would), so the window of a
+# stream that never ends stays short and each item's decode cheap.
+MAX_HELD_IDS = 16
 
 
 class TokenPieces:
@@ -60,7 +65,8 @@ class DecodeStreamState:
 
     def add(self, token_ids: list[int], final: bool = False) -> str:
         self.window.extend(token_ids)
+        flush = final or len(self.window) - self.read_offset > MAX_HELD_IDS
         text, prefix_advance, self.read_offset = self.core.decode_incremental(
-            self.window, self.read_offset, self.skip_special_tokens, final)
+            self.window, self.read_offset, self.skip_special_tokens, flush)
         del self.window[:prefix_advance]
         return text

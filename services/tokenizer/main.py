@@ -6,11 +6,13 @@ import asyncio
 import logging
 import time
 
+from rpcserver.auth import add_auth_flags, auth_interceptors
 from rpcserver.config import SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges
 from checkpoint.path import resolve_model
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
 from services.tokenizer.core import TokenizerCore
+from services.tokenizer.decode_batches import StreamLimits
 from services.tokenizer.servicer import TokenizerServicer
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 
@@ -22,15 +24,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_server_flags(parser, default_port=50052)
     add_flag(parser, "--model", "demo-model", "checkpoint directory (tokenizer.json, tokenizer_config.json, "
              "generation_config.json), or a hub id such as Qwen/Qwen3-0.6B")
+    add_flag(parser, "--max-decode-streams", StreamLimits.max_streams, "most streams one DecodeBatches call may "
+             "hold open; a new one past it replaces the least recently used if that one is idle, else is refused")
+    add_flag(parser, "--decode-stream-idle-timeout", StreamLimits.idle_s, "seconds without an item after which "
+             "a DecodeBatches stream may be dropped to make room for a new one (a caller that never sends final)")
+    add_auth_flags(parser)  # for deployments without mTLS; the gateway sends its --downstream-api-key
     args = parser.parse_args(argv)
-    check_ranges(parser, args, SERVER_FLAG_RANGES)
+    check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--max-decode-streams", 1, None),
+                                ("--decode-stream-idle-timeout", 0, None)))
     return args
 
 
 async def serve(args: argparse.Namespace) -> None:
     service = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"]
-    server = GrpcServer(ServerConfig.from_args(args), [service.full_name])
-    servicer = TokenizerServicer()
+    server = GrpcServer(ServerConfig.from_args(args), [service.full_name], interceptors=auth_interceptors(args))
+    servicer = TokenizerServicer(stream_limits=StreamLimits(args.max_decode_streams,
+                                                            args.decode_stream_idle_timeout))
     add_servicer(server.server, service, servicer)
     await server.start()  # health answers NOT_SERVING while the tokenizer loads
     start = time.perf_counter()

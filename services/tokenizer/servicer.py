@@ -5,15 +5,16 @@ from rpcserver.errors import InvalidArgument, ServiceError, Unavailable
 from rpcserver.handlers import MalformedRequest
 from rpcserver.status import grpc_errors, status_for
 from services.tokenizer.core import TokenizerCore
-from services.tokenizer.decode_batches import DecodeBatchState
+from services.tokenizer.decode_batches import DecodeBatchState, StreamLimits
 from services.tokenizer.decode_stream import DecodeStreamState, TokenPieces
 from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
-    def __init__(self, core: TokenizerCore | None = None):
+    def __init__(self, core: TokenizerCore | None = None, stream_limits: StreamLimits = StreamLimits()):
         # Registered before the server starts; the core arrives once the tokenizer has loaded.
         self._core = core
+        self.stream_limits = stream_limits
         self._pieces = TokenPieces(core) if core is not None else None
 
     @property
@@ -65,7 +66,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     @grpc_errors
     async def DecodeBatches(self, requests, context):
         core = self.core
-        batch = DecodeBatchState(core)
+        batch = DecodeBatchState(core, self.stream_limits)
         async for request in requests:
             if isinstance(request, MalformedRequest):
                 raise InvalidArgument(f"a DecodeBatches message does not parse: {request.error}")

@@ -1,4 +1,4 @@
-"""TLS on every server, mTLS from the gateway to the tokenizer and worker, and the gateway's API key."""
+"""TLS on every server, mTLS from the gateway to the tokenizer and worker, and API keys on all three."""
 from __future__ import annotations
 
 import os
@@ -17,8 +17,11 @@ from rpcserver.healthcheck import check
 from tests.integration.certs import CertificateAuthority
 from tests.integration.stack import ROOT, make_stack, wait_serving
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
 API_KEY = "test-key-3f9a1c"
+INTERNAL_KEY = "internal-key-81d2e"  # the tokenizer's and worker's, sent by the gateway
 GATEWAY_SERVICE = "vllm_v0.gateway.v1.GatewayService"
 
 
@@ -158,3 +161,69 @@ def test_plaintext_client_cannot_talk_to_a_tls_server(secure_stack, name):
         with pytest.raises(grpc.RpcError) as refused:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# --- API keys on the tokenizer and worker, for deployments without mTLS ------------------------
+
+
+@pytest.fixture(scope="module")
+def keyed_stack(checkpoint, tmp_path_factory):
+    """Plaintext throughout: clients give the gateway its key; the gateway gives the others theirs."""
+    directory = tmp_path_factory.mktemp("keyed")
+    key_file = directory / "internal-key"
+    key_file.write_text(INTERNAL_KEY + "\n")
+    downstream = ["--api-key-file", str(key_file)]
+    stack = make_stack(str(checkpoint), str(directory), tokenizer_flags=downstream, worker_flags=downstream,
+                       gateway_flags=["--api-key", API_KEY, "--downstream-api-key-file", str(key_file)])
+    stack.start()  # health needs no key; the gateway is SERVING only once its keyed GetInfo calls went through
+    yield stack
+    stack.stop()
+
+
+@pytest.mark.parametrize("name", ["tokenizer", "worker"])
+def test_a_keyed_downstream_service_refuses_calls_without_its_key(keyed_stack, name):
+    with grpc.insecure_channel(getattr(keyed_stack, name).address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)  # reflection stays open, as on the gateway
+        pool = DescriptorPool(database)
+        protected = []
+        for service in database.get_services():
+            for method in pool.FindServiceByName(service).methods:
+                for metadata in (None, [("authorization", f"Bearer {API_KEY}")]):  # none, or the gateway's
+                    code, details = call_any(channel, method, metadata)
+                    if service in OPEN_SERVICES:
+                        assert code != grpc.StatusCode.UNAUTHENTICATED, (method.full_name, details)
+                    else:
+                        assert code == grpc.StatusCode.UNAUTHENTICATED, (method.full_name, code, details)
+                if service not in OPEN_SERVICES:
+                    protected.append(method.name)
+        assert {"GetInfo"} < set(protected)
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        key = [("authorization", f"Bearer {INTERNAL_KEY}")]
+        if name == "tokenizer":
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            assert stub.GetInfo(tokenizer_pb2.GetInfoRequest(), metadata=key, timeout=5).vocab_size > 0
+            assert stub.Encode(tokenizer_pb2.EncodeRequest(text="Hi"), metadata=key, timeout=5).token_ids
+        else:
+            stub = worker_pb2_grpc.ModelWorkerServiceStub(channel)
+            assert stub.GetInfo(worker_pb2.GetInfoRequest(), metadata=key, timeout=5).max_context > 0
+            replies = list(stub.Generate(worker_pb2.GenerateRequest(
+                request_id="direct", prompt_token_ids=[1, 2, 3], max_tokens=3, ignore_eos=True), metadata=key,
+                timeout=30))
+            assert len(replies) == 3
+
+
+def test_the_gateway_sends_the_downstream_key_end_to_end(keyed_stack):
+    with grpc.insecure_channel(keyed_stack.gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        key = [("authorization", f"Bearer {API_KEY}")]
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.GetInfo(gateway_pb2.GetInfoRequest(), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        info = stub.GetInfo(gateway_pb2.GetInfoRequest(), metadata=key, timeout=5)
+        assert info.max_context > 0 and [w.state for w in info.workers] == ["serving"]
+        # Encode, the worker's GenerateMany and the tokenizer's DecodeBatches, all with the internal key.
+        replies = list(stub.Generate(gateway_pb2.GenerateRequest(prompt="Hello there", max_tokens=8, temperature=0,
+                                                                 ignore_eos=True), metadata=key, timeout=60))
+    assert replies[-1].usage.completion_tokens == 8 and "".join(r.text for r in replies)
+    assert "UNAUTHENTICATED" not in keyed_stack.gateway.log()

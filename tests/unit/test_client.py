@@ -105,6 +105,30 @@ def test_system_alone_implies_chat():
     assert [m.role for m in req.messages] == ["system", "user"]
 
 
+@pytest.mark.parametrize("flag, value, bounds", [
+    ("--max-tokens", "-1", "[0, 4294967295]"), ("--seed", "-1", "[0, 18446744073709551615]"),
+    ("--logprobs", "-1", "[0, 4294967295]"), ("--stop-token-id", "-5", "[0, 4294967295]"),
+    ("--top-k", "-2", "[-1, 2147483647]"), ("--max-tokens", "4294967296", "[0, 4294967295]"),
+    ("--seed", "18446744073709551616", "[0, 18446744073709551615]"), ("--logprobs", "two", "not an integer"),
+])
+def test_out_of_range_integers_are_a_one_line_usage_error(flag, value, bounds, capsys):
+    """Values the proto field cannot hold fail in argparse, before any request is built or sent."""
+    with pytest.raises(SystemExit) as done:
+        main(["hi", "--addr", "127.0.0.1:1", flag, value])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"python -m gateway.client: error: argument {flag}: ") and bounds in last, err
+
+
+def test_the_ends_of_each_integer_range_are_accepted():
+    req = request("hi", "--max-tokens", "4294967295", "--seed", str(2**64 - 1), "--logprobs", "0", "--top-k", "-1",
+                  "--stop-token-id", "0")
+    assert (req.max_tokens, req.seed, req.logprobs, req.top_k, list(req.stop_token_ids)) == (
+        2**32 - 1, 2**64 - 1, 0, -1, [0])
+
+
 def test_address_and_key_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("VLLM_V0_GATEWAY_ADDR", "gw:1234")
     monkeypatch.setenv("VLLM_V0_API_KEY", "secret")

@@ -76,6 +76,40 @@ def test_only_the_gateway_publishes_a_port(config):
     assert services["worker"]["expose"] == ["50053"]
 
 
+def test_the_gateway_is_published_on_loopback_unless_the_operator_sets_a_bind_address(config):
+    """Plaintext and keyless by default: reachable from this host only, with or without the TP override."""
+    for services in (config["services"], compose_config("-f", "docker-compose.tp.yml")["services"]):
+        assert [p.get("host_ip") for p in services["gateway"]["ports"]] == ["127.0.0.1", "127.0.0.1"]
+        published = [name for name, service in services.items() if service.get("ports")]
+        assert published == ["gateway"], published
+    for extra in ((), ("-f", "docker-compose.tp.yml")):
+        ports = compose_config(*extra, env={"GATEWAY_BIND": "0.0.0.0", "GATEWAY_PORT": "6000"})["services"][
+            "gateway"]["ports"]
+        assert [(p["host_ip"], p["published"], p["target"]) for p in ports] == [
+            ("0.0.0.0", "6000", 50051), ("0.0.0.0", "8000", 8000)]
+
+
+def test_the_api_key_guards_the_tokenizer_and_worker_too():
+    """One key for the three by default; VLLM_V0_DOWNSTREAM_API_KEY gives the two behind the gateway their own."""
+    def keys(**env) -> dict:
+        services = compose_config(env=env)["services"]
+        gateway = services["gateway"].get("environment") or {}
+        return {"gateway": gateway.get("VLLM_V0_API_KEY"), "sent": gateway.get("VLLM_V0_DOWNSTREAM_API_KEY"),
+                **{name: services[name]["environment"].get("VLLM_V0_API_KEY") for name in ("tokenizer", "worker")}}
+
+    # Empty is "no key" to the services (as unset).
+    assert keys() == {"gateway": None, "sent": None, "tokenizer": "", "worker": ""}
+    assert keys(VLLM_V0_API_KEY="k") == {"gateway": "k", "sent": None, "tokenizer": "k", "worker": "k"}
+    assert keys(VLLM_V0_API_KEY="k", VLLM_V0_DOWNSTREAM_API_KEY="d") == {
+        "gateway": "k", "sent": "d", "tokenizer": "d", "worker": "d"}
+    from services.model_worker.main import parse_args as worker_args
+    from services.tokenizer.main import parse_args as tokenizer_args
+    from rpcserver.auth import api_key_from_args
+
+    for parse in (worker_args, tokenizer_args):  # the flag those containers' variable sets
+        assert api_key_from_args(parse(["--api-key", "d"])) == "d"
+
+
 def test_worker_reserves_an_nvidia_gpu(config):
     devices = config["services"]["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert len(devices) == 1

@@ -7,6 +7,9 @@ import grpc
 import pytest
 
 from demo.vocab import load_ranks, ranks_path
+from rpcserver.errors import ResourceExhausted
+from services.tokenizer.decode_batches import DecodeBatchState, StreamLimits
+from services.tokenizer.decode_stream import MAX_HELD_IDS, DecodeStreamState
 from tests.unit.test_decode_stream import status_after, with_server
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 
@@ -136,3 +139,73 @@ def test_a_close_with_ids_ends_the_call_with_invalid_argument(demo_tokenizer):
 
     code, details = asyncio.run(with_server(demo_tokenizer, body))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "a close item carries no token_ids" in details
+
+
+# --- bounds on what a caller that never sends `final` can make the service hold --------------
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_open_streams_are_bounded_and_only_idle_ones_make_room(demo_tokenizer):
+    clock = Clock()
+    batch = DecodeBatchState(demo_tokenizer, StreamLimits(max_streams=3, idle_s=10.0), clock)
+    for stream_id in range(3):  # opened, never finished
+        batch.add(stream_id, [1], final=False, skip_special_tokens=True)
+    clock.now = 5.0
+    with pytest.raises(ResourceExhausted, match="already holds 3 open streams"):
+        batch.add(3, [1], final=False, skip_special_tokens=True)
+    assert list(batch.streams) == [0, 1, 2]  # live streams are never dropped for a new one
+    clock.now = 8.0
+    batch.add(0, [2], final=False, skip_special_tokens=True)  # 0 is in use again: 1 is now the least recent
+    clock.now = 12.0
+    assert batch.add(3, [1], final=False, skip_special_tokens=True) == demo_tokenizer.decode([1])
+    assert list(batch.streams) == [2, 0, 3] and batch.dropped == 1
+    # A caller that leaks a stream per request: the table never grows past the bound.
+    for stream_id in range(4, 1000):
+        clock.now += 11.0
+        batch.add(stream_id, [1], final=False, skip_special_tokens=True)
+        assert len(batch.streams) <= 3 and batch.last_used.keys() == batch.streams.keys()
+    # Ended streams free their place at once, idle or not.
+    batch.add(999, [], final=True, skip_special_tokens=True)
+    batch.close(998, [], [])
+    assert list(batch.streams) == [997]
+
+
+def test_a_stream_past_the_bound_fails_its_own_item_and_the_call_goes_on(demo_tokenizer):
+    parrot = demo_tokenizer.encode("🦜")
+    messages = [
+        [item(1, parrot[:1]), item(2, parrot[:1]), item(3, [1])],  # 3: a third open stream, one too many
+        [item(1, parrot[1:], final=True), item(3, [1], final=True), item(2, parrot[1:], final=True)],
+    ]
+    (first, second), code = asyncio.run(with_server(
+        demo_tokenizer, lambda stub: exchange(stub, messages), stream_limits=StreamLimits(2, 3600.0)))
+    assert code == grpc.StatusCode.OK
+    assert [(r.stream_id, r.error_code) for r in first.results] == [
+        (1, 0), (2, 0), (3, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])]
+    assert "--max-decode-streams" in first.results[2].error_message
+    # Stream 1's final freed a place for stream 3; stream 2 kept its held byte throughout.
+    assert [(r.stream_id, r.error_code, r.text) for r in second.results] == [
+        (1, 0, "🦜"), (3, 0, demo_tokenizer.decode([1])), (2, 0, "🦜")]
+
+
+def test_a_held_back_tail_of_invalid_bytes_is_bounded(demo_tokenizer):
+    """A lone UTF-8 lead byte repeated is never a character: it must not pile up in the window."""
+    lead = demo_tokenizer.tokenizer.token_to_id("ä")  # the byte-level token of 0xE4, a 3-byte lead
+    assert demo_tokenizer.decode([lead]) == "\ufffd"
+    state, texts, longest = DecodeStreamState(demo_tokenizer, skip_special_tokens=True), [], 0
+    for _ in range(200):
+        texts.append(state.add([lead]))
+        longest = max(longest, len(state.window))
+    texts.append(state.add([], final=True))
+    assert longest <= 2 * (MAX_HELD_IDS + 1)
+    assert "".join(texts) == demo_tokenizer.decode([lead] * 200)  # still exactly the full decode
+    # A character split over tokens is held as before.
+    parrot = demo_tokenizer.encode("🦜")
+    state = DecodeStreamState(demo_tokenizer, skip_special_tokens=True)
+    assert [state.add(parrot[:1]), state.add(parrot[1:])] == ["", "🦜"]

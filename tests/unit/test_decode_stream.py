@@ -14,9 +14,10 @@ from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 TEXT = "Party 🦜🤗 中文分词 <|im_end|> done"
 
 
-async def with_server(core, body):
+async def with_server(core, body, **servicer_options):
     server = grpc.aio.server()
-    add_servicer(server, tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"], TokenizerServicer(core))
+    add_servicer(server, tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"],
+                 TokenizerServicer(core, **servicer_options))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

@@ -174,6 +174,26 @@ def test_deltas_add_up_to_the_full_decode_and_end_with_usage(demo_tokenizer):
     assert call.sent_items[-1].final and call.closed == [] and call.state.streams == {}
 
 
+def test_the_worker_gets_the_gateways_own_id_and_the_record_keeps_the_callers(demo_tokenizer):
+    """Callers may reuse an id, even at once; the worker needs each open request's id to be unique."""
+    ids = demo_tokenizer.encode("done")
+    downstreams = FakeDownstreams(demo_tokenizer, ids)
+    core = GenerationCore(downstreams, {})
+    records = [RequestRecord("shared"), RequestRecord("shared")]
+
+    async def both():
+        async def one(record):
+            return [d async for d in core.generate(GenerationRequest(prompt="hi", request_id="shared"), record)]
+        return await asyncio.gather(*(one(r) for r in records))
+
+    for deltas in asyncio.run(both()):
+        assert deltas[-1].finish_reason == "length"
+    sent = [w.request_id for w in downstreams.works]
+    assert len(set(sent)) == 2 and "shared" not in sent
+    assert [r.worker_request_id for r in records] == sent
+    assert [r.request_id for r in records] == ["shared", "shared"]
+
+
 def test_stop_string_cuts_the_text_and_cancels_the_worker(demo_tokenizer):
     ids = demo_tokenizer.encode(TEXT)
     downstreams = FakeDownstreams(demo_tokenizer, ids)

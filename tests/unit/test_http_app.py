@@ -69,3 +69,17 @@ def test_api_key(make_client):
     models = client.get("/v1/models", headers={"authorization": "Bearer k1"}).json()
     assert models["data"][0]["id"] == "fake-model" and models["data"][0]["max_model_len"] == 1024
     assert client.get("/health").status_code == 200  # open, as gRPC health
+
+
+def test_request_id_header_is_checked_echoed_and_not_sent_to_the_worker(make_client):
+    client, downstreams = make_client()
+    body = {"model": "x", "prompt": "hi", "max_tokens": 2}
+    for _ in range(2):
+        reply = client.post("/v1/completions", json=body, headers={"x-request-id": "mine-1"})
+        assert reply.status_code == 200 and reply.headers["x-request-id"] == "mine-1"
+    sent = [w.request_id for w in downstreams.works]
+    assert len(set(sent)) == 2 and "mine-1" not in sent
+    reply = client.post("/v1/completions", json=body, headers={"x-request-id": "x" * 129})
+    assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
+    assert "at most 128 printable ASCII characters" in reply.json()["error"]["message"]
+    assert len(downstreams.works) == 2

@@ -130,8 +130,40 @@ def test_fleet_leave_and_rejoin():
     asyncio.run(scenario())
 
 
+def test_a_removed_worker_is_retired_by_a_task_the_fleet_holds_and_closes():
+    """A worker that leaves the DNS answer keeps its channel while it has streams; the fleet holds that wait
+    and, closing, ends it and the channel too."""
+    async def scenario():
+        fleet = Fleet(["a:1"], open_channel=lambda address: None, interval=0.01, router=Router())
+        channels = {address: _NoChannel() for address in ("a:1", "b:2", "c:3")}
+        for address, channel in channels.items():
+            fleet.workers[address] = Worker(address, channel, 0.01)
+        fleet.workers["b:2"].in_flight = 1
+        fleet.workers["c:3"].in_flight = 1
+        retiring = fleet.workers["c:3"]
+        await fleet._resolve()  # b:2 and c:3 are no longer among the targets
+        assert list(fleet.workers) == ["a:1"]
+        assert not channels["b:2"].closed and not channels["c:3"].closed  # each still has a stream
+        retiring.in_flight = 0
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if channels["c:3"].closed:
+                break
+        assert channels["c:3"].closed  # its stream ended: closed by the task
+        assert not channels["b:2"].closed
+        await fleet.close()
+        assert channels["a:1"].closed and channels["b:2"].closed  # b:2's stream never ended: closed with the fleet
+        assert not asyncio.all_tasks() - {asyncio.current_task()}  # nothing left running
+    asyncio.run(scenario())
+
+
 class _NoChannel:
+    closed = False
+
     def unary_unary(self, *args, **kwargs):
         return None
+
+    async def close(self):
+        self.closed = True
 
     unary_stream = stream_unary = stream_stream = unary_unary

@@ -45,5 +45,16 @@ def test_gateway_flags_out_of_range_are_refused_by_name(flag, value, message, ca
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-decode-streams", "0", "--max-decode-streams must be >= 1, got 0"),
+    ("--decode-stream-idle-timeout", "-1", "--decode-stream-idle-timeout must be >= 0, got -1.0"),
+])
+def test_tokenizer_flags_out_of_range_are_refused_by_name(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        tokenizer_args([flag, value])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_max_message_bytes_takes_a_size():
     assert tokenizer_args(["--max-message-bytes", "16MiB"]).max_message_bytes == 16 << 20

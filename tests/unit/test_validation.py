@@ -5,6 +5,7 @@ import math
 import pytest
 
 from gateway.convert import from_proto
+from gateway.request_id import caller_request_id
 from gateway.validation import GenerationRequest, Limits, check_prompt_length, validate
 from rpcserver.errors import InvalidArgument
 from vllm_v0.gateway.v1 import gateway_pb2
@@ -216,6 +217,31 @@ def test_gateway_limits_beyond_the_workers_context_are_capped_there(caplog):
     assert (limits.max_prompt_tokens, limits.max_tokens_limit) == (4095, 4096)
     assert "--max-prompt-tokens 8000 is beyond what the worker's context allows; using 4095" in caplog.text
     assert Limits.for_worker(worker, max_prompt_tokens=100).max_prompt_tokens == 100
+
+
+@pytest.mark.parametrize("request_id", ["", "r-1", "chatcmpl-0123456789abcdef", "a" * 128,
+                                        "".join(chr(c) for c in range(0x21, 0x7f))[:128]])
+def test_request_ids_within_the_rule_pass(request_id):
+    validate(prompt(request_id=request_id), LIMITS)
+    logged = caller_request_id(request_id)
+    assert logged == request_id if request_id else len(logged) == 32  # none given: a generated one
+
+
+@pytest.mark.parametrize("request_id, words", [
+    ("a" * 129, ["request_id is 129 characters", "at most 128 printable ASCII characters"]),
+    ("ok\nINFO forged: line", ["'\\n' at position 2", "without spaces or control characters"]),
+    ("two words", ["' ' at position 3"]),
+    ("tab\there", ["'\\t' at position 3"]),
+    ("nul\x00", ["'\\x00' at position 3"]),
+    ("del\x7f", ["'\\x7f' at position 3"]),
+    ("café", ["'é' at position 3"]),
+])
+def test_request_ids_outside_the_rule_are_refused_naming_it(request_id, words):
+    message = rejects(prompt(request_id=request_id), *words)
+    assert request_id not in message  # the whole id is never repeated, in the reply or the log
+    # The log line and echo use a fresh id instead of the bad one.
+    fresh = caller_request_id(request_id)
+    assert fresh != request_id and len(fresh) == 32 and fresh.isalnum()
 
 
 def test_too_many_stop_strings():

@@ -100,6 +100,7 @@ class TokenizerServiceServicer:
         message, in order. The service keeps the stream's window, so each message
         carries only the new ids; the state ends with the call. One call per
         request costs far less per token than a DecodeIncremental call per token.
+        As in DecodeBatches, a held-back tail is emitted once it spans over 16 ids.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,7 +113,14 @@ class TokenizerServiceServicer:
         one message per worker step for all its streams, so the per-message cost
         of gRPC is paid once per step instead of once per token. The service keeps
         each open stream's window until its `final` or `close` item, or until the
-        call ends, which forgets them all.
+        call ends, which forgets them all. One call holds at most the service's
+        --max-decode-streams open streams: a new stream past that replaces the
+        least recently used one if it has had no item for
+        --decode-stream-idle-timeout seconds (that stream is forgotten; an item
+        for it later opens it anew), else the new stream's item fails with
+        RESOURCE_EXHAUSTED and the open streams go on. A stream's held-back tail
+        (an incomplete UTF-8 character) is emitted as U+FFFD once it spans more
+        than 16 ids, as a full decode shows such invalid bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
