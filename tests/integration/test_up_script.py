@@ -2,6 +2,7 @@
 ports that its own live processes serve (scripts/up_stack.py)."""
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -12,7 +13,7 @@ import sys
 import pytest
 
 from scripts import up_stack
-from tests.integration.stack import ROOT, free_port
+from tests.integration.stack import ROOT, Service, free_port, wait_serving
 
 OLD_LOG = "the running stack's log\n"
 
@@ -129,3 +130,23 @@ def test_the_wait_ends_once_its_own_processes_serve(listening):
     started = [up_stack.Started("tokenizer", os.getpid(), [listening])]
     assert up_stack.wait_until_serving(started, is_healthy, sleep=lambda s: None) is None
     assert polls == [listening] * 3
+
+
+@pytest.mark.parametrize("with_template", [True, False], ids=["chat_template", "no_template"])
+def test_up_asks_the_tokenizer_whether_to_send_chat(demo_tokenizer_dir, tmp_path, with_template):
+    model = tmp_path / "model"
+    shutil.copytree(demo_tokenizer_dir, model)
+    if not with_template:
+        config = json.loads((model / "tokenizer_config.json").read_text())
+        del config["chat_template"]
+        (model / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Service("tokenizer", ["services.tokenizer", "--model", str(model)], free_port(),
+                        str(tmp_path / "tokenizer.log"))
+    tokenizer.start()
+    try:
+        wait_serving(tokenizer.address, timeout=60)
+        assert up_stack.main(["chat", str(tokenizer.port)]) == (0 if with_template else 1)
+    finally:
+        tokenizer.stop()
+    up = (pathlib.Path(ROOT) / "scripts" / "up.sh").read_text()
+    assert 'scripts.up_stack chat "$TOKENIZER_PORT"; then chat=(--chat)' in up
