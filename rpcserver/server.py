@@ -90,6 +90,12 @@ class GrpcServer:
         log.info("listening on %s:%d (%s)", self.config.host, self.port, "TLS" if credentials else "plaintext")
         return self.port
 
+    async def close(self) -> None:
+        """Stop at once if still running: a start that fails after the port is bound (a checkpoint refused)
+        must stop the server on its own loop, or grpc's __del__ does it after the loop is closed, with
+        a traceback ("Event loop is closed") under the one-line reason. Harmless after a graceful stop."""
+        await self.server.stop(None)
+
     async def set_serving(self, serving: bool) -> None:
         serving = serving and not self.draining  # once stopping, never SERVING again
         self.serving = serving

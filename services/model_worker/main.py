@@ -97,6 +97,14 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = ModelWorkerServicer(args.model)
     add_servicer(server.server, service, servicer)
     await server.start()  # health answers NOT_SERVING while the weights load
+    try:
+        await serve_started(args, server, servicer)
+    finally:
+        await server.close()
+
+
+async def serve_started(args: argparse.Namespace, server: GrpcServer, servicer: ModelWorkerServicer) -> None:
+    """Once listening: start the engine core on the checkpoint and serve until a signal or its failure."""
     checkpoint = resolve_model(args.model)
     # The model loads and steps in a separate engine-core process; this one only serves gRPC.
     client = EngineClient(checkpoint, engine_config(args), log_level=args.log_level,

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from services.model_worker.host.cpu_affinity import (check_available, current, format_cpu_list,
-                                                     inherited_by_children, keep_process_off, parse_cpu_list)
+                                                     inherited_by_children, parse_cpu_list)
 
 
 @pytest.mark.parametrize("text, cpus", [("3", {3}), ("0-3", {0, 1, 2, 3}), ("0,2,4-6", {0, 2, 4, 5, 6}),

@@ -1,5 +1,4 @@
 """The committed stubs are exactly what protoc generates from protos/, and the protos document themselves."""
-import pathlib
 import re
 
 from scripts.gen_protos import ROOT, main as generate

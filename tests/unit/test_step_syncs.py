@@ -85,7 +85,7 @@ def test_on_the_gpu_a_decode_step_synchronises_once(tmp_path):
                                               max_model_len=256))
     for i, kind in enumerate(PARAMS):
         params = SamplingParams(**{**PARAMS[kind].__dict__, "max_tokens": 8, "ignore_eos": True})
-        engine.add_request(f"{len(kinds)}-{kind}-{i}", [3 + i, 1, 4], params)
+        engine.add_request(f"gpu-{kind}-{i}", [3 + i, 1, 4], params)
     engine.step()  # the prefill
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")

@@ -1,8 +1,10 @@
 """Compiles a kernel's C file with the system compiler on first use and loads it through ctypes.
 
 A library is compiled for the machine it runs on (-march=native) and cached under a name that
-hashes the source, the headers beside it, the flags and the CPU's feature list, so a changed kernel or another CPU gets
-a fresh build (about a second). It links torch's own OpenMP runtime, so a kernel's threads are
+hashes the source, the headers beside it, the flags, the compiler's version and the CPU's feature
+list, so a changed kernel, an upgraded compiler or another CPU gets a fresh build (about a second).
+A cached library that no longer loads (a truncated write, a disk error) is rebuilt once before the
+PyTorch path is taken. It links torch's own OpenMP runtime, so a kernel's threads are
 the same pool, and the same thread count, as torch's: two runtimes in one process would each
 keep a team of spinning threads on the same cores.
 """
@@ -40,17 +42,32 @@ def cpu_features() -> str:
         return ""
 
 
+def compiler_version(compiler: str) -> str:
+    """What `compiler --version` prints: the same name may be another compiler after an upgrade."""
+    try:
+        result = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"the C compiler {compiler!r} does not run: {e}") from e
+    return result.stdout + result.stderr
+
+
+def cache_path(source: pathlib.Path, compiler: str) -> pathlib.Path:
+    """Where the library built from `source` by `compiler` on this machine is cached."""
+    torch_lib = pathlib.Path(torch.__file__).parent / "lib"
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(FLAGS).encode(), compiler.encode(),
+                                     compiler_version(compiler).encode(), platform.machine().encode(),
+                                     cpu_features().encode(), str(torch_lib).encode()])).hexdigest()[:16]
+    return cache_dir() / f"{source.stem}-{key}.so"
+
+
 def build(source: pathlib.Path, compiler: str | None = None) -> pathlib.Path:
     """Compile the C file (or find it already compiled); raises RuntimeError if that fails."""
     compiler = compiler or os.environ.get("CC") or "gcc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (set CC to use another)")
     torch_lib = pathlib.Path(torch.__file__).parent / "lib"
-    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(FLAGS).encode(), compiler.encode(),
-                                     platform.machine().encode(), cpu_features().encode(),
-                                     str(torch_lib).encode()])).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{key}.so"
+    target = cache_path(source, compiler)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -68,7 +85,14 @@ def build(source: pathlib.Path, compiler: str | None = None) -> pathlib.Path:
 def load(source: pathlib.Path, what: str) -> ctypes.CDLL | None:
     """The compiled library, or None (with a warning naming `what` falls back) where it cannot be built."""
     try:
-        return ctypes.CDLL(str(build(source)))
+        path = build(source)
+        try:
+            return ctypes.CDLL(str(path))
+        except OSError as e:
+            # The cache outlives processes, so one bad file would otherwise cost every later start its kernel.
+            log.warning("%s: cached C kernel %s does not load (%s); rebuilding it", what, path, e)
+            path.unlink(missing_ok=True)
+            return ctypes.CDLL(str(build(source)))
     except (RuntimeError, OSError) as e:
         log.warning("%s: C kernel unavailable, using the PyTorch path (slower): %s", what, e)
         return None

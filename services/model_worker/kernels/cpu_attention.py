@@ -55,17 +55,26 @@ def paged_decode_attention(library: ctypes.CDLL, q: torch.Tensor, k_cache: torch
     """q: (N, H, D), the last position of each of N sequences; caches: (Hkv, slots, D) on the CPU.
 
     context_lens: (N,) int32, >= 1; block_tables: (N, max_blocks) int32. Returns (N, H, D).
+    Raises IndexError, reading nothing, where a block the context reaches is not in the table or the pool.
     """
     q = q.contiguous()
     context_lens, block_tables = context_lens.contiguous(), block_tables.contiguous()
     assert q.dtype == k_cache.dtype == v_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert context_lens.dtype == block_tables.dtype == torch.int32
+    # The kernel reads one length and one table row per query row: fewer would be read past their end.
+    assert context_lens.shape == (q.shape[0],) and block_tables.dim() == 2 and block_tables.shape[0] == q.shape[0]
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
     status = library.paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), context_lens.data_ptr(),
         block_tables.data_ptr(), k_cache.shape[1], num_seqs, num_heads, k_cache.shape[0], head_dim, block_size,
         block_tables.shape[1], _DTYPES[q.dtype], scale)
+    num_blocks = k_cache.shape[1] // block_size
+    if status == -3:
+        raise IndexError(f"a block table names a block outside the cache's {num_blocks} blocks")
+    if status == -4:
+        raise IndexError(f"a context is longer than its block table's {block_tables.shape[1]} blocks "
+                         f"of {block_size} slots")
     if status != 0:
         raise RuntimeError(f"paged_decode_attention failed with status {status} "
                            f"(heads {num_heads}, KV heads {k_cache.shape[0]}, head_dim {head_dim})")

@@ -69,5 +69,7 @@ def decode_layers(library: ctypes.CDLL, kernels: Kernels, shape: Shape, layers: 
                 slot_mapping.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr())
     status = library.decode_layers(ctypes.addressof(kernels), ctypes.addressof(shape), ctypes.addressof(layers),
                                    len(layers), ctypes.addressof(step), hidden.data_ptr())
+    if status in (-3, -4):  # paged_attention.c's refusal of a block table, passed up unchanged
+        raise IndexError(f"decode_layers: a block table reaches outside the KV cache (status {status})")
     if status != 0:
         raise RuntimeError(f"decode_layers failed with status {status} for {hidden.shape[0]} rows")

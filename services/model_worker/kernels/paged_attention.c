@@ -371,14 +371,37 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
     }
 }
 
+/* Whether every block a sequence's context reaches is in its table row (0, else -4) and in the
+ * pool (0, else -3). A bad entry would otherwise read outside the caches, as a bad slot would
+ * write outside them in write_kv; one pass over the tables costs little beside the attention. */
+static int check_block_tables(const int32_t *context_lens, const int32_t *block_tables, int64_t num_slots,
+                              int num_seqs, int block_size, int max_blocks) {
+    const int64_t num_blocks = num_slots / block_size;
+    for (int b = 0; b < num_seqs; b++) {
+        const int64_t used = ((int64_t)context_lens[b] + block_size - 1) / block_size;
+        if (used > max_blocks) return -4;
+        const int32_t *table = block_tables + (int64_t)b * max_blocks;
+        for (int64_t j = 0; j < used; j++)
+            if (table[j] < 0 || table[j] >= num_blocks) return -3;
+    }
+    return 0;
+}
+
 /* q, out: (num_seqs, num_heads, head_dim); caches: (num_kv_heads, num_slots, head_dim), all
  * contiguous, float32 (is_bf16 = 0) or bfloat16; context_lens >= 1. Returns 0, or < 0 if the
- * shapes are unsupported (-1) or scratch memory could not be had (-2). */
+ * shapes are unsupported (-1), scratch memory could not be had (-2), a block-table entry the
+ * context reaches is outside the pool (-3) or a context is longer than its table row (-4); on
+ * -1, -3 and -4 nothing is read from the caches or written to out. */
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
                            const int32_t *context_lens, const int32_t *block_tables, int64_t num_slots,
                            int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
                            int max_blocks, int is_bf16, float scale) {
-    if (num_kv_heads < 1 || num_heads % num_kv_heads || num_heads / num_kv_heads > 64 || head_dim < 1) return -1;
+    if (num_kv_heads < 1 || num_heads % num_kv_heads || num_heads / num_kv_heads > 64 || head_dim < 1 ||
+        block_size < 1)
+        return -1;
+    const int table_status = check_block_tables(context_lens, block_tables, num_slots, num_seqs, block_size,
+                                                max_blocks);
+    if (table_status) return table_status;
     const Args a = {q, k_cache, v_cache, out, context_lens, block_tables, num_slots, num_heads, num_kv_heads,
                     head_dim, block_size, max_blocks, is_bf16, scale};
     const int group = num_heads / num_kv_heads, num_items = num_seqs * num_kv_heads;
