@@ -74,7 +74,9 @@ def error_body(error: BaseException) -> tuple[int, dict]:
 
 def error_response(error: BaseException) -> JSONResponse:
     status, body = error_body(error)
-    return JSONResponse(body, status_code=status)
+    # The rest of a body refused as too large is not worth reading: end the connection instead.
+    headers = {"connection": "close"} if status == 413 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def sse(payload: dict | str) -> bytes:
@@ -170,10 +172,13 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
                               f"the request body is larger than {max_body_bytes} bytes", http_status=413)
         if int(request.headers.get("content-length") or 0) > max_body_bytes:
             raise too_large
-        body = await request.body()
-        if len(body) > max_body_bytes:
-            raise too_large
-        return body
+        # A chunked body names no length: count it as it arrives, so the limit holds before it is all read.
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:
+                raise too_large
+        return bytes(body)
 
     async def generate(request: Request, chat: bool) -> JSONResponse | StreamingResponse:
         choices = None

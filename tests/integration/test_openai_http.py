@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP front, driven by the real `openai` client and by curl, against gRPC Generate."""
 from __future__ import annotations
 
+import http.client
 import json
 import re
+import socket
 import subprocess
 import threading
 import time
@@ -132,6 +134,49 @@ def test_models_and_health(client, stack):
     out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", stack.http_url + "/health"], capture_output=True,
                          text=True, timeout=30).stdout
     assert out.splitlines()[-1] == "200"
+
+
+MAX_BODY_BYTES = 4 << 20  # the gateway's default --max-message-bytes
+
+
+def chunked_upload(url: str, path: str, chunks, finish: bool) -> socket.socket:
+    """A POST whose body goes out in chunks with no content-length, as a streaming client sends it."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 "Transfer-Encoding: chunked\r\n\r\n".encode())
+    for chunk in chunks:
+        sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    if finish:
+        sock.sendall(b"0\r\n\r\n")
+    return sock
+
+
+def test_chunked_body_over_the_limit_is_refused_before_it_ends(stack):
+    """A chunked body names no length: the gateway counts its bytes as they come and answers at the limit."""
+    over = [b"x" * (64 << 10)] * ((MAX_BODY_BYTES >> 16) + 16)  # 1 MiB past the limit, and never finished
+    with chunked_upload(stack.http_url, "/v1/completions", over, finish=False) as sock:
+        reply = http.client.HTTPResponse(sock)
+        reply.begin()  # before the fix: the body was awaited to its end, so this timed out
+        error = json.loads(reply.read())["error"]
+        assert reply.status == 413 and str(MAX_BODY_BYTES) in error["message"]
+        # The rest of the upload is not read: the gateway closes the connection.
+        assert reply.getheader("connection") == "close"
+        sock.settimeout(30)
+        try:
+            while sock.recv(1 << 16):
+                pass
+        except ConnectionResetError:
+            pass
+
+
+def test_chunked_body_under_the_limit_is_served(stack, gateway):
+    want, _ = grpc_generate(gateway, prompt=PROMPT, max_tokens=4, temperature=0)
+    body = json.dumps({"model": "any", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).encode()
+    with chunked_upload(stack.http_url, "/v1/completions", [body[:10], body[10:]], finish=True) as sock:
+        reply = http.client.HTTPResponse(sock)
+        reply.begin()
+        assert reply.status == 200 and json.loads(reply.read())["choices"][0]["text"] == want
 
 
 def curl_stream(url: str, body: dict, *headers: str) -> subprocess.Popen:
