@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -13,70 +12,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.generation import Delta, GenerationCore
 from gateway.metrics import RequestRecord
+from gateway.openai_errors import HttpError, add_error_handlers, error_body, error_response, grpc_code
 from gateway.openai_format import ResponseFormat
 from gateway.openai_protocol import ChatRequest, CompletionRequest, chat_request, choice_requests, \
     completion_request, parse
 from gateway.validation import GenerationRequest
 from rpcserver.auth import ApiKeyInterceptor
-from rpcserver.errors import ServiceError
-from rpcserver.status import status_for
-
-log = logging.getLogger(__name__)
-
-# gRPC status -> (HTTP status, OpenAI error type)
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-}
-
-
-class HttpError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, http_status: int | None = None):
-        super().__init__(message)
-        self.code = code
-        self.http_status = http_status
-
-
-def grpc_code(error: BaseException | None) -> grpc.StatusCode:
-    """The gRPC status a failure corresponds to, for logs, metrics and the HTTP status."""
-    if error is None:
-        return grpc.StatusCode.OK
-    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-        return grpc.StatusCode.CANCELLED
-    if isinstance(error, HttpError):
-        return error.code
-    if isinstance(error, grpc.aio.AioRpcError):
-        return error.code()
-    if isinstance(error, ServiceError):
-        return status_for(error)
-    return grpc.StatusCode.INTERNAL
-
-
-def error_body(error: BaseException) -> tuple[int, dict]:
-    code = grpc_code(error)
-    status, kind = HTTP_STATUS.get(code, (500, "server_error"))
-    if isinstance(error, HttpError) and error.http_status:
-        status = error.http_status
-    if isinstance(error, grpc.aio.AioRpcError):
-        message = error.details() or code.name
-    elif code == grpc.StatusCode.INTERNAL and not isinstance(error, ServiceError):
-        log.exception("internal error", exc_info=error)
-        message = f"internal error: {type(error).__name__}: {error}"
-    else:
-        message = str(error)
-    return status, {"error": {"message": message, "type": kind, "param": None, "code": code.name.lower()}}
-
-
-def error_response(error: BaseException) -> JSONResponse:
-    status, body = error_body(error)
-    # The rest of a body refused as too large is not worth reading: end the connection instead.
-    headers = {"connection": "close"} if status == 413 else None
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def sse(payload: dict | str) -> bytes:
@@ -161,6 +102,7 @@ class Choices:
 def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: Callable[[], bool],
                api_key: str | None, max_body_bytes: int, log_prompts: bool = False) -> FastAPI:
     app = FastAPI(title="vllm-v0", docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app)
     checker = ApiKeyInterceptor(api_key) if api_key else None
 
     async def read_body(request: Request) -> bytes:
@@ -168,7 +110,7 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
             refusal = checker.refusal(request.headers.get("authorization"))
             if refusal is not None:
                 raise HttpError(grpc.StatusCode.UNAUTHENTICATED, refusal)
-        too_large = HttpError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+        too_large = HttpError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"the request body is larger than {max_body_bytes} bytes", http_status=413)
         if int(request.headers.get("content-length") or 0) > max_body_bytes:
             raise too_large

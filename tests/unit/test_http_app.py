@@ -57,8 +57,68 @@ def test_errors_are_openai_error_objects(make_client):
     reply = client.post("/v1/completions", json={"model": "x", "prompt": "hi", "top_p": 0})
     assert reply.status_code == 400 and "top_p" in reply.json()["error"]["message"]
     reply = client.post("/v1/completions", content=b"x" * (2 << 20), headers={"content-type": "application/json"})
-    assert reply.status_code == 413
+    assert reply.status_code == 413 and reply.json()["error"]["type"] == "invalid_request_error"
     assert downstreams.works == []
+
+
+def error_of(reply, status: int) -> dict:
+    """The OpenAI error object of a reply, checked for its status and its shape."""
+    assert reply.status_code == status, reply.text
+    assert list(reply.json()) == ["error"], reply.json()
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_unknown_routes_and_methods_answer_openai_error_objects(make_client):
+    client, _ = make_client()
+    error = error_of(client.get("/v1/engines"), 404)
+    assert error["type"] == "invalid_request_error" and "GET /v1/engines" in error["message"]
+    reply = client.delete("/v1/chat/completions")
+    error = error_of(reply, 405)
+    assert error["type"] == "invalid_request_error" and "DELETE" in error["message"] and "POST" in error["message"]
+    assert reply.headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"prompt": 5}, "prompt", "prompt: expected a string or a list"),
+    ({"prompt": ["a", 5]}, "prompt[1]", "prompt[1]: Input should be a valid string"),
+    ({"prompt": "hi", "stop": 5}, "stop", "stop: expected a string or a list"),
+    ({"prompt": "hi", "temperature": "hot"}, "temperature", "temperature: Input should be a valid number"),
+    ({"prompt": "hi", "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage",
+     "stream_options.include_usage: Input should be a valid boolean"),
+    ({"prompt": "hi", "logit_bias": {"50256": "x"}}, 'logit_bias["50256"]', 'logit_bias["50256"]: Input should be'),
+    ({}, "prompt", "prompt: Field required"),
+    ({"prompt": "hi", "top_p": 0}, "top_p", "top_p must be"),
+    ({"prompt": "hi", "n": 0}, "n", "n must be in [1, 16]"),
+    ({"prompt": "hi", "stop": ["a", ""]}, "stop[1]", "stop[1] is empty"),
+    ({"prompt": "hi", "echo": True}, "echo", "echo is not supported"),
+    ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content[0].type",
+     "messages[0].content[0].type: Field required"),
+    ({"messages": [{"content": "a"}, {"content": "b"}]}, "messages[0].role", "messages[0].role: Field required"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content",
+     "messages[0].content: expected a string or a list"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": 1}},
+     "chat_template_kwargs.enable_thinking", "chat_template_kwargs.enable_thinking must be true or false"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 2}, None,
+     "give max_completion_tokens or max_tokens, not both"),
+])
+def test_errors_name_the_field_in_param_without_pydantic_wording(make_client, body, param, says):
+    client, downstreams = make_client()
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    error = error_of(client.post(path, json={"model": "x", **body}), 400)
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"].startswith(says), error["message"]
+    # pydantic's names for the members of a union (prompt.str, content.list[ChatContentPart]) stay out.
+    assert not any(tag in error["message"] for tag in (".str", "list[", "ChatContentPart", ".0")), error["message"]
+    assert downstreams.works == []
+
+
+def test_a_body_that_is_not_json_names_no_field(make_client):
+    client, _ = make_client()
+    error = error_of(client.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"}),
+                     400)
+    assert error["type"] == "invalid_request_error" and error["param"] is None and "JSON" in error["message"]
 
 
 def test_api_key(make_client):
