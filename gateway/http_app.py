@@ -168,15 +168,29 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
+    async def served_model(request: Request) -> dict:
+        await read_body(request)
+        return {"id": model_name(), "object": "model", "created": 0, "owned_by": "vllm-v0",
+                "max_model_len": core.limits().max_context}
+
     @app.get("/v1/models")
     async def models(request: Request):
         try:
-            await read_body(request)
-            limits = core.limits()
+            return {"object": "list", "data": [await served_model(request)]}
         except Exception as e:  # noqa: BLE001
             return error_response(e)
-        return {"object": "list", "data": [{"id": model_name(), "object": "model", "created": 0,
-                                            "owned_by": "vllm-v0", "max_model_len": limits.max_context}]}
+
+    # `:path`, as a hub id holds a slash (sent as it is, or percent-encoded as the openai client does).
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        try:
+            served = await served_model(request)
+            if model_id != served["id"]:
+                raise HttpError(grpc.StatusCode.NOT_FOUND, f"the model {model_id!r} does not exist; this server "
+                                f"serves {served['id']!r}", param="model", error_code="model_not_found")
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        return served
 
     @app.get("/health")
     async def health():

@@ -131,6 +131,12 @@ def test_bad_requests_are_400_with_the_message(client):
 def test_models_and_health(client, stack):
     models = client.models.list()
     assert len(models.data) == 1 and models.data[0].id
+    retrieved = client.models.retrieve(models.data[0].id)
+    assert (retrieved.id, retrieved.object) == (models.data[0].id, "model")
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.models.retrieve("no-such-model")
+    assert (refused.value.type, refused.value.param, refused.value.code) == \
+        ("invalid_request_error", "model", "model_not_found")
     out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", stack.http_url + "/health"], capture_output=True,
                          text=True, timeout=30).stdout
     assert out.splitlines()[-1] == "200"

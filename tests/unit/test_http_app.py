@@ -14,9 +14,9 @@ from tests.unit.test_generation_core import TEXT, FakeDownstreams
 
 @pytest.fixture()
 def make_client(demo_tokenizer):
-    def make(api_key=None, ids=None):
+    def make(api_key=None, ids=None, model="fake-model"):
         downstreams = FakeDownstreams(demo_tokenizer, ids or demo_tokenizer.encode(TEXT))
-        app = create_app(GenerationCore(downstreams, {}), lambda: "fake-model", lambda: True, api_key, 1 << 20)
+        app = create_app(GenerationCore(downstreams, {}), lambda: model, lambda: True, api_key, 1 << 20)
         return TestClient(app), downstreams
     return make
 
@@ -129,3 +129,15 @@ def test_api_key(make_client):
     models = client.get("/v1/models", headers={"authorization": "Bearer k1"}).json()
     assert models["data"][0]["id"] == "fake-model" and models["data"][0]["max_model_len"] == 1024
     assert client.get("/health").status_code == 200  # open, as gRPC health
+
+
+def test_retrieve_the_served_model_by_id(make_client):
+    client, _ = make_client(model="Qwen/Qwen3-0.6B")
+    listed = client.get("/v1/models").json()["data"][0]
+    # An id holding a slash arrives as it is or percent-encoded (the openai client encodes it).
+    for path in ("/v1/models/Qwen/Qwen3-0.6B", "/v1/models/Qwen%2FQwen3-0.6B"):
+        reply = client.get(path)
+        assert reply.status_code == 200 and reply.json() == listed
+    error = error_of(client.get("/v1/models/Qwen3-0.6B"), 404)
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "model", "model_not_found")
+    assert "Qwen3-0.6B" in error["message"] and "Qwen/Qwen3-0.6B" in error["message"]
