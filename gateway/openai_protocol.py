@@ -44,6 +44,8 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # OpenAI's and vLLM's default for completions; an explicit null means up to the context, as in vLLM.
+    max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

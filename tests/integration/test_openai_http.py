@@ -56,6 +56,11 @@ def test_completion_stream_with_usage(client, gateway):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_completion_without_max_tokens_stops_at_16(client):
+    reply = client.completions.create(model="any", prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"
+
+
 def test_chat_greedy_equals_grpc_streaming_and_not(client, gateway):
     want, _ = grpc_generate(gateway, messages=[gateway_pb2.ChatMessage(**m) for m in MESSAGES],
                             enable_thinking=False, max_tokens=16, temperature=0)

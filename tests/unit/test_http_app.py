@@ -141,3 +141,13 @@ def test_retrieve_the_served_model_by_id(make_client):
     error = error_of(client.get("/v1/models/Qwen3-0.6B"), 404)
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "model", "model_not_found")
     assert "Qwen3-0.6B" in error["message"] and "Qwen/Qwen3-0.6B" in error["message"]
+
+
+def test_max_tokens_unset_is_16_for_completions_and_the_context_for_chat(make_client, demo_tokenizer):
+    client, downstreams = make_client()
+    assert client.post("/v1/completions", json={"model": "x", "prompt": "hi"}).status_code == 200
+    assert downstreams.works[-1].max_tokens == 16  # OpenAI's and vLLM's default for completions
+    chat = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    # vLLM's for chat: whatever the context leaves after the prompt.
+    assert downstreams.works[-1].max_tokens == 1024 - len(downstreams.works[-1].prompt_token_ids)
