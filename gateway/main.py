@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--worker-stream", "multiplexed", "how requests travel to a worker: multiplexed (one "
              "GenerateMany call per worker, one message per engine step for all its requests) or per-request (a "
              "Generate call each)", choices=WORKER_STREAMS)
-    add_flag(parser, "--model-name", "", "model name reported by GetInfo (default: the worker's --model)")
+    add_flag(parser, "--model-name", "", "the model's id in GetInfo and the HTTP API (default: the worker's: its "
+             "checkpoint's folder name, or the hub id given as --model)")
     add_flag(parser, "--max-prompt-tokens", 0, "longest prompt accepted, in tokens (0: the context minus one)")
     add_flag(parser, "--max-tokens-limit", 0, "largest max_tokens accepted (0: the context)")
     add_flag(parser, "--max-stop-strings", 8, "most stop strings per request")

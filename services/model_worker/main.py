@@ -9,7 +9,7 @@ from prometheus_client import REGISTRY
 
 from rpcserver.config import (SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges,
                               parse_size)
-from checkpoint.path import resolve_model
+from checkpoint.path import resolve_model, served_model_name
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
 from services.model_worker import cpu_affinity
@@ -93,7 +93,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 async def serve(args: argparse.Namespace) -> None:
     service = worker_pb2.DESCRIPTOR.services_by_name["ModelWorkerService"]
     server = GrpcServer(ServerConfig.from_args(args), [service.full_name])
-    servicer = ModelWorkerServicer(args.model)
+    servicer = ModelWorkerServicer(served_model_name(args.model))
     add_servicer(server.server, service, servicer)
     await server.start()  # health answers NOT_SERVING while the weights load
     checkpoint = resolve_model(args.model)

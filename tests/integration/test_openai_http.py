@@ -133,6 +133,12 @@ def test_bad_requests_are_400_with_the_message(client):
         client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=1020)
 
 
+def test_model_id_is_the_checkpoint_folder_name(client, gateway, checkpoint):
+    """Not the --model path as given: tools look the id up on a hub, where a path means nothing."""
+    assert [m.id for m in client.models.list().data] == [checkpoint.name]
+    assert gateway.GetInfo(gateway_pb2.GetInfoRequest()).model == checkpoint.name
+
+
 def test_models_and_health(client, stack):
     models = client.models.list()
     assert len(models.data) == 1 and models.data[0].id
