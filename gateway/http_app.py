@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -24,15 +25,36 @@ def sse(payload: dict | str) -> bytes:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
+class Deadline:
+    """The time an HTTP request has, from its arrival: HTTP clients send no deadline, as gRPC ones do."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds  # 0: none
+        self.at = time.monotonic() + seconds
+
+    def remaining(self) -> float | None:
+        return max(0.0, self.at - time.monotonic()) if self.seconds else None
+
+    def exceeded(self) -> HttpError:
+        return HttpError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request did not finish within "
+                         f"{self.seconds:g} s, the gateway's --http-request-timeout; it was cancelled")
+
+
 async def recorded(core: GenerationCore, req: GenerationRequest, record: RequestRecord,
-                   with_pieces: bool) -> AsyncIterator[Delta]:
-    """The core's deltas for one choice, with its log line and metrics written however it ends."""
+                   with_pieces: bool, deadline: Deadline) -> AsyncIterator[Delta]:
+    """The core's deltas for one choice, with its log line and metrics written however it ends.
+
+    The deadline reaches every downstream call, as a gRPC caller's does: past it the worker's
+    sequence is cancelled and the choice fails with DEADLINE_EXCEEDED.
+    """
     error = None
     try:
-        async for delta in core.generate(req, record, with_pieces=with_pieces):
+        async for delta in core.generate(req, record, timeout=deadline.remaining, with_pieces=with_pieces):
             yield delta
     except BaseException as e:
         error = e
+        if grpc_code(e) == grpc.StatusCode.DEADLINE_EXCEEDED and deadline.seconds:
+            raise deadline.exceeded() from e
         raise
     finally:
         record.done(grpc_code(error))
@@ -100,7 +122,8 @@ class Choices:
 
 
 def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: Callable[[], bool],
-               api_key: str | None, max_body_bytes: int, log_prompts: bool = False) -> FastAPI:
+               api_key: str | None, max_body_bytes: int, log_prompts: bool = False,
+               request_timeout_s: float = 0) -> FastAPI:
     app = FastAPI(title="vllm-v0", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
     checker = ApiKeyInterceptor(api_key) if api_key else None
@@ -123,6 +146,7 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
         return bytes(body)
 
     async def generate(request: Request, chat: bool) -> JSONResponse | StreamingResponse:
+        deadline = Deadline(request_timeout_s)
         choices = None
         try:
             body = parse(ChatRequest if chat else CompletionRequest, await read_body(request))
@@ -132,7 +156,7 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
             prompt = (req.prompt if req.prompt is not None else req.messages) if log_prompts else None
             records = [RequestRecord(request_id if body.n == 1 else f"{request_id}-{i}", prompt)
                        for i in range(body.n)]
-            choices = Choices([recorded(core, r, record, want_logprobs)
+            choices = Choices([recorded(core, r, record, want_logprobs, deadline)
                                for r, record in zip(choice_requests(req, body.n), records)])
             fmt = ResponseFormat(chat, model_name(), body.n, want_logprobs)
             firsts = await choices.first()

@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--downstream-tls-cert", None, "client certificate presented to them (mTLS)")
     add_flag(parser, "--downstream-tls-key", None, "key of --downstream-tls-cert")
     add_flag(parser, "--http-port", 0, "serve the OpenAI-compatible HTTP API on this port too (0: off)")
+    add_flag(parser, "--http-request-timeout", 600.0, "seconds an HTTP generation request may take, from its "
+             "arrival to its last token; past it the request is cancelled on the worker and answered 504 (or an "
+             "error event) (0: no limit). gRPC callers set their own deadline")
     add_flag(parser, "--health-interval", 1.0, "seconds between checks of the downstream services (and DNS "
              "lookups of dns:/// worker addresses)")
     add_flag(parser, "--log-prompts", False, "add each request's prompt text to its log line (off: prompts are "
@@ -62,7 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--max-prompt-tokens", 0, None), ("--max-tokens-limit", 0, None),
                                 ("--max-stop-strings", 0, None), ("--max-stop-string-chars", 1, None),
                                 ("--max-logprobs", 0, None), ("--max-prompt-chars", 1, None),
-                                ("--health-interval", 0.01, None), ("--http-port", 0, 65535)))
+                                ("--health-interval", 0.01, None), ("--http-port", 0, 65535),
+                                ("--http-request-timeout", 0, None)))
     return args
 
 
@@ -116,7 +120,8 @@ async def serve(args: argparse.Namespace) -> None:
     http = None
     if args.http_port:
         app = create_app(core, lambda: args.model_name or getattr(downstreams.worker_info, "model", ""), lambda: server.serving,
-                         api_key_from_args(args), args.max_message_bytes, args.log_prompts)
+                         api_key_from_args(args), args.max_message_bytes, args.log_prompts,
+                         request_timeout_s=args.http_request_timeout)
         http = HttpServer(app, server.config, args.http_port, args.log_level)
         await http.start()
         log.info("serving the OpenAI-compatible HTTP API on %s:%d", args.host, http.port)

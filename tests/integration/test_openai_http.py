@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP front, driven by the real `openai` client and by curl, against gRPC Generate."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import threading
@@ -14,7 +17,7 @@ import grpc
 import openai
 import pytest
 
-from tests.integration.stack import free_port, make_stack
+from tests.integration.stack import child_pids, free_port, make_stack
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -306,3 +309,49 @@ def test_non_streaming_disconnect_frees_the_workers_blocks(stack, worker):
     curl.kill()
     curl.wait()
     assert_cancelled_and_freed(stack, worker, "curl-gives-up", 1000)
+
+
+HTTP_DEADLINE_S = 3
+
+
+@pytest.fixture(scope="module")
+def deadline_stack(checkpoint, tmp_path_factory):
+    http_port = free_port()
+    stack = make_stack(str(checkpoint), str(tmp_path_factory.mktemp("logs-http-deadline")),
+                       gateway_flags=["--http-port", str(http_port), "--http-request-timeout", str(HTTP_DEADLINE_S)])
+    stack.http_url = f"http://127.0.0.1:{http_port}"
+    stack.start()
+    yield stack
+    stack.stop()
+
+
+@contextlib.contextmanager
+def engine_hung(stack):
+    """The worker's engine core stopped, as a hung one: the worker's front still answers, no step is made."""
+    (core,) = child_pids(stack.worker.process.pid)
+    os.kill(core, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(core, signal.SIGCONT)
+
+
+def test_http_deadline_ends_requests_on_a_hung_engine(deadline_stack):
+    with openai.OpenAI(base_url=deadline_stack.http_url + "/v1", api_key="unused", max_retries=0,
+                       timeout=60) as client:
+        stream = client.completions.create(model="any", prompt=PROMPT, max_tokens=1000, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert next(iter(stream)).choices  # streaming has started
+        with engine_hung(deadline_stack):
+            # Without a deadline both would wait on the engine until the client's own timeout.
+            with pytest.raises(openai.APIError, match="--http-request-timeout") as ended:
+                for _ in stream:
+                    pass
+            assert ended.value.type == "timeout"
+            with pytest.raises(openai.InternalServerError, match="--http-request-timeout") as refused:
+                client.completions.create(model="any", prompt=PROMPT, max_tokens=4)
+            assert refused.value.status_code == 504 and refused.value.type == "timeout"
+    # Both were cancelled on the worker: once its engine runs again, it holds nothing for them.
+    with grpc.insecure_channel(deadline_stack.worker.address) as channel:
+        info = wait_idle(worker_pb2_grpc.ModelWorkerServiceStub(channel))
+    assert (info.running, info.waiting, info.kv_blocks_used) == (0, 0, 0)

@@ -1,15 +1,18 @@
 """The HTTP front in-process over fake downstreams (ASGI calls, no sockets): fan-out, SSE framing, errors, key."""
 from __future__ import annotations
 
+import asyncio
 import json
 import unicodedata
 
+import grpc
 import pytest
 from starlette.testclient import TestClient
 
 from gateway.generation import GenerationCore
 from gateway.http_app import create_app
-from tests.unit.test_generation_core import TEXT, FakeDownstreams
+from rpcserver.status import SharedCallError
+from tests.unit.test_generation_core import TEXT, FakeDownstreams, FakeWorkerStream
 
 
 @pytest.fixture()
@@ -151,3 +154,45 @@ def test_max_tokens_unset_is_16_for_completions_and_the_context_for_chat(make_cl
     assert client.post("/v1/chat/completions", json=chat).status_code == 200
     # vLLM's for chat: whatever the context leaves after the prompt.
     assert downstreams.works[-1].max_tokens == 1024 - len(downstreams.works[-1].prompt_token_ids)
+
+
+class StalledWorkerStream(FakeWorkerStream):
+    """Sends its ids, then stalls as a hung engine does, until the request's deadline ends it as the worker mux does."""
+
+    def __init__(self, ids: list[int], timeout: float | None):
+        super().__init__(ids, None, None)
+        self.timeout = timeout
+
+    async def _steps(self):
+        async for step in super()._steps():
+            yield step
+        if self.timeout is None:
+            raise AssertionError("the request reached the worker with no deadline: it would wait forever")
+        await asyncio.sleep(self.timeout)
+        raise SharedCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
+class StallingDownstreams(FakeDownstreams):
+    def open_worker_stream(self, work, timeout):
+        self.works.append(work)
+        self.streams.append(StalledWorkerStream(self.ids, timeout))
+        return self.streams[-1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_deadline_ends_a_stalled_request(demo_tokenizer, stream):
+    downstreams = StallingDownstreams(demo_tokenizer, demo_tokenizer.encode("a few words"))
+    app = create_app(GenerationCore(downstreams, {}), lambda: "m", lambda: True, None, 1 << 20,
+                     request_timeout_s=0.5)
+    body = {"model": "m", "prompt": "hi", "max_tokens": 100, "stream": stream}
+    if stream:
+        with TestClient(app).stream("POST", "/v1/completions", json=body) as reply:
+            lines = [line for line in reply.iter_lines() if line]
+        assert reply.status_code == 200 and lines[-1] == "data: [DONE]"
+        assert json.loads(lines[0].removeprefix("data: "))["choices"][0]["text"]  # it had started
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    else:
+        error = error_of(TestClient(app).post("/v1/completions", json=body), 504)
+    assert error["type"] == "timeout" and "--http-request-timeout" in error["message"], error
+    assert 0 < downstreams.streams[0].timeout <= 0.5
+    assert downstreams.streams[0].cancelled
