@@ -23,3 +23,9 @@ def test_readme_grpcurl_examples_use_the_installed_binary_and_up_installs_it():
 def test_up_says_what_it_is_doing_while_installing():
     up = (ROOT / "scripts" / "up.sh").read_text()
     assert up.index("echo \"Installing") < up.index("scripts/install.sh\n")
+
+
+def test_readme_curl_examples_print_no_progress_meter():
+    """Without -s, curl draws its progress meter over a stream's output (`curl -N` alone does)."""
+    commands = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("curl ")]
+    assert commands and all(re.search(r" -[A-Za-z]*s", line) for line in commands), commands
