@@ -25,3 +25,13 @@ def resolve_model(model: str) -> pathlib.Path:
         raise SystemExit(
             f"--model {model}: cannot download it from the hub ({type(e).__name__}: {e}). Offline? Download the "
             "checkpoint elsewhere and pass its local directory, e.g. --model /models/Qwen3-0.6B") from None
+
+
+def served_model_name(model: str) -> str:
+    """The model's id for clients: a local checkpoint's folder name, or the hub id as given.
+
+    Not the path as given: clients (guidellm, evaluation harnesses) look the id up on a hub, where
+    `./models/Qwen3-0.6B` means nothing.
+    """
+    path = pathlib.Path(model).expanduser()
+    return path.resolve().name if path.is_dir() else model

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -12,84 +12,49 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.generation import Delta, GenerationCore
 from gateway.metrics import RequestRecord
+from gateway.openai_errors import HttpError, add_error_handlers, error_body, error_response, grpc_code
 from gateway.openai_format import ResponseFormat
 from gateway.openai_protocol import ChatRequest, CompletionRequest, chat_request, choice_requests, \
     completion_request, parse
 from gateway.request_id import check_request_id, new_request_id
 from gateway.validation import GenerationRequest
 from rpcserver.auth import ApiKeyInterceptor
-from rpcserver.errors import ServiceError
-from rpcserver.status import status_for
-
-log = logging.getLogger(__name__)
-
-# gRPC status -> (HTTP status, OpenAI error type)
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-}
-
-
-class HttpError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, http_status: int | None = None):
-        super().__init__(message)
-        self.code = code
-        self.http_status = http_status
-
-
-def grpc_code(error: BaseException | None) -> grpc.StatusCode:
-    """The gRPC status a failure corresponds to, for logs, metrics and the HTTP status."""
-    if error is None:
-        return grpc.StatusCode.OK
-    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-        return grpc.StatusCode.CANCELLED
-    if isinstance(error, HttpError):
-        return error.code
-    if isinstance(error, grpc.aio.AioRpcError):
-        return error.code()
-    if isinstance(error, ServiceError):
-        return status_for(error)
-    return grpc.StatusCode.INTERNAL
-
-
-def error_body(error: BaseException) -> tuple[int, dict]:
-    code = grpc_code(error)
-    status, kind = HTTP_STATUS.get(code, (500, "server_error"))
-    if isinstance(error, HttpError) and error.http_status:
-        status = error.http_status
-    if isinstance(error, grpc.aio.AioRpcError):
-        message = error.details() or code.name
-    elif code == grpc.StatusCode.INTERNAL and not isinstance(error, ServiceError):
-        log.exception("internal error", exc_info=error)
-        message = f"internal error: {type(error).__name__}: {error}"
-    else:
-        message = str(error)
-    return status, {"error": {"message": message, "type": kind, "param": None, "code": code.name.lower()}}
-
-
-def error_response(error: BaseException) -> JSONResponse:
-    status, body = error_body(error)
-    return JSONResponse(body, status_code=status)
 
 
 def sse(payload: dict | str) -> bytes:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
+class Deadline:
+    """The time an HTTP request has, from its arrival: HTTP clients send no deadline, as gRPC ones do."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds  # 0: none
+        self.at = time.monotonic() + seconds
+
+    def remaining(self) -> float | None:
+        return max(0.0, self.at - time.monotonic()) if self.seconds else None
+
+    def exceeded(self) -> HttpError:
+        return HttpError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request did not finish within "
+                         f"{self.seconds:g} s, the gateway's --http-request-timeout; it was cancelled")
+
+
 async def recorded(core: GenerationCore, req: GenerationRequest, record: RequestRecord,
-                   with_pieces: bool) -> AsyncIterator[Delta]:
-    """The core's deltas for one choice, with its log line and metrics written however it ends."""
+                   with_pieces: bool, deadline: Deadline) -> AsyncIterator[Delta]:
+    """The core's deltas for one choice, with its log line and metrics written however it ends.
+
+    The deadline reaches every downstream call, as a gRPC caller's does: past it the worker's
+    sequence is cancelled and the choice fails with DEADLINE_EXCEEDED.
+    """
     error = None
     try:
-        async for delta in core.generate(req, record, with_pieces=with_pieces):
+        async for delta in core.generate(req, record, timeout=deadline.remaining, with_pieces=with_pieces):
             yield delta
     except BaseException as e:
         error = e
+        if grpc_code(e) == grpc.StatusCode.DEADLINE_EXCEEDED and deadline.seconds:
+            raise deadline.exceeded() from e
         raise
     finally:
         record.done(grpc_code(error))
@@ -157,8 +122,10 @@ class Choices:
 
 
 def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: Callable[[], bool],
-               api_key: str | None, max_body_bytes: int, log_prompts: bool = False) -> FastAPI:
+               api_key: str | None, max_body_bytes: int, log_prompts: bool = False,
+               request_timeout_s: float = 0) -> FastAPI:
     app = FastAPI(title="vllm-v0", docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app)
     checker = ApiKeyInterceptor(api_key) if api_key else None
 
     async def read_body(request: Request) -> bytes:
@@ -166,16 +133,20 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
             refusal = checker.refusal(request.headers.get("authorization"))
             if refusal is not None:
                 raise HttpError(grpc.StatusCode.UNAUTHENTICATED, refusal)
-        too_large = HttpError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+        too_large = HttpError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"the request body is larger than {max_body_bytes} bytes", http_status=413)
         if int(request.headers.get("content-length") or 0) > max_body_bytes:
             raise too_large
-        body = await request.body()
-        if len(body) > max_body_bytes:
-            raise too_large
-        return body
+        # A chunked body names no length: count it as it arrives, so the limit holds before it is all read.
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:
+                raise too_large
+        return bytes(body)
 
     async def generate(request: Request, chat: bool) -> JSONResponse | StreamingResponse:
+        deadline = Deadline(request_timeout_s)
         choices = None
         try:
             body = parse(ChatRequest if chat else CompletionRequest, await read_body(request))
@@ -187,7 +158,7 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
             prompt = (req.prompt if req.prompt is not None else req.messages) if log_prompts else None
             records = [RequestRecord(request_id if body.n == 1 else f"{request_id}-{i}", prompt)
                        for i in range(body.n)]
-            choices = Choices([recorded(core, r, record, want_logprobs)
+            choices = Choices([recorded(core, r, record, want_logprobs, deadline)
                                for r, record in zip(choice_requests(req, body.n), records)])
             fmt = ResponseFormat(chat, model_name(), body.n, want_logprobs)
             firsts = await choices.first()
@@ -223,15 +194,29 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
+    async def served_model(request: Request) -> dict:
+        await read_body(request)
+        return {"id": model_name(), "object": "model", "created": 0, "owned_by": "vllm-v0",
+                "max_model_len": core.limits().max_context}
+
     @app.get("/v1/models")
     async def models(request: Request):
         try:
-            await read_body(request)
-            limits = core.limits()
+            return {"object": "list", "data": [await served_model(request)]}
         except Exception as e:  # noqa: BLE001
             return error_response(e)
-        return {"object": "list", "data": [{"id": model_name(), "object": "model", "created": 0,
-                                            "owned_by": "vllm-v0", "max_model_len": limits.max_context}]}
+
+    # `:path`, as a hub id holds a slash (sent as it is, or percent-encoded as the openai client does).
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        try:
+            served = await served_model(request)
+            if model_id != served["id"]:
+                raise HttpError(grpc.StatusCode.NOT_FOUND, f"the model {model_id!r} does not exist; this server "
+                                f"serves {served['id']!r}", param="model", error_code="model_not_found")
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        return served
 
     @app.get("/health")
     async def health():

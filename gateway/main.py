@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--worker-stream", "multiplexed", "how requests travel to a worker: multiplexed (one "
              "GenerateMany call per worker, one message per engine step for all its requests) or per-request (a "
              "Generate call each)", choices=WORKER_STREAMS)
-    add_flag(parser, "--model-name", "", "model name reported by GetInfo (default: the worker's --model)")
+    add_flag(parser, "--model-name", "", "the model's id in GetInfo and the HTTP API (default: the worker's: its "
+             "checkpoint's folder name, or the hub id given as --model)")
     add_flag(parser, "--max-prompt-tokens", 0, "longest prompt accepted, in tokens (0: the context minus one)")
     add_flag(parser, "--max-tokens-limit", 0, "largest max_tokens accepted (0: the context)")
     add_flag(parser, "--max-stop-strings", 8, "most stop strings per request")
@@ -56,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--downstream-api-key-file", default=env_default("--downstream-api-key-file", None),
                         help="read --downstream-api-key from this file [env VLLM_V0_DOWNSTREAM_API_KEY_FILE]")
     add_flag(parser, "--http-port", 0, "serve the OpenAI-compatible HTTP API on this port too (0: off)")
+    add_flag(parser, "--http-request-timeout", 600.0, "seconds an HTTP generation request may take, from its "
+             "arrival to its last token; past it the request is cancelled on the worker and answered 504 (or an "
+             "error event) (0: no limit). gRPC callers set their own deadline")
     add_flag(parser, "--health-interval", 1.0, "seconds between checks of the downstream services (and DNS "
              "lookups of dns:/// worker addresses)")
     add_flag(parser, "--log-prompts", False, "add each request's prompt text to its log line (off: prompts are "
@@ -68,7 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--max-prompt-tokens", 0, None), ("--max-tokens-limit", 0, None),
                                 ("--max-stop-strings", 0, None), ("--max-stop-string-chars", 1, None),
                                 ("--max-logprobs", 0, None), ("--max-prompt-chars", 1, None),
-                                ("--health-interval", 0.01, None), ("--http-port", 0, 65535)))
+                                ("--health-interval", 0.01, None), ("--http-port", 0, 65535),
+                                ("--http-request-timeout", 0, None)))
     return args
 
 
@@ -129,7 +134,8 @@ async def serve(args: argparse.Namespace) -> None:
     http = None
     if args.http_port:
         app = create_app(core, lambda: args.model_name or getattr(downstreams.worker_info, "model", ""), lambda: server.serving,
-                         api_key_from_args(args), args.max_message_bytes, args.log_prompts)
+                         api_key_from_args(args), args.max_message_bytes, args.log_prompts,
+                         request_timeout_s=args.http_request_timeout)
         http = HttpServer(app, server.config, args.http_port, args.log_level)
         await http.start()
         log.info("serving the OpenAI-compatible HTTP API on %s:%d", args.host, http.port)

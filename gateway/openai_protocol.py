@@ -1,7 +1,9 @@
 """OpenAI request bodies (completions and chat) and their translation into GenerationRequests."""
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -42,6 +44,8 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # OpenAI's and vLLM's default for completions; an explicit null means up to the context, as in vLLM.
+    max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -70,14 +74,88 @@ class ChatRequest(_Common):
     response_format: dict[str, Any] | None = None
 
 
+# Every top-level field of a request body: an error message that starts with one names it.
+FIELD_NAMES = frozenset(CompletionRequest.model_fields) | frozenset(ChatRequest.model_fields)
+
+
 def parse(model: type[BaseModel], body: bytes) -> Any:
     """The body as `model`; a body that does not fit becomes InvalidArgument naming the field."""
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "body"
-        raise InvalidArgument(f"{where}: {first['msg']}") from None
+        raise InvalidArgument(_first_error(model, e.errors())) from None
+
+
+def _first_error(model: type[BaseModel], errors: list[dict]) -> str:
+    """The first field that does not fit, as the body spells it (`messages[0].content`).
+
+    A field that takes several types fails once per type, each under pydantic's name for the type
+    (`prompt.str`, `prompt.list[int]`): those names stay out, and the error that got furthest wins.
+    """
+    first = errors[0]
+    union = next(((i, annotation) for i, (_, annotation, is_member) in enumerate(_steps(model, first["loc"]))
+                  if is_member), None)
+    if union is None:
+        return f"{_where(model, first['loc'])}: {first['msg']}"
+    at, annotation = union
+    prefix = first["loc"][:at]
+    deepest = max((e for e in errors if e["loc"][:at] == prefix and len(e["loc"]) > at), key=lambda e: len(e["loc"]))
+    if len(deepest["loc"]) == at + 1:  # no type got past the value itself: say which ones the field takes
+        return f"{_where(model, prefix)}: expected {' or '.join(_kinds(annotation))}"
+    return f"{_where(model, deepest['loc'])}: {deepest['msg']}"
+
+
+def _steps(model: type[BaseModel], loc: tuple) -> Iterator[tuple[Any, Any, bool]]:
+    """Each part of pydantic's location, the type it indexes into, and whether it names a union's member."""
+    annotation = model
+    for part in loc:
+        members = [a for a in get_args(annotation) if a is not type(None)] if _is_union(annotation) else []
+        if len(members) > 1:
+            yield part, annotation, True
+            annotation = None  # which member failed does not change how the rest of the location reads
+            continue
+        if members:  # X | None: pydantic names no member
+            annotation = members[0]
+        yield part, annotation, False
+        annotation = _inner(annotation, part)
+
+
+def _where(model: type[BaseModel], loc: tuple) -> str:
+    where = ""
+    for part, annotation, is_member in _steps(model, loc):
+        if is_member:
+            continue
+        if isinstance(part, int):
+            where += f"[{part}]"
+        elif get_origin(annotation) is dict:
+            where += f'["{part}"]'
+        else:
+            where += f".{part}" if where else part
+    return where or "body"
+
+
+def _inner(annotation: Any, part: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        field = annotation.model_fields.get(part)
+        return field.annotation if field else None
+    args = get_args(annotation)
+    return args[-1] if args else None  # list[X] -> X, dict[K, V] -> V
+
+
+def _is_union(annotation: Any) -> bool:
+    return get_origin(annotation) in (Union, UnionType)
+
+
+def _kinds(union: Any) -> list[str]:
+    """What a union field takes, in words: ["a string", "a list"]."""
+    words = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list",
+             dict: "an object"}
+    kinds = []
+    for member in get_args(union):
+        kind = words.get(get_origin(member) or member, "an object")
+        if member is not type(None) and kind not in kinds:
+            kinds.append(kind)
+    return kinds
 
 
 def completion_request(body: CompletionRequest) -> GenerationRequest:

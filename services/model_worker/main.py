@@ -7,7 +7,7 @@ import logging
 
 from prometheus_client import REGISTRY
 
-from checkpoint.path import resolve_model
+from checkpoint.path import resolve_model, served_model_name
 from rpcserver.auth import add_auth_flags, auth_interceptors
 from rpcserver.config import (SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges,
                               parse_size)
@@ -94,7 +94,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 async def serve(args: argparse.Namespace) -> None:
     service = worker_pb2.DESCRIPTOR.services_by_name["ModelWorkerService"]
     server = GrpcServer(ServerConfig.from_args(args), [service.full_name], interceptors=auth_interceptors(args))
-    servicer = ModelWorkerServicer(args.model)
+    servicer = ModelWorkerServicer(served_model_name(args.model))
     add_servicer(server.server, service, servicer)
     await server.start()  # health answers NOT_SERVING while the weights load
     try:

@@ -1,8 +1,13 @@
 """The OpenAI-compatible HTTP front, driven by the real `openai` client and by curl, against gRPC Generate."""
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
+import os
 import re
+import signal
+import socket
 import subprocess
 import threading
 import time
@@ -12,7 +17,7 @@ import grpc
 import openai
 import pytest
 
-from tests.integration.stack import free_port, make_stack
+from tests.integration.stack import child_pids, free_port, make_stack
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -52,6 +57,11 @@ def test_completion_stream_with_usage(client, gateway):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(texts)
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_without_max_tokens_stops_at_16(client):
+    reply = client.completions.create(model="any", prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"
 
 
 def test_chat_greedy_equals_grpc_streaming_and_not(client, gateway):
@@ -126,12 +136,67 @@ def test_bad_requests_are_400_with_the_message(client):
         client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=1020)
 
 
+def test_model_id_is_the_checkpoint_folder_name(client, gateway, checkpoint):
+    """Not the --model path as given: tools look the id up on a hub, where a path means nothing."""
+    assert [m.id for m in client.models.list().data] == [checkpoint.name]
+    assert gateway.GetInfo(gateway_pb2.GetInfoRequest()).model == checkpoint.name
+
+
 def test_models_and_health(client, stack):
     models = client.models.list()
     assert len(models.data) == 1 and models.data[0].id
+    retrieved = client.models.retrieve(models.data[0].id)
+    assert (retrieved.id, retrieved.object) == (models.data[0].id, "model")
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.models.retrieve("no-such-model")
+    assert (refused.value.type, refused.value.param, refused.value.code) == \
+        ("invalid_request_error", "model", "model_not_found")
     out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", stack.http_url + "/health"], capture_output=True,
                          text=True, timeout=30).stdout
     assert out.splitlines()[-1] == "200"
+
+
+MAX_BODY_BYTES = 4 << 20  # the gateway's default --max-message-bytes
+
+
+def chunked_upload(url: str, path: str, chunks, finish: bool) -> socket.socket:
+    """A POST whose body goes out in chunks with no content-length, as a streaming client sends it."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 "Transfer-Encoding: chunked\r\n\r\n".encode())
+    for chunk in chunks:
+        sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    if finish:
+        sock.sendall(b"0\r\n\r\n")
+    return sock
+
+
+def test_chunked_body_over_the_limit_is_refused_before_it_ends(stack):
+    """A chunked body names no length: the gateway counts its bytes as they come and answers at the limit."""
+    over = [b"x" * (64 << 10)] * ((MAX_BODY_BYTES >> 16) + 16)  # 1 MiB past the limit, and never finished
+    with chunked_upload(stack.http_url, "/v1/completions", over, finish=False) as sock:
+        reply = http.client.HTTPResponse(sock)
+        reply.begin()  # before the fix: the body was awaited to its end, so this timed out
+        error = json.loads(reply.read())["error"]
+        assert reply.status == 413 and str(MAX_BODY_BYTES) in error["message"]
+        # The rest of the upload is not read: the gateway closes the connection.
+        assert reply.getheader("connection") == "close"
+        sock.settimeout(30)
+        try:
+            while sock.recv(1 << 16):
+                pass
+        except ConnectionResetError:
+            pass
+
+
+def test_chunked_body_under_the_limit_is_served(stack, gateway):
+    want, _ = grpc_generate(gateway, prompt=PROMPT, max_tokens=4, temperature=0)
+    body = json.dumps({"model": "any", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).encode()
+    with chunked_upload(stack.http_url, "/v1/completions", [body[:10], body[10:]], finish=True) as sock:
+        reply = http.client.HTTPResponse(sock)
+        reply.begin()
+        assert reply.status == 200 and json.loads(reply.read())["choices"][0]["text"] == want
 
 
 def curl_stream(url: str, body: dict, *headers: str) -> subprocess.Popen:
@@ -244,3 +309,49 @@ def test_non_streaming_disconnect_frees_the_workers_blocks(stack, worker):
     curl.kill()
     curl.wait()
     assert_cancelled_and_freed(stack, worker, "curl-gives-up", 1000)
+
+
+HTTP_DEADLINE_S = 3
+
+
+@pytest.fixture(scope="module")
+def deadline_stack(checkpoint, tmp_path_factory):
+    http_port = free_port()
+    stack = make_stack(str(checkpoint), str(tmp_path_factory.mktemp("logs-http-deadline")),
+                       gateway_flags=["--http-port", str(http_port), "--http-request-timeout", str(HTTP_DEADLINE_S)])
+    stack.http_url = f"http://127.0.0.1:{http_port}"
+    stack.start()
+    yield stack
+    stack.stop()
+
+
+@contextlib.contextmanager
+def engine_hung(stack):
+    """The worker's engine core stopped, as a hung one: the worker's front still answers, no step is made."""
+    (core,) = child_pids(stack.worker.process.pid)
+    os.kill(core, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(core, signal.SIGCONT)
+
+
+def test_http_deadline_ends_requests_on_a_hung_engine(deadline_stack):
+    with openai.OpenAI(base_url=deadline_stack.http_url + "/v1", api_key="unused", max_retries=0,
+                       timeout=60) as client:
+        stream = client.completions.create(model="any", prompt=PROMPT, max_tokens=1000, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert next(iter(stream)).choices  # streaming has started
+        with engine_hung(deadline_stack):
+            # Without a deadline both would wait on the engine until the client's own timeout.
+            with pytest.raises(openai.APIError, match="--http-request-timeout") as ended:
+                for _ in stream:
+                    pass
+            assert ended.value.type == "timeout"
+            with pytest.raises(openai.InternalServerError, match="--http-request-timeout") as refused:
+                client.completions.create(model="any", prompt=PROMPT, max_tokens=4)
+            assert refused.value.status_code == 504 and refused.value.type == "timeout"
+    # Both were cancelled on the worker: once its engine runs again, it holds nothing for them.
+    with grpc.insecure_channel(deadline_stack.worker.address) as channel:
+        info = wait_idle(worker_pb2_grpc.ModelWorkerServiceStub(channel))
+    assert (info.running, info.waiting, info.kv_blocks_used) == (0, 0, 0)

@@ -41,3 +41,9 @@ def test_no_doc_claims_a_gpu_run_while_none_has_happened():
     found = [f"{doc.name}: {line.strip()}" for doc in DOCS for line in doc.read_text().splitlines()
              if claim.search(line)]
     assert not found, found
+
+
+def test_readme_curl_examples_print_no_progress_meter():
+    """Without -s, curl draws its progress meter over a stream's output (`curl -N` alone does)."""
+    commands = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("curl ")]
+    assert commands and all(re.search(r" -[A-Za-z]*s", line) for line in commands), commands

@@ -1,22 +1,25 @@
 """The HTTP front in-process over fake downstreams (ASGI calls, no sockets): fan-out, SSE framing, errors, key."""
 from __future__ import annotations
 
+import asyncio
 import json
 import unicodedata
 
+import grpc
 import pytest
 from starlette.testclient import TestClient
 
 from gateway.generation import GenerationCore
 from gateway.http_app import create_app
-from tests.unit.test_generation_core import TEXT, FakeDownstreams
+from rpcserver.status import SharedCallError
+from tests.unit.test_generation_core import TEXT, FakeDownstreams, FakeWorkerStream
 
 
 @pytest.fixture()
 def make_client(demo_tokenizer):
-    def make(api_key=None, ids=None):
+    def make(api_key=None, ids=None, model="fake-model"):
         downstreams = FakeDownstreams(demo_tokenizer, ids or demo_tokenizer.encode(TEXT))
-        app = create_app(GenerationCore(downstreams, {}), lambda: "fake-model", lambda: True, api_key, 1 << 20)
+        app = create_app(GenerationCore(downstreams, {}), lambda: model, lambda: True, api_key, 1 << 20)
         return TestClient(app), downstreams
     return make
 
@@ -57,8 +60,68 @@ def test_errors_are_openai_error_objects(make_client):
     reply = client.post("/v1/completions", json={"model": "x", "prompt": "hi", "top_p": 0})
     assert reply.status_code == 400 and "top_p" in reply.json()["error"]["message"]
     reply = client.post("/v1/completions", content=b"x" * (2 << 20), headers={"content-type": "application/json"})
-    assert reply.status_code == 413
+    assert reply.status_code == 413 and reply.json()["error"]["type"] == "invalid_request_error"
     assert downstreams.works == []
+
+
+def error_of(reply, status: int) -> dict:
+    """The OpenAI error object of a reply, checked for its status and its shape."""
+    assert reply.status_code == status, reply.text
+    assert list(reply.json()) == ["error"], reply.json()
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_unknown_routes_and_methods_answer_openai_error_objects(make_client):
+    client, _ = make_client()
+    error = error_of(client.get("/v1/engines"), 404)
+    assert error["type"] == "invalid_request_error" and "GET /v1/engines" in error["message"]
+    reply = client.delete("/v1/chat/completions")
+    error = error_of(reply, 405)
+    assert error["type"] == "invalid_request_error" and "DELETE" in error["message"] and "POST" in error["message"]
+    assert reply.headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"prompt": 5}, "prompt", "prompt: expected a string or a list"),
+    ({"prompt": ["a", 5]}, "prompt[1]", "prompt[1]: Input should be a valid string"),
+    ({"prompt": "hi", "stop": 5}, "stop", "stop: expected a string or a list"),
+    ({"prompt": "hi", "temperature": "hot"}, "temperature", "temperature: Input should be a valid number"),
+    ({"prompt": "hi", "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage",
+     "stream_options.include_usage: Input should be a valid boolean"),
+    ({"prompt": "hi", "logit_bias": {"50256": "x"}}, 'logit_bias["50256"]', 'logit_bias["50256"]: Input should be'),
+    ({}, "prompt", "prompt: Field required"),
+    ({"prompt": "hi", "top_p": 0}, "top_p", "top_p must be"),
+    ({"prompt": "hi", "n": 0}, "n", "n must be in [1, 16]"),
+    ({"prompt": "hi", "stop": ["a", ""]}, "stop[1]", "stop[1] is empty"),
+    ({"prompt": "hi", "echo": True}, "echo", "echo is not supported"),
+    ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content[0].type",
+     "messages[0].content[0].type: Field required"),
+    ({"messages": [{"content": "a"}, {"content": "b"}]}, "messages[0].role", "messages[0].role: Field required"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content",
+     "messages[0].content: expected a string or a list"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": 1}},
+     "chat_template_kwargs.enable_thinking", "chat_template_kwargs.enable_thinking must be true or false"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 2}, None,
+     "give max_completion_tokens or max_tokens, not both"),
+])
+def test_errors_name_the_field_in_param_without_pydantic_wording(make_client, body, param, says):
+    client, downstreams = make_client()
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    error = error_of(client.post(path, json={"model": "x", **body}), 400)
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"].startswith(says), error["message"]
+    # pydantic's names for the members of a union (prompt.str, content.list[ChatContentPart]) stay out.
+    assert not any(tag in error["message"] for tag in (".str", "list[", "ChatContentPart", ".0")), error["message"]
+    assert downstreams.works == []
+
+
+def test_a_body_that_is_not_json_names_no_field(make_client):
+    client, _ = make_client()
+    error = error_of(client.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"}),
+                     400)
+    assert error["type"] == "invalid_request_error" and error["param"] is None and "JSON" in error["message"]
 
 
 def test_api_key(make_client):
@@ -83,3 +146,67 @@ def test_request_id_header_is_checked_echoed_and_not_sent_to_the_worker(make_cli
     assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
     assert "at most 128 printable ASCII characters" in reply.json()["error"]["message"]
     assert len(downstreams.works) == 2
+
+
+def test_retrieve_the_served_model_by_id(make_client):
+    client, _ = make_client(model="Qwen/Qwen3-0.6B")
+    listed = client.get("/v1/models").json()["data"][0]
+    # An id holding a slash arrives as it is or percent-encoded (the openai client encodes it).
+    for path in ("/v1/models/Qwen/Qwen3-0.6B", "/v1/models/Qwen%2FQwen3-0.6B"):
+        reply = client.get(path)
+        assert reply.status_code == 200 and reply.json() == listed
+    error = error_of(client.get("/v1/models/Qwen3-0.6B"), 404)
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "model", "model_not_found")
+    assert "Qwen3-0.6B" in error["message"] and "Qwen/Qwen3-0.6B" in error["message"]
+
+
+def test_max_tokens_unset_is_16_for_completions_and_the_context_for_chat(make_client, demo_tokenizer):
+    client, downstreams = make_client()
+    assert client.post("/v1/completions", json={"model": "x", "prompt": "hi"}).status_code == 200
+    assert downstreams.works[-1].max_tokens == 16  # OpenAI's and vLLM's default for completions
+    chat = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    # vLLM's for chat: whatever the context leaves after the prompt.
+    assert downstreams.works[-1].max_tokens == 1024 - len(downstreams.works[-1].prompt_token_ids)
+
+
+class StalledWorkerStream(FakeWorkerStream):
+    """Sends its ids, then stalls as a hung engine does, until the request's deadline ends it as the worker mux does."""
+
+    def __init__(self, ids: list[int], timeout: float | None):
+        super().__init__(ids, None, None)
+        self.timeout = timeout
+
+    async def _steps(self):
+        async for step in super()._steps():
+            yield step
+        if self.timeout is None:
+            raise AssertionError("the request reached the worker with no deadline: it would wait forever")
+        await asyncio.sleep(self.timeout)
+        raise SharedCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
+class StallingDownstreams(FakeDownstreams):
+    def open_worker_stream(self, work, timeout):
+        self.works.append(work)
+        self.streams.append(StalledWorkerStream(self.ids, timeout))
+        return self.streams[-1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_deadline_ends_a_stalled_request(demo_tokenizer, stream):
+    downstreams = StallingDownstreams(demo_tokenizer, demo_tokenizer.encode("a few words"))
+    app = create_app(GenerationCore(downstreams, {}), lambda: "m", lambda: True, None, 1 << 20,
+                     request_timeout_s=0.5)
+    body = {"model": "m", "prompt": "hi", "max_tokens": 100, "stream": stream}
+    if stream:
+        with TestClient(app).stream("POST", "/v1/completions", json=body) as reply:
+            lines = [line for line in reply.iter_lines() if line]
+        assert reply.status_code == 200 and lines[-1] == "data: [DONE]"
+        assert json.loads(lines[0].removeprefix("data: "))["choices"][0]["text"]  # it had started
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    else:
+        error = error_of(TestClient(app).post("/v1/completions", json=body), 504)
+    assert error["type"] == "timeout" and "--http-request-timeout" in error["message"], error
+    assert 0 < downstreams.streams[0].timeout <= 0.5
+    assert downstreams.streams[0].cancelled

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from checkpoint.path import resolve_model
+from checkpoint.path import resolve_model, served_model_name
 from tests.integration.stack import ROOT
 
 
@@ -26,3 +26,16 @@ def test_hub_id_offline_says_to_pass_a_local_directory(tmp_path):
     assert result.returncode != 0
     assert "cannot download it from the hub" in result.stderr
     assert "pass its local directory" in result.stderr
+
+
+def test_served_name_is_the_checkpoint_folder_name_or_the_hub_id(tmp_path, monkeypatch):
+    folder = tmp_path / "Qwen3-0.6B"
+    folder.mkdir()
+    assert served_model_name(str(folder)) == "Qwen3-0.6B"
+    assert served_model_name(str(folder) + "/") == "Qwen3-0.6B"
+    monkeypatch.chdir(folder)
+    assert served_model_name(".") == "Qwen3-0.6B"
+    monkeypatch.chdir(tmp_path)
+    assert served_model_name("Qwen3-0.6B") == "Qwen3-0.6B"
+    # Not a local folder: the hub id, which is also what clients look the model up by.
+    assert served_model_name("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"

@@ -37,6 +37,7 @@ def test_server_flags_out_of_range_are_refused_by_name(name, flag, value, messag
     ("--max-prompt-chars", "0", "--max-prompt-chars must be >= 1, got 0"),
     ("--max-tokens-limit", "-5", "--max-tokens-limit must be >= 0, got -5"),
     ("--health-interval", "0", "--health-interval must be >= 0.01, got 0.0"),
+    ("--http-request-timeout", "-1", "--http-request-timeout must be >= 0, got -1.0"),
 ])
 def test_gateway_flags_out_of_range_are_refused_by_name(flag, value, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -58,3 +59,8 @@ def test_tokenizer_flags_out_of_range_are_refused_by_name(flag, value, message, 
 
 def test_max_message_bytes_takes_a_size():
     assert tokenizer_args(["--max-message-bytes", "16MiB"]).max_message_bytes == 16 << 20
+
+
+def test_http_requests_have_a_deadline_by_default():
+    assert gateway_args([]).http_request_timeout == 600
+    assert gateway_args(["--http-request-timeout", "0"]).http_request_timeout == 0
