@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU ranks (gloo): the same logits and tokens as one rank, a rank's share of the weights, refusals."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -136,3 +137,26 @@ def test_host_collectives_never_use_the_default_group_which_has_no_cpu_backend()
     assert out["min"] == 7 and out["sum"] == [1.0, 1.0]
     assert "No backend type associated with device type cpu" in out["default"]
     assert "No backend type associated with device type cpu" in out["min_on_default"]
+
+
+STORE_PROBE = """
+import os, subprocess, json
+from services.model_worker.distributed.group import private_store
+store, directory = private_store(1)
+store.set("k", "v")
+listening = [line for line in subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+             if f"pid={os.getpid()}," in line]
+print(json.dumps({"mode": os.stat(directory).st_mode & 0o777, "listening": listening, "value": store.get("k").decode(),
+                  "owner": os.stat(directory).st_uid == os.getuid()}))
+"""
+
+
+@pytest.mark.skipif(not shutil.which("ss"), reason="needs ss to list listening sockets")
+def test_the_rendezvous_opens_no_port_and_only_its_user_can_reach_it():
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-c", STORE_PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60, check=True)
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["value"] == "v" and out["owner"]
+    assert out["mode"] == 0o700
+    assert out["listening"] == []

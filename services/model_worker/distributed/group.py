@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -36,45 +38,63 @@ _WATCH_INTERVAL_S = 0.2
 
 @dataclass
 class Rendezvous:
-    """How rank 1..N-1 finds rank 0: its rank and rank 0's store port."""
+    """How rank 1..N-1 finds rank 0: its rank and the path of rank 0's store."""
 
     rank: int
-    port: int
+    store: str
+
+
+def private_store(size: int) -> tuple[dist.FileStore, str]:
+    """The ranks' rendezvous: a file store in a new directory only this user can open.
+
+    Not a TCPStore, which listens on every interface for anyone who can reach the port while the
+    ranks start. The ranks share a host (one device each), so a file is enough, and the
+    directory's mode (0700, from mkdtemp) and random name keep other users out.
+    """
+    directory = tempfile.mkdtemp(prefix="vllm-v0-ranks-")
+    store = dist.FileStore(os.path.join(directory, "store"), size)
+    store.set_timeout(COLLECTIVE_TIMEOUT)
+    return store, directory
 
 
 class RankGroup:
     """This process's membership of the tensor-parallel group; on rank 0 also the other ranks' processes."""
 
-    def __init__(self, tp: TensorParallel, step_group, processes: list[subprocess.Popen] | None = None):
+    def __init__(self, tp: TensorParallel, step_group, processes: list[subprocess.Popen] | None = None,
+                 store_dir: str | None = None):
         self.tp = tp
         self.step_group = step_group
         self.processes = processes or []
+        self.store_dir = store_dir  # rank 0: the rendezvous directory, removed at close
         self.closing = False
         tp.on_failure = self._collective_failed
 
     @classmethod
     def launch(cls, checkpoint: str, config, device: torch.device) -> RankGroup:
-        """Rank 0: start ranks 1..N-1 and join them; the rendezvous is on a port the OS picks (never fixed)."""
+        """Rank 0: start ranks 1..N-1 and join them, through a store only this user can reach."""
         size = config.tensor_parallel_size
-        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
-                               wait_for_workers=False)
+        store, directory = private_store(size)
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+        # gloo's own connections between the ranks stay on loopback too, unless the operator says otherwise.
+        env = {"GLOO_SOCKET_IFNAME": "lo", **os.environ}
         processes = [subprocess.Popen(
-            [sys.executable, "-m", "services.model_worker.executor.rank_process", "--rank", str(rank), "--size", str(size),
-             "--port", str(store.port), "--checkpoint", str(checkpoint),
-             "--config", json.dumps(config.to_dict()), "--log-level", level])
+            [sys.executable, "-m", "services.model_worker.executor.rank_process", "--rank", str(rank), "--size",
+             str(size), "--store", os.path.join(directory, "store"), "--checkpoint", str(checkpoint),
+             "--config", json.dumps(config.to_dict()), "--log-level", level], env=env)
             for rank in range(1, size)]
-        group = cls(TensorParallel(0, size), None, processes)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        group = cls(TensorParallel(0, size), None, processes, directory)
         threading.Thread(target=group._watch_ranks, name="rank-watchdog", daemon=True).start()
-        log.info("started tensor-parallel ranks 1..%d (pids %s); rendezvous on port %d", size - 1,
-                 ", ".join(str(p.pid) for p in processes), store.port)
+        log.info("started tensor-parallel ranks 1..%d (pids %s); rendezvous in %s", size - 1,
+                 ", ".join(str(p.pid) for p in processes), directory)
         group.step_group = _join(store, group.tp, device)
         return group
 
     @classmethod
     def join(cls, rendezvous: Rendezvous, size: int, device: torch.device) -> RankGroup:
         """Ranks 1..N-1: join rank 0's group."""
-        store = dist.TCPStore("127.0.0.1", rendezvous.port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        store = dist.FileStore(rendezvous.store, size)
+        store.set_timeout(COLLECTIVE_TIMEOUT)
         tp = TensorParallel(rendezvous.rank, size)
         return cls(tp, _join(store, tp, device))
 
@@ -96,6 +116,11 @@ class RankGroup:
                 log.warning("rank process %d did not stop; killing it", process.pid)
                 process.kill()
                 process.wait()
+        self._remove_store()
+
+    def _remove_store(self) -> None:
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
 
     def _watch_ranks(self) -> None:
         while not self.closing:
@@ -117,6 +142,7 @@ class RankGroup:
         for process in self.processes:
             if process.poll() is None:
                 process.kill()
+        self._remove_store()
         logging.shutdown()
         os._exit(EXIT_RANK_LOST)
 

@@ -26,7 +26,7 @@ def main(argv=None) -> int:
                                      description="one tensor-parallel rank; the engine core starts it")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--size", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True, help="rank 0's rendezvous port")
+    parser.add_argument("--store", required=True, help="rank 0's rendezvous file")
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--config", required=True, help="the EngineConfig as JSON")
     parser.add_argument("--log-level", default="info")
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     config = EngineConfig.from_dict(json.loads(args.config))
     with torch.inference_mode():
         executor = Executor(args.checkpoint, config, Qwen3Config.from_json(args.checkpoint),
-                            rendezvous=Rendezvous(args.rank, args.port))
+                            rendezvous=Rendezvous(args.rank, args.store))
         executor.serve_steps()
     return 0
 
