@@ -70,9 +70,12 @@ def parse_args(argv=None) -> argparse.Namespace:
              type=engine_cpus)
     add_flag(parser, "--stats-interval", 10.0, "seconds between log lines on load, KV cache and throughput "
              "while busy (0: none)")
+    add_flag(parser, "--step-timeout", 120.0, "seconds the engine core may go without finishing a step while "
+             "requests are open; past it the core is taken as hung: its stacks are logged, its streams get "
+             "UNAVAILABLE, and it is restarted (0: never)")
     add_auth_flags(parser)  # for deployments without mTLS; the gateway sends its --downstream-api-key
     args = parser.parse_args(argv)
-    check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--stats-interval", 0, None)))
+    check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--stats-interval", 0, None), ("--step-timeout", 0, None)))
     if args.max_model_len < 0:
         parser.error(f"--max-model-len must be >= 0 (0: the model's own limit), got {args.max_model_len}")
     try:
@@ -109,7 +112,7 @@ async def serve_started(args: argparse.Namespace, server: GrpcServer, servicer: 
     # The model loads and steps in a separate engine-core process; this one only serves gRPC.
     client = EngineClient(checkpoint, engine_config(args), log_level=args.log_level,
                           stats_interval_s=args.stats_interval, on_serving=server.set_serving, on_step=observe_step,
-                          engine_cpus=args.engine_cpus)
+                          engine_cpus=args.engine_cpus, step_timeout_s=args.step_timeout)
     REGISTRY.register(EngineCollector(client))
     servicer.engine = client
     try:

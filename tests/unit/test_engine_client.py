@@ -250,3 +250,36 @@ def test_a_draining_client_refuses_new_requests_and_finishes_open_ones(checkpoin
 
     tokens = run_client(checkpoint, scenario)
     assert tokens == make_engine(checkpoint).generate([[1, 2, 3]], greedy(20))[0]
+
+
+def test_a_hung_core_is_killed_after_the_step_timeout_and_restarted(checkpoint, caplog):
+    """A core that stops making steps with requests open (SIGSTOP here; a stuck device in life) is taken as dead."""
+    serving_changes = []
+
+    async def on_serving(serving: bool) -> None:
+        serving_changes.append(serving)
+
+    async def scenario(client: EngineClient):
+        idle = client.process
+        await asyncio.sleep(2.5)  # no requests open: silence is no hang
+        assert client.process is idle and client.serving
+        stream = client.generate("open", [1, 2, 3], greedy(400))
+        await stream.__anext__()
+        hung = client.process
+        os.kill(hung.pid, signal.SIGSTOP)
+        with pytest.raises(Unavailable, match=r"made no step for \d+ s with 1 requests open \(--step-timeout\)"):
+            await asyncio.wait_for(collect_rest(stream), WAIT_S)
+        assert hung.popen.returncode == -signal.SIGKILL
+        assert await eventually(lambda: client.serving, START_S)
+        assert serving_changes == [True, False, True] and client.process is not hung
+        return await collect(client, "again", [3, 1, 4], greedy(6))
+
+    async def collect_rest(stream):
+        async for _ in stream:
+            pass
+
+    with caplog.at_level(logging.ERROR, logger="services.model_worker.core.client"):
+        tokens = run_client(checkpoint, scenario, on_serving=on_serving, restart_delay_s=(0.05, 0.1),
+                            step_timeout_s=1.0)
+    assert tokens == make_engine(checkpoint).generate([[3, 1, 4]], greedy(6))[0]
+    assert any("its threads' stacks follow, then it is killed" in r.getMessage() for r in caplog.records)

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -119,3 +120,41 @@ def _run(core: EngineCore, commands: queue.SimpleQueue, errors: list) -> None:
         core.run(commands)
     except Exception as e:  # noqa: BLE001 - reported by the test
         errors.append(e)
+
+
+HANGING_CORE = """
+import sys, time
+from services.model_worker.core import engine_core
+from services.model_worker.engine.llm_engine import LLMEngine
+
+def step(self):
+    time.sleep(600)  # stuck inside a call, as on a device that stopped answering
+
+LLMEngine.step = step
+sys.exit(engine_core.main(sys.argv[1:]))
+"""
+
+
+def test_a_hung_core_writes_where_it_is_stuck_when_asked(checkpoint):
+    """The step watchdog's signal: every thread's stack on stderr, the step's frame included."""
+    ours, theirs = socket.socketpair()
+    config = EngineConfig(device="cpu", dtype="float32", num_blocks=64, block_size=4)
+    process = subprocess.Popen([sys.executable, "-c", HANGING_CORE, "--fd", str(theirs.fileno()), "--checkpoint",
+                                str(checkpoint), "--config", json.dumps(config.to_dict()), "--stats-interval", "0"],
+                               pass_fds=[theirs.fileno()], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                               stderr=subprocess.PIPE, text=True)
+    theirs.close()
+    try:
+        with ours.makefile("rwb") as stream:
+            assert ipc.read_blocking(stream)["type"] == "ready"
+            stream.write(ipc.encode(add("open", [1, 2, 3], 5)))
+            stream.flush()
+            time.sleep(1.0)  # inside the step by now
+            os.kill(process.pid, ipc.DUMP_STACKS_SIGNAL)
+            time.sleep(1.0)
+            assert process.poll() is None  # still there: the worker kills it after reading the stacks
+    finally:
+        process.kill()
+        ours.close()
+    err = process.stderr.read()
+    assert "Thread 0x" in err and 'in step' in err and "in _step" in err, err[-2000:]

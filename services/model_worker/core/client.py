@@ -5,6 +5,7 @@ import asyncio
 import itertools
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
@@ -19,6 +20,9 @@ from services.model_worker.distributed.parallel import check_divisible
 from services.model_worker.engine.llm_engine import StepOutput
 
 log = logging.getLogger(__name__)
+
+# How long a hung core gets to write its threads' stacks before it is killed.
+_STACK_DUMP_S = 0.5
 
 # What stats read before any core has reported, and after one died: nothing running, nothing cached.
 EMPTY_STATS = {"running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_free": 0, "prefix_cache_hit_rate": 0.0,
@@ -47,7 +51,8 @@ class EngineClient:
     def __init__(self, checkpoint: str | os.PathLike, config: EngineConfig, *, log_level: str = "info",
                  stats_interval_s: float = 10.0, on_serving: Callable[[bool], Awaitable[None]] | None = None,
                  on_step: Callable[[float, int], None] | None = None,
-                 restart_delay_s: tuple[float, float] = (1.0, 30.0), engine_cpus: frozenset[int] | None = None):
+                 restart_delay_s: tuple[float, float] = (1.0, 30.0), engine_cpus: frozenset[int] | None = None,
+                 step_timeout_s: float = 120.0):
         self.checkpoint = checkpoint
         self.engine_cpus = engine_cpus  # the CPUs every core process runs on; None: the worker's own
         self.config = config
@@ -60,6 +65,9 @@ class EngineClient:
         self.on_serving = on_serving
         self.on_step = on_step  # each step's seconds and tokens sampled, e.g. for metrics
         self.restart_delay_s = restart_delay_s  # first and longest wait before restarting a dead core
+        # With requests open, a core that sends no frame for this long is hung and is killed (0: never).
+        self.step_timeout_s = step_timeout_s
+        self._busy_since = 0.0  # when the open requests went from none to some (time.monotonic)
         self.info: dict | None = None  # the model facts the last ready core reported
         self.stats: dict = dict(EMPTY_STATS)  # the core's latest snapshot, replaced whole on every frame
         self.load_feed = LoadFeed()  # load and cached block hashes, for WatchLoad
@@ -158,6 +166,8 @@ class EngineClient:
         if self.stats["waiting"] + self._adds_sent - self.stats["adds_applied"] >= limit:
             raise ResourceExhausted(f"the worker's queue is full ({limit} requests waiting); retry later")
         core_id = str(next(self._ids))
+        if not self._streams:
+            self._busy_since = time.monotonic()
         self._streams[core_id] = (request_id, sink)
         self._request_ids.add(request_id)
         self._adds_sent += 1
@@ -203,8 +213,8 @@ class EngineClient:
         first_delay, max_delay = self.restart_delay_s
         try:
             while True:
-                await self._pump(core)
-                why = await self._went_down(core)
+                hung = await self._pump(core)
+                why = await self._went_down(core, hung)
                 if self.config.tensor_parallel_size > 1:
                     # A lost rank usually means a lost device, which a restart on the same devices
                     # will not cure: stop, and let whatever runs the worker decide.
@@ -232,15 +242,47 @@ class EngineClient:
             self._down_reason = "the worker's engine core supervisor failed; restart the worker"
             await self._notify(False)
 
-    async def _pump(self, core: CoreProcess) -> None:
-        """Dispatch the core's frames until its socket closes (or it sends one this client cannot read)."""
-        while (message := await core.read()) is not None:
-            try:
-                self._dispatch(message)
-            except Exception:  # noqa: BLE001 - a core that says nonsense is as good as dead
-                log.exception("unreadable frame from the engine core (pid %d); killing it", core.pid)
-                await core.kill()
-                return
+    async def _pump(self, core: CoreProcess) -> str | None:
+        """Dispatch the core's frames until its socket closes, it sends one this client cannot read, or it
+        hangs; returns why it was killed when it hung.
+
+        Every step ends in a frame, so open requests and no frame for step_timeout_s mean the core is
+        stuck (a device that stopped answering, a deadlock): the worker must not wait on it forever.
+        """
+        read = asyncio.ensure_future(core.read())
+        last_frame = time.monotonic()
+        try:
+            while True:
+                await asyncio.wait({read}, timeout=self._watch_interval())
+                if not read.done():
+                    silent = time.monotonic() - max(last_frame, self._busy_since)
+                    if self._streams and self.step_timeout_s and silent >= self.step_timeout_s:
+                        return await self._kill_hung(core, silent)
+                    continue
+                message = read.result()
+                if message is None:
+                    return None
+                last_frame = time.monotonic()
+                try:
+                    self._dispatch(message)
+                except Exception:  # noqa: BLE001 - a core that says nonsense is as good as dead
+                    log.exception("unreadable frame from the engine core (pid %d); killing it", core.pid)
+                    await core.kill()
+                    return None
+                read = asyncio.ensure_future(core.read())
+        finally:
+            read.cancel()
+
+    def _watch_interval(self) -> float:
+        return min(1.0, self.step_timeout_s / 4) if self.step_timeout_s else 1.0
+
+    async def _kill_hung(self, core: CoreProcess, silent: float) -> str:
+        why = f"made no step for {silent:.0f} s with {len(self._streams)} requests open (--step-timeout)"
+        log.error("the engine core (pid %d) %s; its threads' stacks follow, then it is killed", core.pid, why)
+        core.dump_stacks()
+        await asyncio.sleep(_STACK_DUMP_S)
+        await core.kill()
+        return why
 
     def _dispatch(self, message: dict) -> None:
         if message["type"] != "update":
@@ -267,15 +309,15 @@ class EngineClient:
         if message["step_seconds"] is not None and self.on_step is not None:
             self.on_step(message["step_seconds"], len(outputs))
 
-    async def _went_down(self, core: CoreProcess) -> str:
-        """Stop serving, fail every open stream, and return why."""
+    async def _went_down(self, core: CoreProcess, hung: str | None = None) -> str:
+        """Stop serving, fail every open stream, and return why (hung: why it was killed as hung)."""
         self._core = None
         self._down_reason = "the engine core is down; the worker is restarting it, retry shortly"
         core.close_socket()
         returncode = await core.wait_exit(timeout=5)
         if returncode is None:  # its socket closed but it runs on: it cannot serve, so end it
             returncode = await core.kill()
-        why = f"the engine core (pid {core.pid}) {describe_exit(returncode)}"
+        why = f"the engine core (pid {core.pid}) {hung or describe_exit(returncode)}"
         self._down_reason = f"{why}; the worker is restarting it, retry shortly"
         self.stats = dict(EMPTY_STATS)
         self.load_feed.reset(self.stats)

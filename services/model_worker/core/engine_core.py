@@ -7,6 +7,7 @@ here, keeps torch to one OpenMP team, which decodes faster than stepping on a si
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -193,6 +194,8 @@ def main(argv=None) -> int:
     # The worker owns shutdown: on SIGTERM it drains its streams first, then sends "shutdown".
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The worker's step watchdog asks where a hung step is stuck before it kills this process.
+    faulthandler.register(protocol.DUMP_STACKS_SIGNAL, all_threads=True)
     sock = socket.socket(fileno=args.fd)
     commands: queue.SimpleQueue = queue.SimpleQueue()
     loading = threading.Event()  # set while the model loads, when only the reader thread can notice the worker go

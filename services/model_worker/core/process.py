@@ -123,6 +123,13 @@ class CoreProcess:
         self.close_socket()
         return returncode
 
+    def dump_stacks(self) -> None:
+        """Ask the core to write every thread's stack to its stderr (the worker's log): where it hung."""
+        try:
+            os.kill(self.popen.pid, protocol.DUMP_STACKS_SIGNAL)
+        except ProcessLookupError:
+            pass
+
     async def kill(self) -> int:
         self.popen.kill()
         self.close_socket()

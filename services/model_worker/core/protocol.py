@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import signal
 import struct
 from typing import BinaryIO
 
@@ -22,6 +23,8 @@ from services.model_worker.engine.sequence import FinishReason
 _HEADER = struct.Struct(">I")  # body length in bytes
 # The core's exit code after a step failed (EngineDeadError): the worker fails its streams and starts a new core.
 EXIT_ENGINE_DEAD = 4
+# The core answers this signal with every thread's stack on stderr (faulthandler), also inside a C call.
+DUMP_STACKS_SIGNAL = signal.SIGUSR1
 ERROR_KINDS: dict[str, type[ServiceError]] = {
     "invalid_argument": InvalidArgument,
     "resource_exhausted": ResourceExhausted,
