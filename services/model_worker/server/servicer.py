@@ -2,15 +2,37 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 
 from rpcserver.errors import Unavailable
 from rpcserver.shared import SAMPLING_FIELDS
 from rpcserver.status import grpc_errors
 from services.model_worker.config.sampling import MAX_LOGPROBS, SamplingParams
 from services.model_worker.core.client import EngineClient
+from services.model_worker.core.kv_events import LoadDelta
 from services.model_worker.server.metrics import REQUESTS
 from services.model_worker.server.multiplex import MultiplexedCall, step_message
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
+
+
+# Hashes in one LoadUpdate: 32 bytes each plus 2 of framing, so at most about 1.7 MB a message, well
+# inside gRPC's default 4 MiB receive limit. A first snapshot of a large cache (200,000 blocks: 6.8 MB)
+# would not fit in one.
+MAX_HASHES_PER_UPDATE = 50_000
+
+
+def load_updates(delta: LoadDelta, block_size: int) -> Iterator[worker_pb2.LoadUpdate]:
+    """One delta as LoadUpdates of at most MAX_HASHES_PER_UPDATE hashes each, the load on every one.
+
+    Only the first keeps `reset`: the rest add to what it started, which is what a receiver does
+    with the stored hashes of any later message.
+    """
+    hashes = [(h, True) for h in delta.stored] + [(h, False) for h in delta.evicted]
+    for start in range(0, max(len(hashes), 1), MAX_HASHES_PER_UPDATE):
+        piece = hashes[start:start + MAX_HASHES_PER_UPDATE]
+        yield worker_pb2.LoadUpdate(reset=delta.reset and start == 0, block_size=block_size,
+                                    stored_block_hashes=[h for h, stored in piece if stored],
+                                    evicted_block_hashes=[h for h, stored in piece if not stored], **delta.load)
 
 
 class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
@@ -62,8 +84,8 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
         try:
             while (delta := await watcher.next()) is not None:
                 block_size = engine.info["block_size"] if engine.info else 0
-                yield worker_pb2.LoadUpdate(reset=delta.reset, block_size=block_size, stored_block_hashes=delta.stored,
-                                            evicted_block_hashes=delta.evicted, **delta.load)
+                for update in load_updates(delta, block_size):
+                    yield update
         finally:
             watcher.close()
 
