@@ -38,6 +38,10 @@ def chat_template_source(checkpoint_dir: Path, tokenizer_config: dict) -> str | 
     return source if isinstance(source, str) else None
 
 
+class TokenizerLoadError(ValueError):
+    """The checkpoint's tokenizer.json is missing or unreadable."""
+
+
 class TokenizerCore:
     def __init__(
         self,
@@ -65,7 +69,13 @@ class TokenizerCore:
     def from_dir(cls, checkpoint_dir: Path | str) -> "TokenizerCore":
         """Load tokenizer.json, plus tokenizer_config.json, generation_config.json and config.json when present."""
         checkpoint_dir = Path(checkpoint_dir)
-        tokenizer = Tokenizer.from_file(str(checkpoint_dir / "tokenizer.json"))
+        path = checkpoint_dir / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerLoadError(f"{checkpoint_dir} has no tokenizer.json")
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for any unreadable file
+            raise TokenizerLoadError(f"cannot read {path}: {e}") from None
         tokenizer_config = read_json(checkpoint_dir / "tokenizer_config.json")
         model_config = read_json(checkpoint_dir / "config.json")
 

@@ -6,12 +6,14 @@ import asyncio
 import logging
 import time
 
+import jinja2
+
+from checkpoint.path import resolve_model
 from rpcserver.auth import add_auth_flags, auth_interceptors
 from rpcserver.config import SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges
-from checkpoint.path import resolve_model
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
-from services.tokenizer.core import TokenizerCore
+from services.tokenizer.core import TokenizerCore, TokenizerLoadError
 from services.tokenizer.decode_batches import StreamLimits
 from services.tokenizer.servicer import TokenizerServicer
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
@@ -42,9 +44,19 @@ async def serve(args: argparse.Namespace) -> None:
                                                             args.decode_stream_idle_timeout))
     add_servicer(server.server, service, servicer)
     await server.start()  # health answers NOT_SERVING while the tokenizer loads
+    try:
+        await serve_started(args, server, servicer)
+    finally:
+        await server.close()  # on this loop, or grpc's __del__ tries after it closed
+
+
+async def serve_started(args: argparse.Namespace, server: GrpcServer, servicer: TokenizerServicer) -> None:
     start = time.perf_counter()
     checkpoint = resolve_model(args.model)
-    core = await asyncio.to_thread(TokenizerCore.from_dir, checkpoint)
+    try:
+        core = await asyncio.to_thread(TokenizerCore.from_dir, checkpoint)
+    except (TokenizerLoadError, jinja2.TemplateError) as e:  # a missing file, a template that does not compile
+        raise SystemExit(f"cannot serve {args.model}: {e}") from None
     log.info("loaded tokenizer from %s in %.1f s: %d ids, eos %s, chat template: %s", checkpoint,
              time.perf_counter() - start, core.info.vocab_size, core.info.eos_token_ids,
              "yes" if core.info.has_chat_template else "no")

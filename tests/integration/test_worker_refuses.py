@@ -1,4 +1,4 @@
-"""A worker that refuses its checkpoint at start says why in one line and exits, with no traceback after it."""
+"""A worker or tokenizer that refuses its checkpoint at start says why in one line and exits, with no traceback after it."""
 from __future__ import annotations
 
 import json
@@ -40,3 +40,18 @@ def test_a_refused_checkpoint_ends_the_worker_with_its_reason_alone(tmp_path, sp
     assert last.startswith(f"cannot serve {tmp_path}: ") and reason in last, result.stderr
     assert "Traceback" not in result.stderr and "Event loop is closed" not in result.stderr, result.stderr
     assert "never awaited" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("spoil, reason", [
+    (lambda path: (path / "tokenizer.json").unlink(missing_ok=True), "has no tokenizer.json"),
+    (lambda path: (path / "tokenizer.json").write_text("{not json"), "cannot read"),
+], ids=["missing", "unreadable"])
+def test_a_tokenizer_without_a_usable_tokenizer_json_says_why_in_one_line(tmp_path, spoil, reason):
+    make_checkpoint(tmp_path)
+    spoil(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "services.tokenizer", "--model", str(tmp_path), "--port", "0"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"cannot serve {tmp_path}: ") and reason in last, result.stderr
+    assert "Traceback" not in result.stderr and "Event loop is closed" not in result.stderr, result.stderr
