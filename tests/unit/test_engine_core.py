@@ -93,13 +93,7 @@ sys.exit(engine_core.main(sys.argv[1:]))
 
 def test_a_core_process_whose_step_fails_says_why_and_exits_with_its_own_code(checkpoint):
     """The real process: the worker reads UNAVAILABLE for the open request, then end of file and EXIT_ENGINE_DEAD."""
-    ours, theirs = socket.socketpair()
-    config = EngineConfig(device="cpu", dtype="float32", num_blocks=64, block_size=4)
-    process = subprocess.Popen([sys.executable, "-c", FAILING_CORE, "--fd", str(theirs.fileno()), "--checkpoint",
-                                str(checkpoint), "--config", json.dumps(config.to_dict()), "--stats-interval", "0"],
-                               pass_fds=[theirs.fileno()], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                               stderr=subprocess.PIPE, text=True)
-    theirs.close()
+    process, ours = start_core(FAILING_CORE, checkpoint)
     with ours, ours.makefile("rwb") as stream:
         assert ipc.read_blocking(stream)["type"] == "ready"
         stream.write(ipc.encode(add("open", [1, 2, 3], 50)))
@@ -113,6 +107,18 @@ def test_a_core_process_whose_step_fails_says_why_and_exits_with_its_own_code(ch
     assert [(rid, kind) for rid, kind, _ in frames[-1]["errors"]] == [("open", "unavailable")]
     assert "illegal memory access" in frames[-1]["errors"][0][2]
     assert "engine step failed; the engine core stops" in process.stderr.read()
+
+
+def start_core(script: str, checkpoint) -> tuple[subprocess.Popen, socket.socket]:
+    """An engine-core process running `script` (the real main, with a step patched), and the worker's socket end."""
+    ours, theirs = socket.socketpair()
+    config = EngineConfig(device="cpu", dtype="float32", num_blocks=64, block_size=4)
+    process = subprocess.Popen([sys.executable, "-c", script, "--fd", str(theirs.fileno()), "--checkpoint",
+                                str(checkpoint), "--config", json.dumps(config.to_dict()), "--stats-interval", "0"],
+                               pass_fds=[theirs.fileno()], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                               stderr=subprocess.PIPE, text=True)
+    theirs.close()
+    return process, ours
 
 
 def _run(core: EngineCore, commands: queue.SimpleQueue, errors: list) -> None:
@@ -137,13 +143,7 @@ sys.exit(engine_core.main(sys.argv[1:]))
 
 def test_a_hung_core_writes_where_it_is_stuck_when_asked(checkpoint):
     """The step watchdog's signal: every thread's stack on stderr, the step's frame included."""
-    ours, theirs = socket.socketpair()
-    config = EngineConfig(device="cpu", dtype="float32", num_blocks=64, block_size=4)
-    process = subprocess.Popen([sys.executable, "-c", HANGING_CORE, "--fd", str(theirs.fileno()), "--checkpoint",
-                                str(checkpoint), "--config", json.dumps(config.to_dict()), "--stats-interval", "0"],
-                               pass_fds=[theirs.fileno()], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                               stderr=subprocess.PIPE, text=True)
-    theirs.close()
+    process, ours = start_core(HANGING_CORE, checkpoint)
     try:
         with ours.makefile("rwb") as stream:
             assert ipc.read_blocking(stream)["type"] == "ready"
