@@ -59,6 +59,8 @@ GENERATION_CONFIG = {
     "top_p": 0.95,
 }
 
+# This project's own chat template, written in Qwen3's conversation format (ChatML turns, <think> blocks,
+# <tool_call>/<tool_response> function calling), so tool and thinking prompts take the shape Qwen3 expects.
 CHAT_TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 
 

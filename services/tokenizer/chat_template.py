@@ -69,11 +69,13 @@ class ChatTemplate:
             if (text := special_token_text(tokenizer_config.get(name))) is not None
         }
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False, **template_kwargs) -> str:
-        """Render `messages`; only the kwargs given reach the template, so `x is defined` checks work."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None,
+               **template_kwargs) -> str:
+        """Render `messages` (and `tools`, OpenAI tool objects); only the kwargs given reach the template,
+        so `x is defined` checks work."""
         # As transformers does: a None field is treated as absent, which templates handle better.
         messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
         variables = {**self.special_tokens, **template_kwargs}
         return self.template.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
+            messages=messages, tools=tools or None, documents=None, add_generation_prompt=add_generation_prompt, **variables
         )

@@ -1,5 +1,6 @@
 """The tokenizer service's core: encode, chat rendering, decode and stateless incremental decode."""
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,7 +92,8 @@ class TokenizerCore:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def render_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool | None = None
+        self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """The prompt text the checkpoint's chat template makes of `messages`."""
         if self.chat_template is None:
@@ -103,15 +105,17 @@ class TokenizerCore:
         # Passed only when set, so the template's `enable_thinking is defined` falls back to its default.
         extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         try:
-            return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
+            return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **extra)
         except jinja2.TemplateError as error:
             raise InvalidArgument(f"the chat template rejected these messages: {error}") from error
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool | None = None
+        self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool | None = None,
+        tools: list[dict] | None = None,
     ) -> tuple[list[int], str]:
         """(ids, rendered text); the template already wrote every special token, so none are added."""
-        rendered = self.render_chat(messages, add_generation_prompt, enable_thinking)
+        rendered = self.render_chat(messages, add_generation_prompt, enable_thinking, tools)
         return self.encode(rendered, add_special_tokens=False), rendered
 
     def encode_request(
@@ -121,12 +125,18 @@ class TokenizerCore:
         add_special_tokens: bool = False,
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
+        tools: list[str] | None = None,
     ) -> tuple[list[int], str]:
-        """(ids, rendered) for exactly one of `text` and `messages`; empty counts as absent, as in proto3."""
+        """(ids, rendered) for exactly one of `text` and `messages`; empty counts as absent, as in proto3.
+
+        `tools` are OpenAI tool objects as JSON text, rendered by the chat template.
+        """
         if text and messages:
             raise InvalidArgument("give either text or messages, not both")
+        if tools and not messages:
+            raise InvalidArgument("tools need messages: plain text is not rendered with the chat template")
         if messages:
-            return self.encode_chat(messages, add_generation_prompt, enable_thinking)
+            return self.encode_chat(messages, add_generation_prompt, enable_thinking, parse_tools(tools or []))
         if text:
             return self.encode(text, add_special_tokens), ""
         raise InvalidArgument("nothing to encode: give a non-empty text or at least one message")
@@ -179,6 +189,19 @@ def check_messages(messages: list[dict]) -> None:
             raise InvalidArgument(f"message {position} has role {role!r}; use one of {', '.join(CHAT_ROLES)}")
         if not isinstance(message.get("content"), str):
             raise InvalidArgument(f"message {position} ({role}) needs its content as a string")
+
+
+def parse_tools(tools: list[str]) -> list[dict]:
+    parsed = []
+    for position, text in enumerate(tools):
+        try:
+            tool = json.loads(text)
+        except ValueError as e:
+            raise InvalidArgument(f"tools[{position}] is not valid JSON: {e}") from None
+        if not isinstance(tool, dict):
+            raise InvalidArgument(f"tools[{position}] must be a JSON object (an OpenAI tool)")
+        parsed.append(tool)
+    return parsed
 
 
 def common_prefix_length(a: str, b: str) -> int:

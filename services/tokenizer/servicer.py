@@ -31,8 +31,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     @grpc_errors
     async def Encode(self, request: tokenizer_pb2.EncodeRequest, context) -> tokenizer_pb2.EncodeResponse:
         ids, rendered = self.core.encode_request(
-            text=request.text, messages=[{"role": m.role, "content": m.content} for m in request.messages],
-            add_special_tokens=request.add_special_tokens,
+            text=request.text, messages=[chat_message(m) for m in request.messages],
+            add_special_tokens=request.add_special_tokens, tools=list(request.tools),
             add_generation_prompt=request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
             enable_thinking=request.enable_thinking if request.HasField("enable_thinking") else None)
         return tokenizer_pb2.EncodeResponse(token_ids=ids, rendered=rendered)
@@ -95,3 +95,15 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         return tokenizer_pb2.GetInfoResponse(
             vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids, has_chat_template=info.has_chat_template,
             special_tokens=[tokenizer_pb2.SpecialToken(id=i, content=c) for i, c in info.special_tokens])
+
+
+def chat_message(message: tokenizer_pb2.ChatMessage) -> dict:
+    """A message as transformers' templates see it: the OpenAI shape, optional keys only when set."""
+    rendered = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for call in message.tool_calls]
+    if message.tool_call_id:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered

@@ -1,11 +1,13 @@
 """Chat rendering against transformers' apply_chat_template on the same template and messages."""
 
 import json
+import re
 from datetime import datetime
 
 import pytest
 from transformers import PreTrainedTokenizerFast
 
+from rpcserver.errors import InvalidArgument
 from services.tokenizer.chat_template import ChatTemplate
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
@@ -111,3 +113,60 @@ def test_helpers_match_transformers(demo_tokenizer_dir, reference, extra):
     expected = reference.apply_chat_template(messages, chat_template=HELPERS_TEMPLATE, tokenize=False, **extra)
     assert ours == expected
     assert "中文" in ours and "<tag>" in ours and str(datetime.now().year) in ours
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city — «quoted» <b>",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                   "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+
+
+def call(call_id, name, arguments):
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+ASK = {"role": "user", "content": "Weather in Paris and Tōkyō, and the time?"}
+CALLS = {"role": "assistant", "content": "", "tool_calls": [
+    call("call_1", "get_weather", '{"city": "Paris"}'), call("call_2", "get_weather", '{"city": "Tōkyō", "unit": "c"}')]}
+CALL_WITH_TEXT = {"role": "assistant", "content": "Let me check.", "tool_calls": [call("call_3", "now", "{}")]}
+CALL_DICT_ARGS = {"role": "assistant", "content": "", "tool_calls": [call("call_4", "get_weather", {"city": "Oslo"})]}
+ANSWERS = [{"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+           {"role": "tool", "tool_call_id": "call_2", "content": "25 C"}]
+
+TOOL_CONVERSATIONS = {
+    "tools offered": ([WEATHER, CLOCK], [ASK]),
+    "tools with a system message": ([WEATHER], [SYSTEM, ASK]),
+    "parallel calls and their results": ([WEATHER, CLOCK], [SYSTEM, ASK, CALLS, *ANSWERS]),
+    "call with text, result, answer": ([CLOCK], [ASK, CALL_WITH_TEXT, {"role": "tool", "content": "12:00"},
+                                                 {"role": "assistant", "content": "Noon."}, FOLLOW_UP]),
+    "arguments as an object": ([WEATHER], [ASK, CALL_DICT_ARGS, {"role": "tool", "content": "rain"}]),
+    "past calls without tools offered": (None, [ASK, CALLS, *ANSWERS]),
+}
+
+
+@pytest.mark.parametrize("enable_thinking", [None, False])
+@pytest.mark.parametrize("name", TOOL_CONVERSATIONS)
+def test_render_with_tools_matches_transformers(demo_tokenizer, reference, name, enable_thinking):
+    tools, messages = TOOL_CONVERSATIONS[name]
+    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    ours = demo_tokenizer.render_chat(messages, True, enable_thinking, tools)
+    expected = reference.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **extra)
+    assert ours == expected
+    if tools:
+        assert "# Tools" in ours and all(f'"name": "{t["function"]["name"]}"' in ours for t in tools)
+
+
+def test_encode_request_takes_tools_as_json(demo_tokenizer, reference):
+    tools, messages = TOOL_CONVERSATIONS["parallel calls and their results"]
+    ids, rendered = demo_tokenizer.encode_request(messages=messages, tools=[json.dumps(t) for t in tools])
+    expected = reference.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True)
+    assert ids == list(expected["input_ids"])
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tōkyō", "unit": "c"}}\n</tool_call>' in rendered
+
+
+@pytest.mark.parametrize("tools, message", [(["{nope"], "tools[0] is not valid JSON"),
+                                            (["[1]"], "tools[0] must be a JSON object")])
+def test_bad_tools_are_refused(demo_tokenizer, tools, message):
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        demo_tokenizer.encode_request(messages=[ASK], tools=tools)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$vllm_v0/tokenizer/v1/tokenizer.proto\x12\x14vllm_v0.tokenizer.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xde\x01\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x33\n\x08messages\x18\x02 \x03(\x0b\x32!.vllm_v0.tokenizer.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x0f\x65nable_thinking\x18\x05 \x01(\x08H\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x12\n\x10_enable_thinking\"5\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08rendered\x18\x02 \x01(\t\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"n\n\x18\x44\x65\x63odeIncrementalRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bread_offset\x18\x02 \x01(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\"V\n\x19\x44\x65\x63odeIncrementalResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x16\n\x0eprefix_advance\x18\x02 \x01(\r\x12\x13\n\x0bread_offset\x18\x03 \x01(\r\"g\n\x13\x44\x65\x63odeStreamRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12\x11\n\tpiece_ids\x18\x04 \x03(\r\"4\n\x14\x44\x65\x63odeStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0e\n\x06pieces\x18\x02 \x03(\x0c\"\x85\x01\n\x0f\x44\x65\x63odeBatchItem\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x04 \x01(\x08\x12\x11\n\tpiece_ids\x18\x05 \x03(\r\x12\r\n\x05\x63lose\x18\x06 \x01(\x08\"J\n\x12\x44\x65\x63odeBatchRequest\x12\x34\n\x05items\x18\x01 \x03(\x0b\x32%.vllm_v0.tokenizer.v1.DecodeBatchItem\"o\n\x11\x44\x65\x63odeBatchResult\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06pieces\x18\x03 \x03(\x0c\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\"O\n\x13\x44\x65\x63odeBatchResponse\x12\x38\n\x07results\x18\x01 \x03(\x0b\x32\'.vllm_v0.tokenizer.v1.DecodeBatchResult\"\x10\n\x0eGetInfoRequest\"+\n\x0cSpecialToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x93\x01\n\x0fGetInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12:\n\x0especial_tokens\x18\x02 \x03(\x0b\x32\".vllm_v0.tokenizer.v1.SpecialToken\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x32\xdf\x04\n\x10TokenizerService\x12S\n\x06\x45ncode\x12#.vllm_v0.tokenizer.v1.EncodeRequest\x1a$.vllm_v0.tokenizer.v1.EncodeResponse\x12S\n\x06\x44\x65\x63ode\x12#.vllm_v0.tokenizer.v1.DecodeRequest\x1a$.vllm_v0.tokenizer.v1.DecodeResponse\x12t\n\x11\x44\x65\x63odeIncremental\x12..vllm_v0.tokenizer.v1.DecodeIncrementalRequest\x1a/.vllm_v0.tokenizer.v1.DecodeIncrementalResponse\x12i\n\x0c\x44\x65\x63odeStream\x12).vllm_v0.tokenizer.v1.DecodeStreamRequest\x1a*.vllm_v0.tokenizer.v1.DecodeStreamResponse(\x01\x30\x01\x12h\n\rDecodeBatches\x12(.vllm_v0.tokenizer.v1.DecodeBatchRequest\x1a).vllm_v0.tokenizer.v1.DecodeBatchResponse(\x01\x30\x01\x12V\n\x07GetInfo\x12$.vllm_v0.tokenizer.v1.GetInfoRequest\x1a%.vllm_v0.tokenizer.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$vllm_v0/tokenizer/v1/tokenizer.proto\x12\x14vllm_v0.tokenizer.v1\"v\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x32\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1e.vllm_v0.tokenizer.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\xed\x01\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x33\n\x08messages\x18\x02 \x03(\x0b\x32!.vllm_v0.tokenizer.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x0f\x65nable_thinking\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\r\n\x05tools\x18\x06 \x03(\tB\x18\n\x16_add_generation_promptB\x12\n\x10_enable_thinking\"5\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08rendered\x18\x02 \x01(\t\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"n\n\x18\x44\x65\x63odeIncrementalRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bread_offset\x18\x02 \x01(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\"V\n\x19\x44\x65\x63odeIncrementalResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x16\n\x0eprefix_advance\x18\x02 \x01(\r\x12\x13\n\x0bread_offset\x18\x03 \x01(\r\"g\n\x13\x44\x65\x63odeStreamRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12\x11\n\tpiece_ids\x18\x04 \x03(\r\"4\n\x14\x44\x65\x63odeStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0e\n\x06pieces\x18\x02 \x03(\x0c\"\x85\x01\n\x0f\x44\x65\x63odeBatchItem\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x04 \x01(\x08\x12\x11\n\tpiece_ids\x18\x05 \x03(\r\x12\r\n\x05\x63lose\x18\x06 \x01(\x08\"J\n\x12\x44\x65\x63odeBatchRequest\x12\x34\n\x05items\x18\x01 \x03(\x0b\x32%.vllm_v0.tokenizer.v1.DecodeBatchItem\"o\n\x11\x44\x65\x63odeBatchResult\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06pieces\x18\x03 \x03(\x0c\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\"O\n\x13\x44\x65\x63odeBatchResponse\x12\x38\n\x07results\x18\x01 \x03(\x0b\x32\'.vllm_v0.tokenizer.v1.DecodeBatchResult\"\x10\n\x0eGetInfoRequest\"+\n\x0cSpecialToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x93\x01\n\x0fGetInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12:\n\x0especial_tokens\x18\x02 \x03(\x0b\x32\".vllm_v0.tokenizer.v1.SpecialToken\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t2\xdf\x04\n\x10TokenizerService\x12S\n\x06\x45ncode\x12#.vllm_v0.tokenizer.v1.EncodeRequest\x1a$.vllm_v0.tokenizer.v1.EncodeResponse\x12S\n\x06\x44\x65\x63ode\x12#.vllm_v0.tokenizer.v1.DecodeRequest\x1a$.vllm_v0.tokenizer.v1.DecodeResponse\x12t\n\x11\x44\x65\x63odeIncremental\x12..vllm_v0.tokenizer.v1.DecodeIncrementalRequest\x1a/.vllm_v0.tokenizer.v1.DecodeIncrementalResponse\x12i\n\x0c\x44\x65\x63odeStream\x12).vllm_v0.tokenizer.v1.DecodeStreamRequest\x1a*.vllm_v0.tokenizer.v1.DecodeStreamResponse(\x01\x30\x01\x12h\n\rDecodeBatches\x12(.vllm_v0.tokenizer.v1.DecodeBatchRequest\x1a).vllm_v0.tokenizer.v1.DecodeBatchResponse(\x01\x30\x01\x12V\n\x07GetInfo\x12$.vllm_v0.tokenizer.v1.GetInfoRequest\x1a%.vllm_v0.tokenizer.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,37 +32,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vllm_v0.tokenizer.v1.tokeni
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=62
-  _globals['_CHATMESSAGE']._serialized_end=106
-  _globals['_ENCODEREQUEST']._serialized_start=109
-  _globals['_ENCODEREQUEST']._serialized_end=331
-  _globals['_ENCODERESPONSE']._serialized_start=333
-  _globals['_ENCODERESPONSE']._serialized_end=386
-  _globals['_DECODEREQUEST']._serialized_start=388
-  _globals['_DECODEREQUEST']._serialized_end=451
-  _globals['_DECODERESPONSE']._serialized_start=453
-  _globals['_DECODERESPONSE']._serialized_end=483
-  _globals['_DECODEINCREMENTALREQUEST']._serialized_start=485
-  _globals['_DECODEINCREMENTALREQUEST']._serialized_end=595
-  _globals['_DECODEINCREMENTALRESPONSE']._serialized_start=597
-  _globals['_DECODEINCREMENTALRESPONSE']._serialized_end=683
-  _globals['_DECODESTREAMREQUEST']._serialized_start=685
-  _globals['_DECODESTREAMREQUEST']._serialized_end=788
-  _globals['_DECODESTREAMRESPONSE']._serialized_start=790
-  _globals['_DECODESTREAMRESPONSE']._serialized_end=842
-  _globals['_DECODEBATCHITEM']._serialized_start=845
-  _globals['_DECODEBATCHITEM']._serialized_end=978
-  _globals['_DECODEBATCHREQUEST']._serialized_start=980
-  _globals['_DECODEBATCHREQUEST']._serialized_end=1054
-  _globals['_DECODEBATCHRESULT']._serialized_start=1056
-  _globals['_DECODEBATCHRESULT']._serialized_end=1167
-  _globals['_DECODEBATCHRESPONSE']._serialized_start=1169
-  _globals['_DECODEBATCHRESPONSE']._serialized_end=1248
-  _globals['_GETINFOREQUEST']._serialized_start=1250
-  _globals['_GETINFOREQUEST']._serialized_end=1266
-  _globals['_SPECIALTOKEN']._serialized_start=1268
-  _globals['_SPECIALTOKEN']._serialized_end=1311
-  _globals['_GETINFORESPONSE']._serialized_start=1314
-  _globals['_GETINFORESPONSE']._serialized_end=1461
-  _globals['_TOKENIZERSERVICE']._serialized_start=1464
-  _globals['_TOKENIZERSERVICE']._serialized_end=2071
+  _globals['_CHATMESSAGE']._serialized_end=180
+  _globals['_ENCODEREQUEST']._serialized_start=183
+  _globals['_ENCODEREQUEST']._serialized_end=420
+  _globals['_ENCODERESPONSE']._serialized_start=422
+  _globals['_ENCODERESPONSE']._serialized_end=475
+  _globals['_DECODEREQUEST']._serialized_start=477
+  _globals['_DECODEREQUEST']._serialized_end=540
+  _globals['_DECODERESPONSE']._serialized_start=542
+  _globals['_DECODERESPONSE']._serialized_end=572
+  _globals['_DECODEINCREMENTALREQUEST']._serialized_start=574
+  _globals['_DECODEINCREMENTALREQUEST']._serialized_end=684
+  _globals['_DECODEINCREMENTALRESPONSE']._serialized_start=686
+  _globals['_DECODEINCREMENTALRESPONSE']._serialized_end=772
+  _globals['_DECODESTREAMREQUEST']._serialized_start=774
+  _globals['_DECODESTREAMREQUEST']._serialized_end=877
+  _globals['_DECODESTREAMRESPONSE']._serialized_start=879
+  _globals['_DECODESTREAMRESPONSE']._serialized_end=931
+  _globals['_DECODEBATCHITEM']._serialized_start=934
+  _globals['_DECODEBATCHITEM']._serialized_end=1067
+  _globals['_DECODEBATCHREQUEST']._serialized_start=1069
+  _globals['_DECODEBATCHREQUEST']._serialized_end=1143
+  _globals['_DECODEBATCHRESULT']._serialized_start=1145
+  _globals['_DECODEBATCHRESULT']._serialized_end=1256
+  _globals['_DECODEBATCHRESPONSE']._serialized_start=1258
+  _globals['_DECODEBATCHRESPONSE']._serialized_end=1337
+  _globals['_GETINFOREQUEST']._serialized_start=1339
+  _globals['_GETINFOREQUEST']._serialized_end=1355
+  _globals['_SPECIALTOKEN']._serialized_start=1357
+  _globals['_SPECIALTOKEN']._serialized_end=1400
+  _globals['_GETINFORESPONSE']._serialized_start=1403
+  _globals['_GETINFORESPONSE']._serialized_end=1550
+  _globals['_TOOLCALL']._serialized_start=1552
+  _globals['_TOOLCALL']._serialized_end=1607
+  _globals['_TOKENIZERSERVICE']._serialized_start=1610
+  _globals['_TOKENIZERSERVICE']._serialized_end=2217
 # @@protoc_insertion_point(module_scope)
