@@ -7,12 +7,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from gateway.chat_output import ChatOutput
 from gateway.convert import SAMPLING_FIELDS
 from gateway.metrics import RequestRecord
+from gateway.reasoning_parser import ReasoningParser, prompt_opens_reasoning
 from gateway.request_id import new_request_id
 from gateway.stop import StopStringMatcher
+from gateway.tool_parser import ToolCallDelta, ToolCallParser
+from gateway.tools import forced_call_constraint, offered_tools
 from gateway.validation import GenerationRequest, Limits, check_prompt_length, validate
-from rpcserver.errors import Unavailable
+from rpcserver.errors import InvalidArgument, Unavailable
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 from vllm_v0.worker.v1 import worker_pb2
 
@@ -44,6 +48,10 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # so far, counting this delta's token
     time_to_first_token_s: float | None = None  # on the last delta
+    # Chat: the think block's text, and parsed tool calls; `text` is then the content outside both.
+    reasoning_text: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    called_tools: bool = False  # on the last delta: the completion made at least one tool call
 
 
 class GenerationCore:
@@ -59,16 +67,18 @@ class GenerationCore:
             raise Unavailable("the model worker has not answered yet; retry shortly")
         return Limits.for_worker(info, **self.limits_overrides)
 
-    async def encode(self, req: GenerationRequest, timeout: float | None) -> list[int]:
+    async def encode(self, req: GenerationRequest, timeout: float | None) -> tuple[list[int], str]:
+        """(prompt ids, the rendered chat prompt or "")."""
         encode = tokenizer_pb2.EncodeRequest()
         if req.messages is not None:
-            encode.messages.extend(tokenizer_pb2.ChatMessage(role=r, content=c) for r, c in req.messages)
+            encode.messages.extend(chat_message(req, i) for i in range(len(req.messages)))
+            encode.tools.extend(offered_tools(req.tools, req.tool_choice))
             if req.enable_thinking is not None:
                 encode.enable_thinking = req.enable_thinking
         else:
             encode.text = req.prompt
         reply = await self.downstreams.tokenizer.Encode(encode, timeout=timeout)
-        return list(reply.token_ids)
+        return list(reply.token_ids), reply.rendered
 
     async def generate(self, req: GenerationRequest, record: RequestRecord, timeout=lambda: None,
                        with_pieces: bool = False) -> AsyncIterator[Delta]:
@@ -79,15 +89,19 @@ class GenerationCore:
         """
         limits = self.limits()
         validate(req, limits)
-        prompt_ids = await self.encode(req, timeout())
+        prompt_ids, rendered = await self.encode(req, timeout())
         record.prompt_tokens = len(prompt_ids)
         # Callers choose their ids freely and may reuse one; the worker needs each open request's id to be
         # unique, so it gets the gateway's own.
         record.worker_request_id = new_request_id()
         work = worker_request(req, prompt_ids, check_prompt_length(len(prompt_ids), req.max_tokens, limits),
                               record.worker_request_id)
+        constraint = forced_call_constraint(req.tools, req.tool_choice)
+        if constraint is not None:
+            constrain(work, constraint)
 
         stops = StopStringMatcher(req.stop)
+        output = chat_output(req, rendered)
         stream = self.downstreams.open_worker_stream(work, timeout())
         text = None
         worker_finished = False
@@ -110,7 +124,11 @@ class GenerationCore:
                     if delta.finish_reason == "eos":
                         delta.stop_reason = self.downstreams.token_text.get(step.token_id, str(step.token_id))
                     delta.text += stops.flush()
+                if output is not None:
+                    delta.reasoning_text, delta.text, delta.tool_calls = output.feed(
+                        delta.text, final=bool(delta.finish_reason))
                 if delta.finish_reason:
+                    delta.called_tools = output is not None and output.called_tools
                     delta.time_to_first_token_s = record.ttft
                     record.finish_reason = delta.finish_reason
                     yield delta
@@ -127,6 +145,34 @@ class GenerationCore:
                 stream.cancel()  # frees the worker's sequence on a stop string, an error or a client cancel
             if text is not None:
                 text.cancel()  # a no-op once its final ids went out
+
+
+def chat_output(req: GenerationRequest, rendered_prompt: str) -> ChatOutput | None:
+    """The parsers for a chat's output (reasoning always, tool calls when tools are offered); None for a prompt."""
+    if req.messages is None:
+        return None
+    tools = ToolCallParser(req.parallel_tool_calls) if offered_tools(req.tools, req.tool_choice) else None
+    return ChatOutput(ReasoningParser(prompt_opens_reasoning(rendered_prompt)), tools)
+
+
+def chat_message(req: GenerationRequest, index: int) -> tokenizer_pb2.ChatMessage:
+    role, content = req.messages[index]
+    return tokenizer_pb2.ChatMessage(
+        role=role, content=content, tool_call_id=req.tool_call_ids.get(index, ""),
+        tool_calls=[tokenizer_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                    for c in req.message_tool_calls.get(index, [])])
+
+
+def constrain(work: worker_pb2.GenerateRequest, constraint: dict) -> None:
+    """Where a forced tool call ("required" or a named function) must constrain the worker's sampling.
+
+    It needs the worker's structured-output engine (a `structured_output` field on the worker's
+    GenerateRequest that takes the structural tag `constraint`, applied once the reasoning ends).
+    This worker has none, and an unconstrained model may answer without calling, so the request is
+    refused rather than served with a guarantee it does not have.
+    """
+    raise InvalidArgument('tool_choice "required" or a named function needs structured output in the model '
+                          'worker, which this server lacks; use tool_choice "auto"')
 
 
 def worker_request(req: GenerationRequest, prompt_ids: list[int], max_tokens: int,

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from gateway.request_id import check_request_id
+from gateway.tools import ToolCall, check_tools
 from rpcserver.errors import InvalidArgument
 from rpcserver.shared import MAX_SEED
 
@@ -86,12 +87,22 @@ class GenerationRequest:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     request_id: str = ""  # the caller's; checked by validate(), never sent to the worker
+    # Tool calling (chat only): OpenAI tool objects as JSON text, and the calls and results of past turns.
+    tools: list[str] = field(default_factory=list)
+    tool_choice: str = "auto"  # auto, none, required, or a function's name
+    parallel_tool_calls: bool = True  # false: at most one call is returned
+    message_tool_calls: dict[int, list[ToolCall]] = field(default_factory=dict)  # message index -> its calls
+    tool_call_ids: dict[int, str] = field(default_factory=dict)  # "tool" message index -> the call it answers
 
 
 def validate(req: GenerationRequest, limits: Limits) -> None:
     """Raises InvalidArgument naming the first field that is out of range."""
     check_request_id(req.request_id)
     _check_input(req, limits)
+    if req.tools or req.tool_choice != "auto":
+        if req.messages is None:
+            raise InvalidArgument("tools and tool_choice need messages (a chat), not a prompt")
+        check_tools(req.tools, req.tool_choice)
     _check_sampling(req)
     # Its upper bound depends on the prompt's length: check_prompt_length checks it after tokenization.
     if req.max_tokens is not None and req.max_tokens < 1:
