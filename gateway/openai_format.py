@@ -5,9 +5,26 @@ import time
 import uuid
 
 from gateway.generation import Delta, Logprobs, TokenLogprob
+from gateway.tool_parser import ToolCallDelta
 
 # OpenAI has no separate reason for an eos token; both it and a stop string are "stop".
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def _finish_reason(delta: Delta) -> str | None:
+    if delta.called_tools and delta.finish_reason in ("eos", "stop"):
+        return "tool_calls"
+    return FINISH_REASONS.get(delta.finish_reason)
+
+
+def _call_delta(call: ToolCallDelta) -> dict:
+    """One call's piece in OpenAI's stream shape: id, type and name come once, on its first piece."""
+    piece: dict = {"index": call.index}
+    if call.id is not None:
+        piece.update(id=call.id, type="function", function={"name": call.name, "arguments": call.arguments})
+    else:
+        piece["function"] = {"arguments": call.arguments}
+    return piece
 
 
 def _token(t: TokenLogprob) -> str:
@@ -30,14 +47,20 @@ class ResponseFormat:
         self.last: list[Delta | None] = [None] * n  # non-streaming: each choice's last delta
         self.prompt_tokens = 0
         self.completion_tokens = [0] * n
+        self.reasoning = [""] * n  # chat, non-streaming: each choice's reasoning_content
+        self.tool_calls: list[dict[int, dict]] = [{} for _ in range(n)]  # ... and its calls by index
 
     def chunk(self, index: int, delta: Delta) -> dict:
         """One streamed event for choice `index`."""
         choice: dict = {"index": index}
         if self.chat:
-            message = {"content": delta.text}
-            if not self.started[index]:
-                message["role"] = "assistant"
+            message = {"role": "assistant"} if not self.started[index] else {}
+            if delta.reasoning_text:
+                message["reasoning_content"] = delta.reasoning_text
+            if delta.tool_calls:
+                message["tool_calls"] = [_call_delta(call) for call in delta.tool_calls]
+            if delta.text or not (delta.reasoning_text or delta.tool_calls):
+                message["content"] = delta.text
             choice["delta"] = message
             choice["logprobs"] = self._chat_logprobs(delta.logprobs) if self.logprobs else None
         else:
@@ -46,7 +69,7 @@ class ResponseFormat:
         self.started[index] = True
         self._count(index, delta)
         self.text[index] += delta.text
-        choice["finish_reason"] = FINISH_REASONS.get(delta.finish_reason)
+        choice["finish_reason"] = _finish_reason(delta)
         if delta.finish_reason:
             choice["stop_reason"] = delta.stop_reason or None
         return self._envelope([choice], chunk=True)
@@ -60,6 +83,13 @@ class ResponseFormat:
             self.token_logprobs[index].extend(delta.logprobs)
         self._count(index, delta)
         self.text[index] += delta.text
+        self.reasoning[index] += delta.reasoning_text
+        calls = self.tool_calls[index]
+        for call in delta.tool_calls:
+            if call.index not in calls:
+                calls[call.index] = {"id": call.id, "type": "function", "function": {"name": call.name,
+                                                                                  "arguments": ""}}
+            calls[call.index]["function"]["arguments"] += call.arguments
         if delta.finish_reason:
             self.last[index] = delta
 
@@ -69,13 +99,18 @@ class ResponseFormat:
             last = self.last[index]
             choice: dict = {"index": index}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                calls = [self.tool_calls[index][i] for i in sorted(self.tool_calls[index])]
+                # As OpenAI: a message that only calls tools has no content.
+                choice["message"] = {"role": "assistant", "content": text if text or not calls else None,
+                                     "reasoning_content": self.reasoning[index] or None}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
                 choice["logprobs"] = self._chat_logprobs(self.token_logprobs[index]) if self.logprobs else None
             else:
                 choice["text"] = text
                 choice["logprobs"] = (self._offsets_logprobs(self.token_logprobs[index], text)
                                       if self.logprobs else None)
-            choice["finish_reason"] = FINISH_REASONS[last.finish_reason]
+            choice["finish_reason"] = _finish_reason(last)
             choice["stop_reason"] = last.stop_reason or None
             choices.append(choice)
         return {**self._envelope(choices, chunk=False), "usage": self.usage()}

@@ -1,12 +1,14 @@
 """OpenAI request bodies (completions and chat) and their translation into GenerationRequests."""
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from types import UnionType
 from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.tools import ToolCall
 from gateway.validation import MAX_SEED, GenerationRequest
 from rpcserver.errors import InvalidArgument
 
@@ -58,10 +60,25 @@ class ChatContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text, as OpenAI sends it; some clients send the object
+
+
+class ChatToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str = ""
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[ChatContentPart] | None = None
+    tool_calls: list[ChatToolCall] | None = None  # an assistant's past calls
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
 
 
 class ChatRequest(_Common):
@@ -70,7 +87,9 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
 
 
@@ -174,14 +193,18 @@ def completion_request(body: CompletionRequest) -> GenerationRequest:
 
 
 def chat_request(body: ChatRequest) -> GenerationRequest:
-    if body.tools:
-        raise InvalidArgument("tools are not supported")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise InvalidArgument("response_format other than text is not supported")
-    messages = []
+    messages, message_tool_calls, tool_call_ids = [], {}, {}
     for i, message in enumerate(body.messages):
         role = "system" if message.role == "developer" else message.role  # OpenAI's newer name for system
         messages.append((role, _text(message, i)))
+        if message.tool_calls:
+            if role != "assistant":
+                raise InvalidArgument(f"messages[{i}].tool_calls: only assistant messages make tool calls")
+            message_tool_calls[i] = [_past_call(call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            tool_call_ids[i] = message.tool_call_id
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidArgument("top_logprobs needs logprobs: true")
     kwargs = dict(body.chat_template_kwargs or {})
@@ -194,8 +217,35 @@ def chat_request(body: ChatRequest) -> GenerationRequest:
         raise InvalidArgument("give max_completion_tokens or max_tokens, not both")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _common(body, GenerationRequest(messages=messages, enable_thinking=thinking, max_tokens=max_tokens,
-                                           logprobs=logprobs))
+    return _common(body, GenerationRequest(
+        messages=messages, enable_thinking=thinking, max_tokens=max_tokens, logprobs=logprobs,
+        tools=[json.dumps(tool, ensure_ascii=False) for tool in body.tools or []],
+        tool_choice=_tool_choice(body), parallel_tool_calls=body.parallel_tool_calls,
+        message_tool_calls=message_tool_calls, tool_call_ids=tool_call_ids))
+
+
+def _tool_choice(body: ChatRequest) -> str:
+    """OpenAI's tool_choice as the core's string: auto, none, required or a function's name."""
+    choice = body.tool_choice
+    if choice is None:
+        return "auto" if body.tools else "none"  # OpenAI's defaults
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict) or \
+                not isinstance(function.get("name"), str):
+            raise InvalidArgument('tool_choice must be "auto", "none", "required" or '
+                                  '{"type": "function", "function": {"name": ...}}')
+        return function["name"]
+    if choice not in ("auto", "none", "required"):
+        raise InvalidArgument(f'tool_choice must be "auto", "none", "required" or a function object, got {choice!r}')
+    return choice
+
+
+def _past_call(call: ChatToolCall) -> ToolCall:
+    arguments = call.function.arguments
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(call.id, call.function.name, arguments)
 
 
 def choice_requests(req: GenerationRequest, n: int) -> list[GenerationRequest]:

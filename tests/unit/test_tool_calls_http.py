@@ -1,0 +1,183 @@
+"""Tool calls and reasoning over the HTTP API with the real `openai` client, on a scripted worker stream.
+
+The tokenizer side is the real one (Qwen3's published template through the tokenizer servicer),
+so the prompt the worker gets is checked against transformers; the worker replays scripted text,
+as random weights would never write a tool call.
+"""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from starlette.testclient import TestClient
+from transformers import PreTrainedTokenizerFast
+
+from gateway.generation import GenerationCore
+from gateway.http_app import create_app
+from services.tokenizer.servicer import TokenizerServicer
+from tests.unit.test_generation_core import IM_END, FakeDownstreams, FakeTokenizer
+from vllm_v0.worker.v1 import worker_pb2
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "Weather in Paris and Zürich?"}]
+THINKING = "<think>\nThe user wants the weather — twice. 🌦\n</think>\n\n"
+CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>')
+
+
+class RenderingTokenizer(FakeTokenizer):
+    """Encode as the tokenizer service answers it, template and all."""
+
+    async def Encode(self, request, timeout=None):
+        return await TokenizerServicer(self.core).Encode(request, None)
+
+
+@pytest.fixture()
+def serve(demo_tokenizer):
+    """serve(script) -> (openai client, downstreams) whose worker writes `script`, then <|im_end|>."""
+    def make(script: str, finish=worker_pb2.FINISH_REASON_EOS):
+        ids = [*demo_tokenizer.encode(script), IM_END] if finish == worker_pb2.FINISH_REASON_EOS else \
+            demo_tokenizer.encode(script)
+        downstreams = FakeDownstreams(demo_tokenizer, ids, finish)
+        downstreams.tokenizer = RenderingTokenizer(demo_tokenizer)
+        downstreams.detokenizer.tokenizer = downstreams.tokenizer
+        app = create_app(GenerationCore(downstreams, {}), lambda: "qwen3", lambda: True, None, 1 << 20)
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
+                               http_client=TestClient(app))
+        return client, downstreams
+    return make
+
+
+@pytest.fixture(scope="module")
+def reference(demo_tokenizer_dir):
+    config = json.loads((demo_tokenizer_dir / "tokenizer_config.json").read_text())
+    return PreTrainedTokenizerFast(tokenizer_file=str(demo_tokenizer_dir / "tokenizer.json"),
+                                   chat_template=config["chat_template"], eos_token=config["eos_token"],
+                                   pad_token=config["pad_token"])
+
+
+def streamed(client, **kwargs):
+    """A streamed chat reassembled as an OpenAI client does: (content, reasoning, calls, finish, chunks)."""
+    content, reasoning, calls, finish, chunks = "", "", {}, None, 0
+    for chunk in client.chat.completions.create(model="qwen3", stream=True, **kwargs):
+        chunks += 1
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        for piece in delta.tool_calls or []:
+            if piece.index not in calls:
+                # The first piece of a call carries its id and whole name, before any argument text.
+                assert piece.id.startswith("call_") and piece.function.name and piece.type == "function"
+                calls[piece.index] = {"id": piece.id, "name": piece.function.name, "arguments": "", "pieces": 0}
+            else:
+                assert piece.id is None and not piece.function.name
+            calls[piece.index]["arguments"] += piece.function.arguments or ""
+            calls[piece.index]["pieces"] += 1
+        finish = chunk.choices[0].finish_reason or finish
+    return content, reasoning, [calls[i] for i in sorted(calls)], finish, chunks
+
+
+def test_tool_calls_streamed_reassemble_to_the_whole_response(serve):
+    client, downstreams = serve(THINKING + CALLS)
+    kwargs = dict(messages=ASK, tools=[WEATHER, CLOCK], temperature=0)
+    whole = client.chat.completions.create(model="qwen3", **kwargs)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra["reasoning_content"] == "\nThe user wants the weather — twice. 🌦\n"
+    calls = choice.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Zürich"})]
+    assert all(c.id.startswith("call_") and c.type == "function" for c in calls) and calls[0].id != calls[1].id
+
+    content, reasoning, stream_calls, finish, _ = streamed(client, **kwargs)
+    assert (content, reasoning, finish) == ("", choice.message.model_extra["reasoning_content"], "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in stream_calls] == [
+        (c.function.name, c.function.arguments) for c in calls]
+    assert all(c["pieces"] > 2 for c in stream_calls)  # arguments arrive in pieces, as the tokens come
+
+
+def test_text_around_calls_stays_content_and_parallel_false_keeps_one_call(serve):
+    client, _ = serve("Let me check both.\n" + CALLS)
+    kwargs = dict(messages=ASK, tools=[WEATHER], parallel_tool_calls=False)
+    whole = client.chat.completions.create(model="qwen3", **kwargs).choices[0]
+    assert whole.message.content == "Let me check both." and whole.message.model_extra["reasoning_content"] is None
+    assert [json.loads(c.function.arguments) for c in whole.message.tool_calls] == [{"city": "Paris", "days": 2}]
+    content, reasoning, calls, finish, _ = streamed(client, **kwargs)
+    assert (content, reasoning, finish, len(calls)) == ("Let me check both.", "", "tool_calls", 1)
+
+
+def test_prompt_with_tools_and_past_calls_matches_transformers(serve, reference):
+    client, downstreams = serve("It is 18 C in Paris.")
+    messages = [*ASK,
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_a", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                    {"id": "call_b", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}}]},
+                {"role": "tool", "tool_call_id": "call_a", "content": "18 C"},
+                {"role": "tool", "tool_call_id": "call_b", "content": "12 C"}]
+    reply = client.chat.completions.create(model="qwen3", messages=messages, tools=[WEATHER, CLOCK])
+    # transformers sees the assistant turn as the template does: content "" rather than absent.
+    expected_messages = [{**m, "content": m["content"] or ""} for m in messages]
+    expected = reference.apply_chat_template(expected_messages, tools=[WEATHER, CLOCK], tokenize=True,
+                                             add_generation_prompt=True)["input_ids"]
+    assert list(downstreams.works[0].prompt_token_ids) == list(expected)
+    assert reply.choices[0].message.content == "It is 18 C in Paris." and reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.tool_calls is None
+
+
+def test_tool_choice_none_offers_no_tools_and_parses_nothing(serve, demo_tokenizer):
+    client, downstreams = serve(CALLS)
+    reply = client.chat.completions.create(model="qwen3", messages=ASK, tools=[WEATHER], tool_choice="none")
+    assert "# Tools" not in demo_tokenizer.decode(list(downstreams.works[0].prompt_token_ids))
+    assert reply.choices[0].message.content == CALLS and reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_thinking_off_gives_no_reasoning_and_stop_strings_still_apply(serve):
+    client, downstreams = serve("Plain answer. Zürich then more")
+    reply = client.chat.completions.create(model="qwen3", messages=ASK, stop=["then"],
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert reply.choices[0].message.content == "Plain answer. Zürich "
+    assert reply.choices[0].message.model_extra["reasoning_content"] is None
+    content, reasoning, _, finish, _ = streamed(client, messages=ASK, stop=["then"],
+                                                 extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert (content, reasoning, finish) == ("Plain answer. Zürich ", "", "stop")
+
+
+def test_reasoning_streams_as_its_own_deltas(serve):
+    client, _ = serve(THINKING + "Sunny. ☀️")
+    content, reasoning, calls, finish, chunks = streamed(client, messages=ASK)
+    assert (content, reasoning, calls, finish) == ("\n\nSunny. ☀️", "\nThe user wants the weather — twice. 🌦\n",
+                                                   [], "stop")
+    whole = client.chat.completions.create(model="qwen3", messages=ASK).choices[0].message
+    assert (whole.content, whole.model_extra["reasoning_content"]) == (content, reasoning)
+
+
+def test_reasoning_cut_by_max_tokens_stays_reasoning(serve):
+    client, _ = serve(THINKING, finish=worker_pb2.FINISH_REASON_LENGTH)
+    whole = client.chat.completions.create(model="qwen3", messages=ASK).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content == "\n\n"
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "structured output"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "tool_choice", "structured output"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
+    ({"tool_choice": "required"}, "tool_choice", "no tools"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name", "name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]", "function"),
+])
+def test_bad_tool_requests_are_refused(serve, extra, param, words):
+    client, downstreams = serve("x")
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="qwen3", messages=ASK, **extra)
+    assert error.value.body["param"] == param and words in error.value.body["message"]
+    assert downstreams.works == []
