@@ -1,5 +1,6 @@
 """Turns the public GenerateRequest proto into the gateway's GenerationRequest."""
 
+from gateway.tools import ToolCall
 from gateway.validation import GenerationRequest
 from rpcserver.shared import SAMPLING_FIELDS
 from vllm_v0.gateway.v1 import gateway_pb2
@@ -15,7 +16,14 @@ def from_proto(msg: gateway_pb2.GenerateRequest) -> GenerationRequest:
     # `prompt` is a plain proto3 string, so "" is also "not given". Keep it as an empty
     # prompt only when there are no messages either, so validate() says it is empty.
     prompt = msg.prompt if msg.prompt or messages is None else None
+    tools = list(msg.tools)
     return GenerationRequest(
+        tools=tools,
+        tool_choice=msg.tool_choice or ("auto" if tools else "none"),  # OpenAI's defaults
+        parallel_tool_calls=msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else True,
+        message_tool_calls={i: [ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls]
+                            for i, m in enumerate(msg.messages) if m.tool_calls},
+        tool_call_ids={i: m.tool_call_id for i, m in enumerate(msg.messages) if m.tool_call_id},
         prompt=prompt,
         messages=messages,
         stop=list(msg.stop),

@@ -27,9 +27,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         error = None
         try:
             req = from_proto(request)
+            call_ids: dict[int, str] = {}  # each tool call's id, repeated on its later pieces
             # Deadlines pass down to every downstream call.
             async for delta in self.core.generate(req, record, timeout=context.time_remaining):
-                yield to_proto(delta, record.request_id)
+                yield to_proto(delta, record.request_id, call_ids)
         except BaseException as e:
             error = e
             raise
@@ -46,8 +47,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             max_logprobs=limits.max_logprobs, workers=self.core.downstreams.worker_statuses())
 
 
-def to_proto(delta: Delta, request_id: str) -> gateway_pb2.GenerateResponse:
-    reply = gateway_pb2.GenerateResponse(text=delta.text, token_ids=delta.token_ids, logprobs=[
+def to_proto(delta: Delta, request_id: str,
+             call_ids: dict[int, str] | None = None) -> gateway_pb2.GenerateResponse:
+    """One response; `call_ids` (kept across one call's deltas) gives later pieces of a tool call its id."""
+    call_ids = {} if call_ids is None else call_ids
+    for call in delta.tool_calls:
+        call_ids.setdefault(call.index, call.id)
+    calls = [gateway_pb2.ToolCall(id=call_ids[c.index], name=c.name or "", arguments=c.arguments)
+             for c in delta.tool_calls]
+    reply = gateway_pb2.GenerateResponse(
+        text=delta.text, token_ids=delta.token_ids, reasoning_text=delta.reasoning_text, tool_calls=calls, logprobs=[
         gateway_pb2.Logprobs(chosen=gateway_pb2.TokenLogprob(token_id=lp.chosen.token_id, logprob=lp.chosen.logprob),
                              top=[gateway_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top])
         for lp in delta.logprobs])

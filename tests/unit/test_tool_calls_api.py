@@ -1,4 +1,4 @@
-"""Tool calls and reasoning over the HTTP API with the real `openai` client, on a scripted worker stream.
+"""Tool calls and reasoning over HTTP (the real `openai` client) and gRPC Generate, on a scripted worker stream.
 
 The tokenizer side is the real one (Qwen3's published template through the tokenizer servicer),
 so the prompt the worker gets is checked against transformers; the worker replays scripted text,
@@ -6,8 +6,10 @@ as random weights would never write a tool call.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 
+import grpc
 import openai
 import pytest
 from starlette.testclient import TestClient
@@ -15,8 +17,10 @@ from transformers import PreTrainedTokenizerFast
 
 from gateway.generation import GenerationCore
 from gateway.http_app import create_app
+from gateway.servicer import GatewayServicer
 from services.tokenizer.servicer import TokenizerServicer
 from tests.unit.test_generation_core import IM_END, FakeDownstreams, FakeTokenizer
+from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from vllm_v0.worker.v1 import worker_pb2
 
 WEATHER = {"type": "function", "function": {
@@ -181,3 +185,67 @@ def test_bad_tool_requests_are_refused(serve, extra, param, words):
         client.chat.completions.create(model="qwen3", messages=ASK, **extra)
     assert error.value.body["param"] == param and words in error.value.body["message"]
     assert downstreams.works == []
+
+
+def generate(downstreams, request: gateway_pb2.GenerateRequest) -> list[gateway_pb2.GenerateResponse]:
+    async def run():
+        server = grpc.aio.server()
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
+            GatewayServicer(GenerationCore(downstreams, {}), "qwen3"), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                return [r async for r in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request)]
+        finally:
+            await server.stop(None)
+    return asyncio.run(run())
+
+
+def test_grpc_generate_parses_reasoning_and_tool_calls_like_http(serve, reference):
+    client, downstreams = serve(THINKING + CALLS)
+    past_call = gateway_pb2.ToolCall(id="call_a", name="get_weather", arguments='{"city": "Oslo"}')
+    request = gateway_pb2.GenerateRequest(
+        messages=[gateway_pb2.ChatMessage(role="user", content="Oslo?"),
+                  gateway_pb2.ChatMessage(role="assistant", tool_calls=[past_call]),
+                  gateway_pb2.ChatMessage(role="tool", tool_call_id="call_a", content="3 C"),
+                  gateway_pb2.ChatMessage(**ASK[0])],
+        tools=[json.dumps(WEATHER)])
+    replies = generate(downstreams, request)
+    messages = [{"role": "user", "content": "Oslo?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_a", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_a", "content": "3 C"}, ASK[0]]
+    expected = reference.apply_chat_template(messages, tools=[WEATHER], add_generation_prompt=True)["input_ids"]
+    assert list(downstreams.works[0].prompt_token_ids) == list(expected)
+
+    assert "".join(r.text for r in replies) == ""
+    assert "".join(r.reasoning_text for r in replies) == "\nThe user wants the weather — twice. 🌦\n"
+    calls: dict[str, dict] = {}
+    for piece in (c for r in replies for c in r.tool_calls):
+        call = calls.setdefault(piece.id, {"name": piece.name, "arguments": ""})
+        assert piece.name in ("", call["name"])
+        call["arguments"] += piece.arguments
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        ("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Zürich"})]
+    assert all(i.startswith("call_") for i in calls)
+    assert replies[-1].finish_reason == gateway_pb2.FINISH_REASON_EOS
+
+    # The same output over HTTP gives the same calls.
+    http = client.chat.completions.create(model="qwen3", messages=ASK, tools=[WEATHER]).choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in http.tool_calls] == [
+        (c["name"], c["arguments"]) for c in calls.values()]
+
+
+def test_grpc_parallel_tool_calls_false_and_forced_choice(serve):
+    _, downstreams = serve(CALLS)
+    replies = generate(downstreams, gateway_pb2.GenerateRequest(
+        messages=[gateway_pb2.ChatMessage(**ASK[0])], tools=[json.dumps(WEATHER)], parallel_tool_calls=False))
+    assert len({c.id for r in replies for c in r.tool_calls}) == 1
+    try:
+        generate(downstreams, gateway_pb2.GenerateRequest(
+            messages=[gateway_pb2.ChatMessage(**ASK[0])], tools=[json.dumps(WEATHER)], tool_choice="get_weather"))
+    except grpc.aio.AioRpcError as e:
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured output" in e.details()
+    else:
+        raise AssertionError("a forced call without a constraining worker must be refused")
