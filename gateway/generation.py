@@ -67,9 +67,11 @@ class GenerationCore:
             raise Unavailable("the model worker has not answered yet; retry shortly")
         return Limits.for_worker(info, **self.limits_overrides)
 
-    async def encode(self, req: GenerationRequest, timeout: float | None) -> tuple[list[int], str]:
+    async def encode(self, req: GenerationRequest, timeout: float | None, add_generation_prompt: bool = True,
+                     add_special_tokens: bool = False) -> tuple[list[int], str]:
         """(prompt ids, the rendered chat prompt or "")."""
-        encode = tokenizer_pb2.EncodeRequest()
+        encode = tokenizer_pb2.EncodeRequest(add_generation_prompt=add_generation_prompt,
+                                             add_special_tokens=add_special_tokens)
         if req.messages is not None:
             encode.messages.extend(chat_message(req, i) for i in range(len(req.messages)))
             encode.tools.extend(offered_tools(req.tools, req.tool_choice))

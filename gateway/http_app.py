@@ -17,6 +17,7 @@ from gateway.openai_format import ResponseFormat
 from gateway.openai_protocol import ChatRequest, CompletionRequest, chat_request, choice_requests, \
     completion_request, parse
 from gateway.request_id import check_request_id, new_request_id
+from gateway.tokenize_api import add_tokenize_routes
 from gateway.validation import GenerationRequest
 from rpcserver.auth import ApiKeyInterceptor
 
@@ -217,6 +218,8 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
         except Exception as e:  # noqa: BLE001
             return error_response(e)
         return served
+
+    add_tokenize_routes(app, core, read_body, request_timeout_s or None)
 
     @app.get("/health")
     async def health():

@@ -93,8 +93,30 @@ class ChatRequest(_Common):
     response_format: dict[str, Any] | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a prompt, or chat messages (with tools) rendered as /v1/chat/completions does."""
+    model_config = ConfigDict(extra="allow")
+
+    model: str = ""
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # vLLM's defaults: true for a prompt, false for messages
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize: token ids -> text (special tokens kept)."""
+    model_config = ConfigDict(extra="allow")
+
+    model: str = ""
+    tokens: list[int]
+
+
 # Every top-level field of a request body: an error message that starts with one names it.
-FIELD_NAMES = frozenset(CompletionRequest.model_fields) | frozenset(ChatRequest.model_fields)
+FIELD_NAMES = (frozenset(CompletionRequest.model_fields) | frozenset(ChatRequest.model_fields)
+               | frozenset(TokenizeRequest.model_fields) | frozenset(DetokenizeRequest.model_fields))
 
 
 def parse(model: type[BaseModel], body: bytes) -> Any:

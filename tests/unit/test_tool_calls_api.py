@@ -34,11 +34,21 @@ CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "d
          '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>')
 
 
+class CallContext:
+    """The part of a servicer context an error uses: it ends the call as the client's stub would see it."""
+
+    async def abort(self, code, details):
+        raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
 class RenderingTokenizer(FakeTokenizer):
-    """Encode as the tokenizer service answers it, template and all."""
+    """Encode and Decode as the tokenizer service answers them, template and all."""
 
     async def Encode(self, request, timeout=None):
-        return await TokenizerServicer(self.core).Encode(request, None)
+        return await TokenizerServicer(self.core).Encode(request, CallContext())
+
+    async def Decode(self, request, timeout=None):
+        return await TokenizerServicer(self.core).Decode(request, CallContext())
 
 
 @pytest.fixture()

@@ -1,0 +1,56 @@
+"""vLLM's /tokenize and /detokenize routes: the served tokenizer and chat template, without generating."""
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+
+from gateway.generation import GenerationCore
+from gateway.openai_errors import error_response
+from gateway.openai_protocol import ChatRequest, DetokenizeRequest, TokenizeRequest, chat_request, parse
+from gateway.validation import GenerationRequest, validate
+from rpcserver.errors import InvalidArgument
+from vllm_v0.tokenizer.v1 import tokenizer_pb2
+
+
+def tokenize_request(body: TokenizeRequest) -> GenerationRequest:
+    """The prompt or chat as the generation endpoints would read it."""
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidArgument("give exactly one of prompt and messages")
+    if body.prompt is not None:
+        if body.tools:
+            raise InvalidArgument("tools need messages: a prompt is not rendered with the chat template")
+        return GenerationRequest(prompt=body.prompt)
+    return chat_request(ChatRequest(messages=body.messages, tools=body.tools,
+                                    chat_template_kwargs=body.chat_template_kwargs))
+
+
+def add_tokenize_routes(app: FastAPI, core: GenerationCore, read_body: Callable[[Request], Awaitable[bytes]],
+                        timeout: float | None) -> None:
+    """`timeout`: seconds each tokenizer call may take (the gateway's --http-request-timeout; None: no limit)."""
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        try:
+            body = parse(TokenizeRequest, await read_body(request))
+            req = tokenize_request(body)
+            limits = core.limits()
+            validate(req, limits)
+            add_special_tokens = body.add_special_tokens
+            if add_special_tokens is None:
+                add_special_tokens = body.prompt is not None
+            ids, _ = await core.encode(req, timeout, body.add_generation_prompt, add_special_tokens)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        return {"count": len(ids), "max_model_len": limits.max_context, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        try:
+            body = parse(DetokenizeRequest, await read_body(request))
+            if any(token < 0 for token in body.tokens):
+                raise InvalidArgument("tokens must be token ids >= 0")
+            reply = await core.downstreams.tokenizer.Decode(tokenizer_pb2.DecodeRequest(token_ids=body.tokens),
+                                                              timeout=timeout)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        return {"prompt": reply.text}
