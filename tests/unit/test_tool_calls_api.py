@@ -7,6 +7,7 @@ as random weights would never write a tool call.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 
 import grpc
@@ -18,6 +19,7 @@ from transformers import PreTrainedTokenizerFast
 from gateway.generation import GenerationCore
 from gateway.http_app import create_app
 from gateway.servicer import GatewayServicer
+from services.tokenizer.chat_template import ChatTemplate
 from services.tokenizer.servicer import TokenizerServicer
 from tests.unit.test_generation_core import IM_END, FakeDownstreams, FakeTokenizer
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -259,3 +261,21 @@ def test_grpc_parallel_tool_calls_false_and_forced_choice(serve):
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured output" in e.details()
     else:
         raise AssertionError("a forced call without a constraining worker must be refused")
+
+
+def test_reasoning_when_the_template_opens_the_think_block(serve, demo_tokenizer, demo_tokenizer_dir):
+    """Templates such as Qwen3-2507 Thinking's end the prompt with `<think>\\n`: the output starts inside it."""
+    config = json.loads((demo_tokenizer_dir / "tokenizer_config.json").read_text())
+    source = config["chat_template"].replace("{{- '<|im_start|>assistant\\n' }}",
+                                             "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+    assert source != config["chat_template"]
+    opening = copy.copy(demo_tokenizer)
+    opening.chat_template = ChatTemplate(source, config)
+    client, downstreams = serve("Cold up north.\n</think>\n\nTake a coat. </think>")
+    downstreams.tokenizer = RenderingTokenizer(opening)
+    downstreams.detokenizer.tokenizer = downstreams.tokenizer
+    whole = client.chat.completions.create(model="qwen3", messages=ASK).choices[0].message
+    assert (whole.model_extra["reasoning_content"], whole.content) == ("Cold up north.\n", "\n\nTake a coat. </think>")
+    assert opening.decode(list(downstreams.works[0].prompt_token_ids)).endswith("<|im_start|>assistant\n<think>\n")
+    content, reasoning, _, _, _ = streamed(client, messages=ASK)
+    assert (reasoning, content) == (whole.model_extra["reasoning_content"], whole.content)
