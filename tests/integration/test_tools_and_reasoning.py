@@ -1,0 +1,80 @@
+"""Tool calling, reasoning, /tokenize and /detokenize through the real three services.
+
+Random weights never write a tool call, so the parsing itself is tested on scripted streams
+(tests/unit/test_tool_calls_api.py); here the prompt is checked against transformers, and the
+HTTP and gRPC paths against each other on the same greedy output.
+"""
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import openai
+import pytest
+
+from vllm_v0.gateway.v1 import gateway_pb2
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CONVERSATION = [
+    {"role": "user", "content": "Weather in Zürich?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_a", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Zürich"}'}}]},
+    {"role": "tool", "tool_call_id": "call_a", "content": "12 C, rain"},
+]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return json.loads(reply.read())
+
+
+@pytest.fixture()
+def client(stack):
+    with openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def test_tokenize_with_tools_equals_transformers_and_detokenize_inverts_it(stack, reference):
+    _, tokenizer = reference
+    want = tokenizer.apply_chat_template(CONVERSATION, tools=[WEATHER], add_generation_prompt=True,
+                                         enable_thinking=False)["input_ids"]
+    body = post(stack.http_url + "/tokenize", {
+        "model": "any", "messages": CONVERSATION, "tools": [WEATHER],
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert body["tokens"] == list(want) and body["count"] == len(want) and body["max_model_len"] == 1024
+    text = post(stack.http_url + "/detokenize", {"tokens": body["tokens"]})["prompt"]
+    assert text == tokenizer.decode(want) and "# Tools" in text and "<tool_response>\n12 C, rain" in text
+    prompt = post(stack.http_url + "/tokenize", {"prompt": "Hello 世界"})
+    assert prompt["tokens"] == tokenizer("Hello 世界")["input_ids"]
+
+
+def test_chat_with_tools_over_http_and_grpc_agree(client, gateway, stack):
+    counted = post(stack.http_url + "/tokenize", {"messages": CONVERSATION, "tools": [WEATHER]})["count"]
+    whole = client.chat.completions.create(model="any", messages=CONVERSATION, tools=[WEATHER], max_tokens=24,
+                                           temperature=0)
+    assert whole.usage.prompt_tokens == counted
+    message = whole.choices[0].message
+    replies = list(gateway.Generate(gateway_pb2.GenerateRequest(
+        messages=[gateway_pb2.ChatMessage(role="user", content=CONVERSATION[0]["content"]),
+                  gateway_pb2.ChatMessage(role="assistant", tool_calls=[gateway_pb2.ToolCall(
+                      id="call_a", name="get_weather", arguments='{"city": "Zürich"}')]),
+                  gateway_pb2.ChatMessage(role="tool", tool_call_id="call_a", content="12 C, rain")],
+        tools=[json.dumps(WEATHER)], max_tokens=24, temperature=0)))
+    assert replies[-1].usage.prompt_tokens == counted
+    assert "".join(r.text for r in replies) == (message.content or "")
+    assert "".join(r.reasoning_text for r in replies) == (message.model_extra["reasoning_content"] or "")
+    assert not any(r.tool_calls for r in replies) and message.tool_calls is None
+
+    streamed = client.chat.completions.create(model="any", messages=CONVERSATION, tools=[WEATHER], max_tokens=24,
+                                              temperature=0, stream=True)
+    chunks = [c.choices[0].delta for c in streamed if c.choices]
+    assert "".join(d.content or "" for d in chunks) == (message.content or "")
+
+
+def test_forced_tool_choice_is_refused_without_structured_output(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="any", messages=CONVERSATION[:1], tools=[WEATHER], tool_choice="required")
+    assert error.value.body["param"] == "tool_choice"
