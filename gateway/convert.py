@@ -19,7 +19,7 @@ def from_proto(msg: gateway_pb2.GenerateRequest) -> GenerationRequest:
     tools = list(msg.tools)
     return GenerationRequest(
         tools=tools,
-        tool_choice=msg.tool_choice or ("auto" if tools else "none"),  # OpenAI's defaults
+        tool_choice=msg.tool_choice or "auto",  # with no tools, nothing is offered either way
         parallel_tool_calls=msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else True,
         message_tool_calls={i: [ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls]
                             for i, m in enumerate(msg.messages) if m.tool_calls},

@@ -250,7 +250,7 @@ def _tool_choice(body: ChatRequest) -> str:
     """OpenAI's tool_choice as the core's string: auto, none, required or a function's name."""
     choice = body.tool_choice
     if choice is None:
-        return "auto" if body.tools else "none"  # OpenAI's defaults
+        return "auto"  # OpenAI's default with tools; without any, nothing is offered either way
     if isinstance(choice, dict):
         function = choice.get("function")
         if choice.get("type") != "function" or not isinstance(function, dict) or \

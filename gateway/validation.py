@@ -99,7 +99,7 @@ def validate(req: GenerationRequest, limits: Limits) -> None:
     """Raises InvalidArgument naming the first field that is out of range."""
     check_request_id(req.request_id)
     _check_input(req, limits)
-    if req.tools or req.tool_choice != "auto":
+    if req.tools or req.tool_choice not in ("auto", "none"):
         if req.messages is None:
             raise InvalidArgument("tools and tool_choice need messages (a chat), not a prompt")
         check_tools(req.tools, req.tool_choice)

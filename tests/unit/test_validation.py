@@ -370,3 +370,13 @@ def test_from_proto_empty_request_is_an_empty_prompt():
 def test_from_proto_nan_reaches_validation():
     req = from_proto(gateway_pb2.GenerateRequest(prompt="x", temperature=math.nan))
     rejects(req, "temperature", "finite")
+
+
+def test_tools_need_a_chat_and_known_choices():
+    tool = '{"type": "function", "function": {"name": "f"}}'
+    for choice in ("auto", "none"):  # the defaults a plain prompt carries over gRPC and HTTP
+        validate(GenerationRequest(prompt="p", tool_choice=choice), LIMITS)
+    rejects(GenerationRequest(prompt="p", tools=[tool]), "tools", "messages")
+    rejects(GenerationRequest(prompt="p", tool_choice="required"), "tools", "messages")
+    validate(GenerationRequest(messages=[("user", "u")], tools=[tool], tool_choice="f"), LIMITS)
+    rejects(GenerationRequest(messages=[("user", "u")], tools=[tool], tool_choice="g"), "tool_choice", "'g'")
