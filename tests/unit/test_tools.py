@@ -1,0 +1,62 @@
+"""The request side of tool calling: tool checks, what the prompt offers, and the forced-call constraint."""
+import json
+
+import jsonschema
+import pytest
+
+from gateway.tools import check_tools, forced_call_constraint, offered_tools, tool_names
+from rpcserver.errors import InvalidArgument
+
+WEATHER = json.dumps({"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+    "required": ["city"], "additionalProperties": False}}})
+CLOCK = json.dumps({"type": "function", "function": {"name": "now"}})
+
+
+def test_auto_and_none_need_no_constraint_and_none_offers_nothing():
+    assert forced_call_constraint([WEATHER], "auto") is None and forced_call_constraint([WEATHER], "none") is None
+    assert offered_tools([WEATHER], "none") == [] and offered_tools([WEATHER], "auto") == [WEATHER]
+    assert offered_tools([WEATHER], "required") == [WEATHER] == offered_tools([WEATHER], "get_weather")
+
+
+def schemas(tools, choice):
+    constraint = forced_call_constraint(tools, choice)
+    assert constraint["type"] == "structural_tag" and constraint["triggers"] == ["<tool_call>"]
+    assert all(s["begin"] == "<tool_call>\n" and s["end"] == "\n</tool_call>" for s in constraint["structures"])
+    return [s["schema"] for s in constraint["structures"]]
+
+
+def valid_for_any(schema_list, call) -> bool:
+    return any(jsonschema.Draft202012Validator(s).is_valid(call) for s in schema_list)
+
+
+@pytest.mark.parametrize("call, required_ok, named_ok", [
+    ({"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, True, True),
+    ({"name": "get_weather", "arguments": {"days": 2}}, False, False),  # a required argument missing
+    ({"name": "get_weather", "arguments": {"city": "Paris", "days": 0}}, False, False),
+    ({"name": "get_weather", "arguments": {"city": "Paris", "extra": 1}}, False, False),
+    ({"name": "now", "arguments": {}}, True, False),  # another tool: fine for required, not for the named one
+    ({"name": "nope", "arguments": {}}, False, False),
+    ({"name": "now"}, False, False),
+])
+def test_the_constraint_admits_exactly_the_valid_calls(call, required_ok, named_ok):
+    assert valid_for_any(schemas([WEATHER, CLOCK], "required"), call) is required_ok
+    assert valid_for_any(schemas([WEATHER, CLOCK], "get_weather"), call) is named_ok
+
+
+@pytest.mark.parametrize("tools, choice, words", [
+    (["{"], "auto", "tools[0] is not valid JSON"),
+    (['{"type": "function"}'], "auto", "tools[0] must be"),
+    (['{"type": "function", "function": {"name": ""}}'], "auto", "tools[0].function.name"),
+    (['{"type": "function", "function": {"name": "f", "parameters": []}}'], "auto", "tools[0].function.parameters"),
+    ([], "required", "no tools"),
+    ([WEATHER], "get_time", "'get_time'"),
+])
+def test_bad_tools_are_named(tools, choice, words):
+    with pytest.raises(InvalidArgument) as error:
+        check_tools(tools, choice)
+    assert words in str(error.value)
+
+
+def test_tool_names():
+    assert tool_names([WEATHER, CLOCK]) == ["get_weather", "now"]
