@@ -120,6 +120,13 @@ def stream(args: argparse.Namespace) -> int:
         last, logprobs, ends_line = None, [], True
         try:
             for response in call:
+                if response.reasoning_text:
+                    # Qwen3's thinking goes to stderr, so stdout holds the answer alone.
+                    sys.stderr.write(response.reasoning_text)
+                    sys.stderr.flush()
+                for piece in response.tool_calls:
+                    print(f"\ntool call {piece.id}: {piece.name}" if piece.name else piece.arguments,
+                          end="" if not piece.name else " ", file=sys.stderr)
                 if response.text:
                     sys.stdout.write(response.text)
                     sys.stdout.flush()

@@ -159,6 +159,11 @@ class FakeGateway(gateway_pb2_grpc.GatewayServiceServicer):
         logprobs = [gateway_pb2.Logprobs(chosen=gateway_pb2.TokenLogprob(token_id=t, logprob=-0.5),
                                          top=[gateway_pb2.TokenLogprob(token_id=9, logprob=-1.5)])
                     for t in (1, 2)] if request.HasField("logprobs") else [None, None]
+        if request.prompt == "think":
+            yield gateway_pb2.GenerateResponse(reasoning_text="Hmm.", token_ids=[7])
+            yield gateway_pb2.GenerateResponse(token_ids=[8], tool_calls=[gateway_pb2.ToolCall(id="call_1", name="f")])
+            yield gateway_pb2.GenerateResponse(token_ids=[9], tool_calls=[gateway_pb2.ToolCall(id="call_1",
+                                                                                               arguments="{}")])
         yield gateway_pb2.GenerateResponse(text="Hel", token_ids=[1], request_id="r-9",
                                            logprobs=logprobs[:1] if logprobs[0] else [])
         yield gateway_pb2.GenerateResponse(text="lo", token_ids=[2], logprobs=logprobs[1:] if logprobs[1] else [])
@@ -194,6 +199,13 @@ def test_streams_text_then_summary(fake_gateway, capsys):
         assert expected in err
     assert servicer.requests[0].prompt == "Say hi"
     assert servicer.metadata[0]["authorization"] == "Bearer k1"
+
+
+def test_reasoning_and_tool_calls_go_to_stderr(fake_gateway, capsys):
+    _, addr = fake_gateway
+    assert main(["think", "--addr", addr]) == 0
+    out, err = capsys.readouterr()
+    assert out == "Hello" and err.startswith("Hmm.\ntool call call_1: f {}")
 
 
 def test_no_key_sends_no_authorization(fake_gateway, capsys, monkeypatch):
