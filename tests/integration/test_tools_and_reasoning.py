@@ -7,6 +7,10 @@ HTTP and gRPC paths against each other on the same greedy output.
 from __future__ import annotations
 
 import json
+import pathlib
+import shlex
+import subprocess
+import sys
 import urllib.request
 
 import openai
@@ -78,3 +82,28 @@ def test_forced_tool_choice_is_refused_without_structured_output(client):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model="any", messages=CONVERSATION[:1], tools=[WEATHER], tool_choice="required")
     assert error.value.body["param"] == "tool_choice"
+
+
+def readme_grpcurl_commands_with(word: str) -> list[list[str]]:
+    """The README's grpcurl commands that mention `word`, as argument lists (continuation lines joined)."""
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    commands, current = [], ""
+    for line in readme.splitlines():
+        if line.startswith(".venv/bin/grpcurl ") or current:
+            current += line + "\n"
+            # A command ends where its quotes are balanced and no backslash continues it.
+            if current.count("'") % 2 == 0 and not line.endswith("\\"):
+                commands.append(shlex.split(current.replace("\\\n", " ")))
+                current = ""
+    return [c for c in commands if word in " ".join(c)]
+
+
+def test_readme_grpcurl_tool_examples_run(stack):
+    grpcurl = str(pathlib.Path(sys.executable).parent / "grpcurl")
+    commands = readme_grpcurl_commands_with("tool")
+    assert len(commands) == 2
+    for command in commands:
+        args = [stack.gateway.address if a == "localhost:50051" else a for a in command[1:]]
+        result = subprocess.run([grpcurl, *args], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert '"finish_reason"' in result.stdout  # the stream ran to its last message
