@@ -83,6 +83,8 @@ def streamed(client, **kwargs):
     for chunk in client.chat.completions.create(model="qwen3", stream=True, **kwargs):
         chunks += 1
         delta = chunk.choices[0].delta
+        # A character split across tokens is held back whole, in reasoning as in content.
+        assert "\ufffd" not in (delta.content or "") + ((delta.model_extra or {}).get("reasoning_content") or "")
         content += delta.content or ""
         reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
         for piece in delta.tool_calls or []:
@@ -173,6 +175,17 @@ def test_reasoning_streams_as_its_own_deltas(serve):
                                                    [], "stop")
     whole = client.chat.completions.create(model="qwen3", messages=ASK).choices[0].message
     assert (whole.content, whole.model_extra["reasoning_content"]) == (content, reasoning)
+
+
+def test_a_stop_string_inside_the_reasoning_ends_it_there(serve):
+    client, downstreams = serve(THINKING + CALLS)
+    kwargs = dict(messages=ASK, tools=[WEATHER], stop=["twice"])
+    whole = client.chat.completions.create(model="qwen3", **kwargs).choices[0]
+    assert whole.finish_reason == "stop" and whole.message.tool_calls is None and whole.message.content == ""
+    assert whole.message.model_extra["reasoning_content"] == "\nThe user wants the weather — "
+    content, reasoning, calls, finish, _ = streamed(client, **kwargs)
+    assert (content, reasoning, calls, finish) == ("", "\nThe user wants the weather — ", [], "stop")
+    assert all(stream.cancelled for stream in downstreams.streams)  # the worker stopped at the stop string
 
 
 def test_reasoning_cut_by_max_tokens_stays_reasoning(serve):
