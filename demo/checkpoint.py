@@ -1,4 +1,4 @@
-"""Writes an offline Qwen3 checkpoint: the real Qwen3 vocabulary and chat template with RANDOM weights."""
+"""Writes an offline Qwen3 checkpoint: the real Qwen3 vocabulary, a chat template in Qwen3's format, RANDOM weights."""
 
 import argparse
 import logging

@@ -50,7 +50,7 @@ def test_tokenize_with_tools_equals_transformers_and_detokenize_inverts_it(stack
         "chat_template_kwargs": {"enable_thinking": False}})
     assert body["tokens"] == list(want) and body["count"] == len(want) and body["max_model_len"] == 1024
     text = post(stack.http_url + "/detokenize", {"tokens": body["tokens"]})["prompt"]
-    assert text == tokenizer.decode(want) and "# Tools" in text and "<tool_response>\n12 C, rain" in text
+    assert text == tokenizer.decode(want) and "<tools>\n{" in text and "<tool_response>\n12 C, rain" in text
     prompt = post(stack.http_url + "/tokenize", {"prompt": "Hello 世界"})
     assert prompt["tokens"] == tokenizer("Hello 世界")["input_ids"]
 

@@ -154,7 +154,7 @@ def test_render_with_tools_matches_transformers(demo_tokenizer, reference, name,
     expected = reference.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **extra)
     assert ours == expected
     if tools:
-        assert "# Tools" in ours and all(f'"name": "{t["function"]["name"]}"' in ours for t in tools)
+        assert "<tools>\n{" in ours and all(f'"name": "{t["function"]["name"]}"' in ours for t in tools)
 
 
 def test_encode_request_takes_tools_as_json(demo_tokenizer, reference):

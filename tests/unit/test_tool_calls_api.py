@@ -1,8 +1,8 @@
 """Tool calls and reasoning over HTTP (the real `openai` client) and gRPC Generate, on a scripted worker stream.
 
-The tokenizer side is the real one (Qwen3's published template through the tokenizer servicer),
-so the prompt the worker gets is checked against transformers; the worker replays scripted text,
-as random weights would never write a tool call.
+The tokenizer side is the real one (the demo checkpoint's template, in Qwen3's conversation format,
+through the tokenizer servicer), so the prompt the worker gets is checked against transformers; the
+worker replays scripted text, as random weights would never write a tool call.
 """
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def test_prompt_with_tools_and_past_calls_matches_transformers(serve, reference)
 def test_tool_choice_none_offers_no_tools_and_parses_nothing(serve, demo_tokenizer):
     client, downstreams = serve(CALLS)
     reply = client.chat.completions.create(model="qwen3", messages=ASK, tools=[WEATHER], tool_choice="none")
-    assert "# Tools" not in demo_tokenizer.decode(list(downstreams.works[0].prompt_token_ids))
+    assert "<tools>" not in demo_tokenizer.decode(list(downstreams.works[0].prompt_token_ids))
     assert reply.choices[0].message.content == CALLS and reply.choices[0].message.tool_calls is None
     assert reply.choices[0].finish_reason == "stop"
 
@@ -279,8 +279,8 @@ def test_grpc_parallel_tool_calls_false_and_forced_choice(serve):
 def test_reasoning_when_the_template_opens_the_think_block(serve, demo_tokenizer, demo_tokenizer_dir):
     """Templates such as Qwen3-2507 Thinking's end the prompt with `<think>\\n`: the output starts inside it."""
     config = json.loads((demo_tokenizer_dir / "tokenizer_config.json").read_text())
-    source = config["chat_template"].replace("{{- '<|im_start|>assistant\\n' }}",
-                                             "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+    opens = "{%- if add_generation_prompt %}\n    {{- open_turn('assistant')"
+    source = config["chat_template"].replace(opens, opens + " + '<think>\\n'")
     assert source != config["chat_template"]
     opening = copy.copy(demo_tokenizer)
     opening.chat_template = ChatTemplate(source, config)
