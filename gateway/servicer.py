@@ -51,6 +51,11 @@ def to_proto(delta: Delta, request_id: str) -> gateway_pb2.GenerateResponse:
         gateway_pb2.Logprobs(chosen=gateway_pb2.TokenLogprob(token_id=lp.chosen.token_id, logprob=lp.chosen.logprob),
                              top=[gateway_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top])
         for lp in delta.logprobs])
+    for entry in delta.prompt_logprobs or ():
+        scored = reply.prompt_logprobs.add(token_id=entry.token.token_id, top=[
+            gateway_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in entry.top])
+        if entry.token.logprob is not None:
+            scored.logprob = entry.token.logprob
     if delta.completion_tokens == 1:
         reply.request_id = request_id
     if delta.finish_reason:
