@@ -155,7 +155,6 @@ class GenerationCore:
             if text is not None:
                 text.cancel()  # a no-op once its final ids went out
 
-
     async def _prompt_extras(self, req: GenerationRequest, prompt_ids: list[int], step: worker_pb2.GenerateResponse,
                              with_pieces: bool) -> tuple[list[PromptLogprob] | None, str | None]:
         """The prompt's logprobs (from the worker's first step) and, for echo, its text; pieces when asked for."""

@@ -64,5 +64,6 @@ def to_proto(delta: Delta, request_id: str) -> gateway_pb2.GenerateResponse:
         reply.request_id = request_id
         reply.usage.prompt_tokens = delta.prompt_tokens
         reply.usage.completion_tokens = delta.completion_tokens
-        reply.time_to_first_token_s = delta.time_to_first_token_s
+        if delta.time_to_first_token_s is not None:  # None when nothing was generated (max_tokens 0)
+            reply.time_to_first_token_s = delta.time_to_first_token_s
     return reply

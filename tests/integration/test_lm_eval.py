@@ -2,16 +2,13 @@
 multiple-choice task as its `hf` model (transformers) does on the same float32 checkpoint."""
 from __future__ import annotations
 
-import os
 import pathlib
 
-import pytest
+import lm_eval
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TASK = "vllm_v0_mc"
 TOLERANCE = 1e-3
-
-lm_eval = pytest.importorskip("lm_eval")
 
 
 def evaluate(model: str, model_args: str) -> dict:

@@ -126,6 +126,15 @@ def test_grpc_prompt_logprobs(gateway, reference_model, tokenizer):
     assert all(not m.prompt_logprobs for m in messages[1:])
 
 
+def test_grpc_max_tokens_0_scores_without_generating(gateway, reference_model, tokenizer):
+    ids = tokenizer.encode(PROMPT)
+    (message,) = gateway.Generate(gateway_pb2.GenerateRequest(prompt=PROMPT, max_tokens=0, prompt_logprobs=0))
+    assert message.finish_reason == gateway_pb2.FINISH_REASON_LENGTH and not message.token_ids
+    assert (message.usage.prompt_tokens, message.usage.completion_tokens) == (len(ids), 0)
+    assert_scored(reference_model, ids, [s.logprob if s.HasField("logprob") else None
+                                         for s in message.prompt_logprobs])
+
+
 @pytest.mark.parametrize("fields, says", [
     (dict(logit_bias={200000: 1.0}), "logit_bias key 200000"),
     (dict(logit_bias={5: 150.0}), "must be in [-100, 100]"),
