@@ -101,6 +101,9 @@ def test_logit_bias_forces_and_bans(client, gateway, reference_model, tokenizer)
     reply = client.completions.create(model="any", prompt=PROMPT, max_tokens=3, temperature=0,
                                       logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
     assert reply.choices[0].text == tokenizer.decode([forced] * 3)
+    chat = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          temperature=0, logit_bias={str(forced): 100})
+    assert chat.choices[0].message.content == tokenizer.decode([forced] * 2)
     # -100 on the greedy token: the next best, from the reference's own logits, is chosen instead.
     best, second = reference_logprobs(reference_model, ids)[-1].topk(2).indices.tolist()
     messages = list(gateway.Generate(gateway_pb2.GenerateRequest(prompt=PROMPT, max_tokens=1, temperature=0,
