@@ -6,7 +6,7 @@ from rpcserver.shared import SAMPLING_FIELDS
 from vllm_v0.gateway.v1 import gateway_pb2
 
 # proto3 `optional` scalars: HasField tells "unset" from a zero the client chose.
-_OPTIONAL_FIELDS = ("enable_thinking", "max_tokens", *SAMPLING_FIELDS, "logprobs")
+_OPTIONAL_FIELDS = ("enable_thinking", "max_tokens", *SAMPLING_FIELDS, "logprobs", "prompt_logprobs")
 
 
 def from_proto(msg: gateway_pb2.GenerateRequest) -> GenerationRequest:
@@ -31,5 +31,6 @@ def from_proto(msg: gateway_pb2.GenerateRequest) -> GenerationRequest:
         ignore_eos=msg.ignore_eos,
         skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
         request_id=msg.request_id,
+        logit_bias=dict(msg.logit_bias),
         **optional,
     )

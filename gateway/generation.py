@@ -37,6 +37,14 @@ class Logprobs:
 
 
 @dataclass
+class PromptLogprob:
+    """One prompt token: its logprob (None for the first token) and its position's best alternatives."""
+
+    token: TokenLogprob  # its logprob may be None
+    top: list[TokenLogprob]
+
+
+@dataclass
 class Delta:
     """What one worker step adds: text safe to show now, the token, and on the last one how it ended."""
 
@@ -52,6 +60,9 @@ class Delta:
     reasoning_text: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     called_tools: bool = False  # on the last delta: the completion made at least one tool call
+    # On the first delta only: the prompt's logprobs when asked for, and its text when echoed.
+    prompt_logprobs: list[PromptLogprob] | None = None
+    prompt_text: str | None = None
 
 
 class GenerationCore:
@@ -70,6 +81,8 @@ class GenerationCore:
     async def encode(self, req: GenerationRequest, timeout: float | None, add_generation_prompt: bool = True,
                      add_special_tokens: bool = False) -> tuple[list[int], str]:
         """(prompt ids, the rendered chat prompt or "")."""
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids), ""
         encode = tokenizer_pb2.EncodeRequest(add_generation_prompt=add_generation_prompt,
                                              add_special_tokens=add_special_tokens)
         if req.messages is not None:
@@ -96,8 +109,9 @@ class GenerationCore:
         # Callers choose their ids freely and may reuse one; the worker needs each open request's id to be
         # unique, so it gets the gateway's own.
         record.worker_request_id = new_request_id()
-        work = worker_request(req, prompt_ids, check_prompt_length(len(prompt_ids), req.max_tokens, limits),
-                              record.worker_request_id)
+        max_tokens = check_prompt_length(len(prompt_ids), req.max_tokens, limits)
+        # max_tokens 0 scores the prompt: the worker runs its prefill and one token, which is dropped here.
+        work = worker_request(req, prompt_ids, max(max_tokens, 1), record.worker_request_id)
         constraint = forced_call_constraint(req.tools, req.tool_choice)
         if constraint is not None:
             constrain(work, constraint)
@@ -107,9 +121,19 @@ class GenerationCore:
         stream = self.downstreams.open_worker_stream(work, timeout())
         text = None
         worker_finished = False
+        first = True
         try:
             text = self.downstreams.detokenizer.open(req.skip_special_tokens)
             async for step in stream:
+                if first:
+                    first = False
+                    prompt_logprobs, prompt_text = await self._prompt_extras(req, prompt_ids, step, with_pieces)
+                    if max_tokens == 0:
+                        record.finish_reason = "length"
+                        yield Delta(text="", token_ids=[], finish_reason="length", prompt_tokens=len(prompt_ids),
+                                    time_to_first_token_s=record.ttft, prompt_logprobs=prompt_logprobs,
+                                    prompt_text=prompt_text)
+                        return  # the cancel below drops the worker's sequence, if it has not ended already
                 record.add_token()
                 final = bool(step.finish_reason)
                 piece_ids = _piece_ids(step) if with_pieces else []
@@ -119,6 +143,9 @@ class GenerationCore:
                               completion_tokens=record.completion_tokens)
                 if step.HasField("logprob"):
                     delta.logprobs.append(_logprobs(step, pieces))
+                if prompt_logprobs is not None or prompt_text is not None:
+                    delta.prompt_logprobs, delta.prompt_text = prompt_logprobs, prompt_text
+                    prompt_logprobs = prompt_text = None
                 if matched is not None:
                     delta.finish_reason, delta.stop_reason = "stop", matched
                 elif final:
@@ -147,6 +174,33 @@ class GenerationCore:
                 stream.cancel()  # frees the worker's sequence on a stop string, an error or a client cancel
             if text is not None:
                 text.cancel()  # a no-op once its final ids went out
+
+    async def _prompt_extras(self, req: GenerationRequest, prompt_ids: list[int], step: worker_pb2.GenerateResponse,
+                             with_pieces: bool) -> tuple[list[PromptLogprob] | None, str | None]:
+        """The prompt's logprobs (from the worker's first step) and, for echo, its text; pieces when asked for."""
+        scored = list(step.prompt_logprobs) if req.prompt_logprobs is not None else None
+        if scored is not None and len(scored) != len(prompt_ids):
+            raise Unavailable(f"the model worker sent {len(scored)} prompt logprobs for {len(prompt_ids)} prompt tokens")
+        prompt_text, pieces = None, []
+        piece_ids = [t for t, s in zip(prompt_ids, scored) for t in (t, *(x.token_id for x in s.top))] \
+            if scored is not None and with_pieces else []
+        if req.echo or piece_ids:
+            # One decode of the whole prompt gives its text and every token's bytes; special tokens are kept,
+            # as they are part of what was scored.
+            stream = self.downstreams.detokenizer.open(False)
+            decoded, pieces = await stream.add(prompt_ids, True, piece_ids)
+            prompt_text = req.prompt if req.prompt is not None else decoded
+        if scored is None:
+            return None, prompt_text if req.echo else None
+        out, at = [], 0
+        for token_id, entry in zip(prompt_ids, scored):
+            ids = [token_id, *(t.token_id for t in entry.top)]
+            got = pieces[at:at + len(ids)] if pieces else [None] * len(ids)
+            at += len(ids) if pieces else 0
+            logprob = entry.logprob if entry.HasField("logprob") else None
+            out.append(PromptLogprob(TokenLogprob(token_id, logprob, got[0]),
+                                     [TokenLogprob(t.token_id, t.logprob, p) for t, p in zip(entry.top, got[1:])]))
+        return out, prompt_text if req.echo else None
 
 
 def chat_output(req: GenerationRequest, rendered_prompt: str) -> ChatOutput | None:
@@ -186,6 +240,9 @@ def worker_request(req: GenerationRequest, prompt_ids: list[int], max_tokens: in
             setattr(work.sampling, name, getattr(req, name))
     if req.logprobs is not None:
         work.logprobs = req.logprobs
+    if req.prompt_logprobs is not None:
+        work.prompt_logprobs = req.prompt_logprobs
+    work.logit_bias.update(req.logit_bias)
     return work
 
 

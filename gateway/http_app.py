@@ -15,7 +15,7 @@ from gateway.metrics import RequestRecord
 from gateway.openai_errors import HttpError, add_error_handlers, error_body, error_response, grpc_code
 from gateway.openai_format import ResponseFormat
 from gateway.openai_protocol import ChatRequest, CompletionRequest, chat_request, choice_requests, \
-    completion_request, parse
+    completion_requests, parse
 from gateway.request_id import check_request_id, new_request_id
 from gateway.tokenize_api import add_tokenize_routes
 from gateway.validation import GenerationRequest
@@ -151,17 +151,20 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
         choices = None
         try:
             body = parse(ChatRequest if chat else CompletionRequest, await read_body(request))
-            req = chat_request(body) if chat else completion_request(body)
-            want_logprobs = req.logprobs is not None
+            reqs = [chat_request(body)] if chat else completion_requests(body)
+            want_logprobs = reqs[0].logprobs is not None
             request_id = request.headers.get("x-request-id", "")
             check_request_id(request_id)  # the gRPC request_id's rule
             request_id = request_id or new_request_id()
-            prompt = (req.prompt if req.prompt is not None else req.messages) if log_prompts else None
-            records = [RequestRecord(request_id if body.n == 1 else f"{request_id}-{i}", prompt)
-                       for i in range(body.n)]
-            choices = Choices([recorded(core, r, record, want_logprobs, deadline)
-                               for r, record in zip(choice_requests(req, body.n), records)])
-            fmt = ResponseFormat(chat, model_name(), body.n, want_logprobs)
+            # Choice p * n + i is prompt p's i-th, as OpenAI numbers them.
+            per_choice = [r for req in reqs for r in choice_requests(req, body.n)]
+            streams = []
+            for index, r in enumerate(per_choice):
+                prompt = _logged_prompt(r) if log_prompts else None
+                record = RequestRecord(request_id if len(per_choice) == 1 else f"{request_id}-{index}", prompt)
+                streams.append(recorded(core, r, record, want_logprobs, deadline))
+            choices = Choices(streams)
+            fmt = ResponseFormat(chat, model_name(), len(per_choice), want_logprobs, choices_per_prompt=body.n)
             firsts = await choices.first()
         except Exception as e:  # noqa: BLE001 - refused before any output: a plain error response
             if choices is not None:
@@ -280,6 +283,12 @@ async def stream_events(fmt: ResponseFormat, choices: Choices, firsts: list[tupl
     finally:
         await choices.close()
     yield sse("[DONE]")
+
+
+def _logged_prompt(req: GenerationRequest):
+    if req.prompt is not None:
+        return req.prompt
+    return req.messages if req.messages is not None else req.prompt_token_ids
 
 
 def _with_usage(chunk: dict, include_usage: bool) -> dict:

@@ -32,10 +32,32 @@ def _token(t: TokenLogprob) -> str:
     return (t.piece or b"").decode("utf-8", errors="replace")
 
 
+def _echoed(delta: Delta) -> tuple[str, list[Logprobs]]:
+    """A completions delta's text and logprobs, led by its prompt's when it echoes one."""
+    if delta.prompt_text is None:
+        return delta.text, delta.logprobs
+    prompt = [Logprobs(p.token, p.top) for p in delta.prompt_logprobs or ()]
+    return delta.prompt_text + delta.text, prompt + delta.logprobs
+
+
+def _top(lp: Logprobs) -> dict | None:
+    # The first prompt token has no logprob, and no alternatives either: null, as OpenAI and vLLM write it.
+    return None if lp.chosen.logprob is None else {_token(t): t.logprob for t in lp.top}
+
+
+def _offsets(logprobs: list[Logprobs], start: int) -> list[int]:
+    """Each token starts where the tokens before it in the chunk end (echoed prompt tokens lead the first)."""
+    offsets, position = [], start
+    for lp in logprobs:
+        offsets.append(position)
+        position += len(_token(lp.chosen))
+    return offsets
+
+
 class ResponseFormat:
     """Builds one response's chunks or body; `chat` picks the chat.completion shapes."""
 
-    def __init__(self, chat: bool, model: str, n: int, logprobs: bool):
+    def __init__(self, chat: bool, model: str, n: int, logprobs: bool, choices_per_prompt: int = 1):
         self.chat = chat
         self.model = model
         self.logprobs = logprobs
@@ -45,7 +67,8 @@ class ResponseFormat:
         self.token_logprobs: list[list[Logprobs]] = [[] for _ in range(n)]
         self.started = [False] * n  # chat: the first chunk of a choice carries the role
         self.last: list[Delta | None] = [None] * n  # non-streaming: each choice's last delta
-        self.prompt_tokens = 0
+        self.choices_per_prompt = choices_per_prompt  # choice p * this + i is prompt p's i-th
+        self.prompt_tokens = [0] * n  # each choice's prompt: usage counts each prompt once
         self.completion_tokens = [0] * n
         self.reasoning = [""] * n  # chat, non-streaming: each choice's reasoning_content
         self.tool_calls: list[dict[int, dict]] = [{} for _ in range(n)]  # ... and its calls by index
@@ -64,11 +87,12 @@ class ResponseFormat:
             choice["delta"] = message
             choice["logprobs"] = self._chat_logprobs(delta.logprobs) if self.logprobs else None
         else:
-            choice["text"] = delta.text
-            choice["logprobs"] = self._completion_logprobs(index, delta.logprobs) if self.logprobs else None
+            text, logprobs = _echoed(delta)
+            choice["text"] = text
+            choice["logprobs"] = self._completion_logprobs(index, logprobs) if self.logprobs else None
         self.started[index] = True
         self._count(index, delta)
-        self.text[index] += delta.text
+        self.text[index] += choice.get("text", delta.text)
         choice["finish_reason"] = _finish_reason(delta)
         if delta.finish_reason:
             choice["stop_reason"] = delta.stop_reason or None
@@ -79,10 +103,11 @@ class ResponseFormat:
 
     def add(self, index: int, delta: Delta) -> None:
         """Collects a delta for the non-streaming body."""
+        text, logprobs = _echoed(delta) if not self.chat else (delta.text, delta.logprobs)
         if self.logprobs:
-            self.token_logprobs[index].extend(delta.logprobs)
+            self.token_logprobs[index].extend(logprobs)
         self._count(index, delta)
-        self.text[index] += delta.text
+        self.text[index] += text
         self.reasoning[index] += delta.reasoning_text
         calls = self.tool_calls[index]
         for call in delta.tool_calls:
@@ -117,11 +142,11 @@ class ResponseFormat:
 
     def usage(self) -> dict:
         completion = sum(self.completion_tokens)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+        prompt = sum(self.prompt_tokens[::self.choices_per_prompt])
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _count(self, index: int, delta: Delta) -> None:
-        self.prompt_tokens = delta.prompt_tokens
+        self.prompt_tokens[index] = delta.prompt_tokens
         self.completion_tokens[index] = delta.completion_tokens
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
@@ -134,8 +159,8 @@ class ResponseFormat:
         offset = len(self.text[index])
         return {"tokens": [_token(lp.chosen) for lp in logprobs],
                 "token_logprobs": [lp.chosen.logprob for lp in logprobs],
-                "top_logprobs": [{_token(t): t.logprob for t in lp.top} for lp in logprobs],
-                "text_offset": [offset] * len(logprobs)}
+                "top_logprobs": [_top(lp) for lp in logprobs],
+                "text_offset": _offsets(logprobs, offset)}
 
     def _offsets_logprobs(self, logprobs: list[Logprobs], text: str) -> dict:
         # Without the stream's timing, place each token at the end of the tokens before it,
@@ -146,7 +171,7 @@ class ResponseFormat:
             position += len(_token(lp.chosen))
         return {"tokens": [_token(lp.chosen) for lp in logprobs],
                 "token_logprobs": [lp.chosen.logprob for lp in logprobs],
-                "top_logprobs": [{_token(t): t.logprob for t in lp.top} for lp in logprobs],
+                "top_logprobs": [_top(lp) for lp in logprobs],
                 "text_offset": offsets}
 
     @staticmethod

@@ -13,6 +13,9 @@ from gateway.validation import MAX_SEED, GenerationRequest
 from rpcserver.errors import InvalidArgument
 
 MAX_N = 16  # choices per request: each one is a sequence on the worker
+# Prompts in one completions request (lm-evaluation-harness batches its scoring requests); each
+# prompt's n choices are sequences on the worker.
+MAX_PROMPTS = 256
 
 
 class StreamOptions(BaseModel):
@@ -199,19 +202,46 @@ def _kinds(union: Any) -> list[str]:
     return kinds
 
 
-def completion_request(body: CompletionRequest) -> GenerationRequest:
-    prompt = body.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise InvalidArgument("prompt must be one string (lists of prompts and token ids are not supported)")
-        prompt = prompt[0]
-    if body.echo:
-        raise InvalidArgument("echo is not supported")
+def completion_requests(body: CompletionRequest) -> list[GenerationRequest]:
+    """One request per prompt: a string, a list of token ids, or a list of either.
+
+    With `echo`, each choice's text starts with its prompt and, with `logprobs`, its logprobs start
+    with the prompt tokens' (the first one null), as OpenAI's legacy completions did.
+    """
+    prompts = _prompts(body.prompt)
     if body.suffix:
         raise InvalidArgument("suffix is not supported")
     if body.best_of not in (None, body.n):
         raise InvalidArgument("best_of is not supported (leave it unset or equal to n)")
-    return _common(body, GenerationRequest(prompt=prompt, max_tokens=body.max_tokens, logprobs=body.logprobs))
+    requests = []
+    for prompt in prompts:
+        req = GenerationRequest(max_tokens=body.max_tokens, logprobs=body.logprobs, echo=body.echo,
+                                prompt_logprobs=body.logprobs if body.echo else None)
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        else:
+            req.prompt_token_ids = prompt
+        requests.append(_common(body, req))
+    return requests
+
+
+def _prompts(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidArgument("prompt is an empty list; give a string, token ids, or a list of either")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidArgument(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed")
+    for p, ids in enumerate(prompt):
+        if isinstance(ids, list):
+            if not ids:
+                raise InvalidArgument(f"prompt[{p}] is an empty list of token ids; give at least one")
+            negative = next((i for i, t in enumerate(ids) if t < 0), None)
+            if negative is not None:
+                raise InvalidArgument(f"prompt[{p}][{negative}] is {ids[negative]}, not a token id")
+    return list(prompt)
 
 
 def chat_request(body: ChatRequest) -> GenerationRequest:
@@ -282,10 +312,7 @@ def choice_requests(req: GenerationRequest, n: int) -> list[GenerationRequest]:
 def _common(body: _Common, req: GenerationRequest) -> GenerationRequest:
     if not 1 <= body.n <= MAX_N:
         raise InvalidArgument(f"n must be in [1, {MAX_N}], got {body.n}")
-    if body.logit_bias:
-        raise InvalidArgument("logit_bias is not supported")
-    if body.max_tokens is not None and body.max_tokens < 1:
-        raise InvalidArgument(f"max_tokens must be >= 1, got {body.max_tokens}")
+    req.logit_bias = _logit_bias(body.logit_bias or {})
     req.stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     for name in ("seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                  "repetition_penalty"):
@@ -294,6 +321,18 @@ def _common(body: _Common, req: GenerationRequest) -> GenerationRequest:
     req.skip_special_tokens = body.skip_special_tokens
     req.stop_token_ids = list(body.stop_token_ids)
     return req
+
+
+def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias: JSON object keys are strings holding token ids."""
+    bias = {}
+    for key, value in raw.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidArgument(f"logit_bias key {key!r} is not a token id") from None
+        bias[token_id] = value
+    return bias
 
 
 def _text(message: ChatMessage, index: int) -> str:

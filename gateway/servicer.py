@@ -60,6 +60,11 @@ def to_proto(delta: Delta, request_id: str,
         gateway_pb2.Logprobs(chosen=gateway_pb2.TokenLogprob(token_id=lp.chosen.token_id, logprob=lp.chosen.logprob),
                              top=[gateway_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top])
         for lp in delta.logprobs])
+    for entry in delta.prompt_logprobs or ():
+        scored = reply.prompt_logprobs.add(token_id=entry.token.token_id, top=[
+            gateway_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in entry.top])
+        if entry.token.logprob is not None:
+            scored.logprob = entry.token.logprob
     if delta.completion_tokens == 1:
         reply.request_id = request_id
     if delta.finish_reason:
@@ -68,5 +73,6 @@ def to_proto(delta: Delta, request_id: str,
         reply.request_id = request_id
         reply.usage.prompt_tokens = delta.prompt_tokens
         reply.usage.completion_tokens = delta.completion_tokens
-        reply.time_to_first_token_s = delta.time_to_first_token_s
+        if delta.time_to_first_token_s is not None:  # None when nothing was generated (max_tokens 0)
+            reply.time_to_first_token_s = delta.time_to_first_token_s
     return reply

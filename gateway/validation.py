@@ -27,6 +27,7 @@ class Limits:
     max_logprobs: int = 20
     max_prompt_chars: int = 1_000_000
     max_messages: int = 512
+    vocab_size: int = 0  # the worker's; 0: unknown (token ids are then checked by the worker alone)
 
     @classmethod
     def for_worker(cls, info, **overrides) -> "Limits":
@@ -39,7 +40,7 @@ class Limits:
             if overrides.get(name) is not None and overrides[name] > ceiling:
                 _warn_capped(name, overrides[name], ceiling)
                 overrides[name] = ceiling
-        return cls(max_context=info.max_context, **overrides)
+        return cls(max_context=info.max_context, vocab_size=info.vocab_size, **overrides)
 
     def __post_init__(self) -> None:
         if self.max_context < 2:
@@ -69,6 +70,7 @@ class GenerationRequest:
     """One generation request, independent of how it arrived. None means unset."""
 
     prompt: str | None = None
+    prompt_token_ids: list[int] | None = None  # an already tokenized prompt (OpenAI completions)
     messages: list[tuple[str, str]] | None = None  # (role, content)
     enable_thinking: bool | None = None
     max_tokens: int | None = None
@@ -86,6 +88,10 @@ class GenerationRequest:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
+    # Every prompt token's logprob and this many alternatives per position, on the first delta.
+    prompt_logprobs: int | None = None
+    echo: bool = False  # the first delta carries the prompt's text (HTTP completions' echo)
     request_id: str = ""  # the caller's; checked by validate(), never sent to the worker
     # Tool calling (chat only): OpenAI tool objects as JSON text, and the calls and results of past turns.
     tools: list[str] = field(default_factory=list)
@@ -105,8 +111,10 @@ def validate(req: GenerationRequest, limits: Limits) -> None:
         check_tools(req.tools, req.tool_choice)
     _check_sampling(req)
     # Its upper bound depends on the prompt's length: check_prompt_length checks it after tokenization.
-    if req.max_tokens is not None and req.max_tokens < 1:
-        raise InvalidArgument(f"max_tokens must be >= 1, got {req.max_tokens}")
+    # 0 scores the prompt without generating, which only makes sense with prompt logprobs.
+    scoring = req.prompt_logprobs is not None or req.echo
+    if req.max_tokens is not None and req.max_tokens < (0 if scoring else 1):
+        raise InvalidArgument(f"max_tokens must be >= 1 (0 only with prompt logprobs or echo), got {req.max_tokens}")
     if len(req.stop) > limits.max_stop_strings:
         raise InvalidArgument(
             f"stop has {len(req.stop)} strings; at most {limits.max_stop_strings} are allowed"
@@ -124,6 +132,18 @@ def validate(req: GenerationRequest, limits: Limits) -> None:
             raise InvalidArgument(f"stop_token_ids[{i}] must be >= 0, got {token_id}")
     if req.logprobs is not None:
         _check_int_range("logprobs", req.logprobs, 0, limits.max_logprobs)
+    if req.prompt_logprobs is not None:
+        _check_int_range("prompt_logprobs", req.prompt_logprobs, 0, limits.max_logprobs)
+    _check_logit_bias(req.logit_bias, limits)
+
+
+def _check_logit_bias(bias: dict[int, float], limits: Limits) -> None:
+    for token_id, value in bias.items():
+        if token_id < 0 or (limits.vocab_size and token_id >= limits.vocab_size):
+            raise InvalidArgument(f"logit_bias key {token_id} is not a token id of this model's vocabulary "
+                                  f"[0, {limits.vocab_size - 1}]")
+        if not math.isfinite(value) or not -100 <= value <= 100:
+            raise InvalidArgument(f'logit_bias["{token_id}"] must be in [-100, 100], got {value:g}')
 
 
 def check_prompt_length(prompt_tokens: int, max_tokens: int | None, limits: Limits) -> int:
@@ -146,8 +166,16 @@ def check_prompt_length(prompt_tokens: int, max_tokens: int | None, limits: Limi
 
 
 def _check_input(req: GenerationRequest, limits: Limits) -> None:
-    if (req.prompt is None) == (req.messages is None):
+    if (req.prompt is None) + (req.messages is None) + (req.prompt_token_ids is None) != 2:
         raise InvalidArgument("give exactly one of prompt and messages")
+    if req.prompt_token_ids is not None:
+        if not req.prompt_token_ids:
+            raise InvalidArgument("prompt is an empty list of token ids; give at least one")
+        for i, token_id in enumerate(req.prompt_token_ids):
+            if token_id < 0 or (limits.vocab_size and token_id >= limits.vocab_size):
+                raise InvalidArgument(f"prompt[{i}] is {token_id}, not a token id of this model's vocabulary "
+                                      f"[0, {limits.vocab_size - 1}]")
+        return
     if req.prompt is not None:
         if req.prompt == "":
             raise InvalidArgument("prompt is empty; give some text to continue")

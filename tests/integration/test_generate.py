@@ -243,3 +243,10 @@ def test_grpcurl_examples_from_the_readme(stack):
     messages = [json.loads(m) for m in out.replace("}\n{", "}\x00{").split("\x00")]
     assert messages[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
     assert messages[-1]["usage"]["completion_tokens"] == 4
+    body = json.dumps({"prompt": "Hello there", "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1,
+                       "logit_bias": {"9707": 100}})
+    out = run("-d", body, address, "vllm_v0.gateway.v1.GatewayService/Generate")
+    messages = [json.loads(m) for m in out.replace("}\n{", "}\x00{").split("\x00")]
+    scored = messages[0]["prompt_logprobs"]
+    assert len(scored) == 2 and "logprob" not in scored[0] and len(scored[1]["top"]) == 1
+    assert [t for m in messages for t in m.get("token_ids", [])] == [9707, 9707]

@@ -11,6 +11,7 @@ from rpcserver.shared import MAX_SEED
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
 # Most top logprobs per token: each costs a sort entry and a field in every streamed message.
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 
 # The generation_config.json keys that are sampling defaults; the file's other keys (eos_token_id,
 # max_length, ...) are the engine's business. transformers' own fallbacks (top_k=50, ...) are not
@@ -40,9 +41,17 @@ class SamplingParams:
     max_tokens: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # (token id, bias) pairs added to the raw logits before penalties and sampling (OpenAI's logit_bias).
+    # Pairs, not a dict: the params cross the engine-core socket as JSON, whose keys are strings.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: none; N >= 0: every prompt token's logprob (the first has none) and its position's N best.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(self.stop_token_ids)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = tuple(self.logit_bias.items())
+        self.logit_bias = tuple((t, b) for t, b in self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:
@@ -55,6 +64,11 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this row's logits before choosing (penalties or a bias)."""
+        return self.has_penalties or bool(self.logit_bias)
 
     @classmethod
     def resolve(cls, overrides: dict, defaults: dict) -> SamplingParams:
@@ -118,16 +132,26 @@ class SamplingParams:
             _check_int("seed", self.seed)
             if not 0 <= self.seed <= MAX_SEED:
                 raise InvalidArgument(f"seed must be in [0, 2**64 - 1], got {self.seed}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= max_logprobs:
-                raise InvalidArgument(
-                    f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}"
-                )
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
                 raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= max_logprobs:
+                    raise InvalidArgument(f"{name} must be in [0, {max_logprobs}], got {value}")
+        for token_id, bias in self.logit_bias:
+            _check_int(f"logit_bias key {token_id!r}", token_id)
+            if not 0 <= token_id < vocab_size:
+                raise InvalidArgument(
+                    f"logit_bias key {token_id} must be in [0, {vocab_size - 1}] (the vocabulary)")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                raise InvalidArgument(f"logit_bias[{token_id}] must be a finite number, got {bias!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidArgument(
+                    f"logit_bias[{token_id}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias:g}")
         for i, token_id in enumerate(self.stop_token_ids):
             _check_int(f"stop_token_ids[{i}]", token_id)
             if not 0 <= token_id < vocab_size:

@@ -139,6 +139,10 @@ class BlockManager:
         """Cached blocks holding the sequence's leading full blocks, stopping at the first miss."""
         if not self.enable_prefix_caching:
             return []
+        # Prompt logprobs need every prompt position's logits, which a reused block never had computed:
+        # such a prompt is prefilled whole (as vLLM does), though its blocks are still offered to others.
+        if seq.wants_prompt_logprobs:
+            return []
         # The block with the last token is always computed: its logits give the next token.
         hashes = self._chain_hashes(seq, (len(seq) - 1) // self.block_size)
         tokens, size, hits = seq.token_ids, self.block_size, []

@@ -17,6 +17,7 @@ from services.model_worker.engine.block_manager import BlockManager
 from services.model_worker.engine.scheduler import Scheduler
 from services.model_worker.engine.sequence import FinishReason, Sequence
 from services.model_worker.executor.executor import Executor
+from services.model_worker.executor.prompt_logprobs import score_rows
 from services.model_worker.executor.sampler import Sampler
 from services.model_worker.executor.transfer import to_device
 
@@ -31,6 +32,9 @@ class StepOutput:
     top_logprobs: list[tuple[int, float]]
     finish_reason: FinishReason | None
     prompt_tokens: int
+    # On a request's first output when it asked for them: per prompt position, None for the first token,
+    # else (its logprob, the position's top (token id, logprob) best first).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
 class LLMEngine:
@@ -100,9 +104,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        host, seqs = batch.step_inputs(self.kv_cache.block_size)
+        host, seqs, prompt_spans = batch.step_inputs(self.kv_cache.block_size)
         logits = self.runner.run(host)
         outputs = []
+        if prompt_spans:
+            self._score_prompts(logits[len(seqs):], prompt_spans)
+            logits = logits[:len(seqs)]
         if seqs:
             # Token histories matter only to penalties; skip building them for the common case.
             none = torch.empty(0, dtype=torch.long, device=self.device)
@@ -114,12 +121,25 @@ class LLMEngine:
             for i, seq in enumerate(seqs):
                 seq.append(sampled.token_ids[i])
                 outputs.append(StepOutput(seq.request_id, sampled.token_ids[i], sampled.logprobs[i],
-                                          sampled.top_logprobs[i], seq.finish_reason, len(seq.prompt_ids)))
+                                          sampled.top_logprobs[i], seq.finish_reason, len(seq.prompt_ids),
+                                          seq.take_prompt_logprobs()))
         self.scheduler.finish_step(batch)
         for seq in seqs:
             if seq.is_finished:
                 self._seqs.pop(seq.request_id, None)
         return outputs
+
+    @staticmethod
+    def _score_prompts(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]) -> None:
+        """Writes this step's prompt logprobs into their sequences, by prompt position."""
+        targets, top_n = [], []
+        for seq, first, count in spans:
+            targets += seq.prompt_ids[first:first + count]
+            top_n += [seq.params.prompt_logprobs] * count
+        scored = iter(score_rows(logits, targets, top_n))
+        for seq, first, count in spans:
+            for position in range(first, first + count):
+                seq.prompt_logprobs[position] = next(scored)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion together; returns each one's generated ids (for tests and benchmarks)."""

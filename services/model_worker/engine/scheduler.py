@@ -19,9 +19,11 @@ class ScheduledBatch:
     def __bool__(self) -> bool:
         return bool(self.seqs)
 
-    def step_inputs(self, block_size: int) -> tuple[StepInputs, list[Sequence]]:
-        """The step's flat inputs, and the sequences that get a next token from it."""
-        token_ids, context_lens, sampled = [], [], []
+    def step_inputs(self, block_size: int) -> tuple[StepInputs, list[Sequence], list[tuple[Sequence, int, int]]]:
+        """The step's flat inputs, the sequences that get a next token from it, and the prompt spans whose
+        logprobs it computes: (sequence, first prompt position scored, count), their rows after the sampled ones."""
+        token_ids, context_lens, sampled, extra_rows, spans = [], [], [], [], []
+        row = 0
         for i, (seq, n) in enumerate(zip(self.seqs, self.num_tokens)):
             start = seq.num_cached_tokens
             token_ids.append(seq.token_ids[start:start + n])
@@ -29,8 +31,16 @@ class ScheduledBatch:
             # A prompt prefilled in chunks yields a token only after its last chunk.
             if start + n == len(seq):
                 sampled.append(i)
-        host = StepInputs.build(token_ids, [s.block_table for s in self.seqs], context_lens, block_size, sampled)
-        return host, [self.seqs[i] for i in sampled]
+            if seq.wants_prompt_logprobs:
+                # Position p's logits score prompt token p + 1: this chunk scores tokens start+1 .. up to the last.
+                count = min(start + n, len(seq.prompt_ids) - 1) - start
+                if count > 0:
+                    extra_rows.extend(range(row, row + count))
+                    spans.append((seq, start + 1, count))
+            row += n
+        host = StepInputs.build(token_ids, [s.block_table for s in self.seqs], context_lens, block_size, sampled,
+                                extra_rows)
+        return host, [self.seqs[i] for i in sampled], spans
 
 
 class Scheduler:

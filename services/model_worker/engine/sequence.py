@@ -44,6 +44,10 @@ class Sequence:
         self.num_hashed_blocks = 0
         # Chain hashes of its leading full blocks, computed once by the block manager.
         self.block_hashes: list[bytes] = []
+        # Prompt logprobs, filled by position as prefill chunks compute them; handed out with the first
+        # output and dropped there (None once sent, or when not asked for).
+        self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = (
+            [None] * len(prompt_ids) if params.prompt_logprobs is not None else None)
         self.arrival = next(_arrival)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -57,6 +61,14 @@ class Sequence:
     @property
     def num_uncached_tokens(self) -> int:
         return len(self) - self.num_cached_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None
+
+    def take_prompt_logprobs(self) -> list | None:
+        taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken
 
     @property
     def is_finished(self) -> bool:

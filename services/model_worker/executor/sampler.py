@@ -1,6 +1,7 @@
 """Batched next-token sampling with per-sequence parameters, run once per decode step.
 
-Per row, in this order (transformers' order for the same settings):
+Per row, in this order (transformers' order for the same settings; the bias first, as in vLLM):
+  0. logit_bias: each listed token's bias added to its logit,
   1. repetition_penalty over the set of prompt + output tokens (RepetitionPenaltyLogitsProcessor:
      logit * p where logit < 0, else logit / p),
   2. presence/frequency penalties over output tokens only (OpenAI:
@@ -60,7 +61,7 @@ class Sampler:
         generators: list[torch.Generator | None],  # per row, on logits.device
     ) -> SamplerOutput:
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if not sampled_rows and not any(p.has_penalties for p in params):
+        if not sampled_rows and not any(p.adjusts_logits for p in params):
             # The common case, every step: argmax in the logits' own dtype (widening is exact).
             token_ids = cpu_argmax.argmax(logits)
         else:
@@ -83,9 +84,17 @@ def apply_penalties(
     prompt_ids: list[torch.Tensor],
     output_ids: list[torch.Tensor],
 ) -> torch.Tensor:
-    """Repetition, then presence and frequency penalties; rows without them come back unchanged."""
+    """The logit bias, then repetition, presence and frequency penalties; rows without them come back
+    unchanged."""
     batch, vocab = logits.shape
     device = logits.device
+    bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if bias_rows:
+        rows = [i for i in bias_rows for _ in params[i].logit_bias]
+        tokens = [t for i in bias_rows for t, _ in params[i].logit_bias]
+        biases = [b for i in bias_rows for _, b in params[i].logit_bias]
+        logits = logits.index_put((to_device(rows, torch.long, device), to_device(tokens, torch.long, device)),
+                                  to_device(biases, torch.float32, device), accumulate=True)
     repeat_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if repeat_rows:
         rows, tokens = _flat_indices(

@@ -26,20 +26,25 @@ class StepInputs:
     query_start_loc: torch.Tensor  # (B + 1,) int32: cu_seqlens of the new tokens
     context_lens: torch.Tensor     # (B,) int32: tokens in each sequence's context after this step
     block_tables: torch.Tensor     # (B, W) int32, padded with block 0
-    sample_rows: torch.Tensor      # (S,) int64: rows whose next token is sampled (a prompt's last chunk, decodes)
+    # (S + E,) int64: rows whose logits are wanted: the S whose next token is sampled (a prompt's last
+    # chunk, decodes), then E prompt rows whose logits score the prompt (prompt logprobs)
+    sample_rows: torch.Tensor
     max_query_len: int
     max_context_len: int
 
     @classmethod
     def build(cls, token_ids: list[list[int]], block_tables: list[list[int]], context_lens: list[int],
-              block_size: int, sampled: list[int] | None = None) -> "StepInputs":
+              block_size: int, sampled: list[int] | None = None, extra_rows: list[int] = ()) -> "StepInputs":
         """token_ids: each sequence's new tokens; context_lens: its tokens after this step (cached + new).
 
         sampled: the sequences whose last new token yields a next token (default: all).
+        extra_rows: flat rows whose logits are wanted too, after the sampled ones (prompt logprobs).
         """
         flat = FlatLayout.build([len(t) for t in token_ids], block_tables, context_lens, block_size)
         last_rows = flat.query_start_loc[1:].long() - 1
         sample_rows = last_rows if sampled is None else last_rows[torch.tensor(sampled, dtype=torch.int64)]
+        if extra_rows:
+            sample_rows = torch.cat((sample_rows, torch.tensor(extra_rows, dtype=torch.int64)))
         return cls(torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64), flat.positions,
                    flat.slot_mapping, flat.query_start_loc, flat.context_lens, flat.block_tables, sample_rows,
                    flat.max_query_len, flat.max_context_len)

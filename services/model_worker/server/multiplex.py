@@ -30,6 +30,11 @@ def step_message(out: StepOutput, first: bool) -> worker_pb2.GenerateResponse:
     if out.logprob is not None:
         msg.logprob = out.logprob
         msg.top_logprobs.extend(worker_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in out.top_logprobs)
+    for scored in out.prompt_logprobs or ():
+        entry = msg.prompt_logprobs.add()
+        if scored is not None:
+            entry.logprob = scored[0]
+            entry.top.extend(worker_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in scored[1])
     return msg
 
 

@@ -57,6 +57,9 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
             overrides["max_tokens"] = request.max_tokens
         if request.HasField("logprobs"):
             overrides["logprobs"] = request.logprobs
+        if request.HasField("prompt_logprobs"):
+            overrides["prompt_logprobs"] = request.prompt_logprobs
+        overrides["logit_bias"] = tuple(sorted(request.logit_bias.items()))
         overrides["stop_token_ids"] = tuple(request.stop_token_ids)
         overrides["ignore_eos"] = request.ignore_eos
         return self.engine.make_params(overrides)
