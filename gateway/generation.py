@@ -138,6 +138,12 @@ def worker_request(req: GenerationRequest, prompt_ids: list[int], max_tokens: in
             setattr(work.sampling, name, getattr(req, name))
     if req.logprobs is not None:
         work.logprobs = req.logprobs
+    if req.structured_output is not None:
+        kind, value = req.structured_output
+        if kind == "choice":
+            work.structured_output.choice.choices.extend(value)
+        else:
+            setattr(work.structured_output, kind, value)
     return work
 
 

@@ -86,6 +86,9 @@ class GenerationRequest:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     request_id: str = ""  # the caller's; checked by validate(), never sent to the worker
+    # (kind, value): ("json_schema", JSON text), ("json_object", True), ("regex", str), ("choice", [str]),
+    # ("grammar", str); compiled and checked by the worker, which enforces it at the logits.
+    structured_output: tuple[str, object] | None = None
 
 
 def validate(req: GenerationRequest, limits: Limits) -> None:
