@@ -107,7 +107,9 @@ class GenerationCore:
                     delta.finish_reason, delta.stop_reason = "stop", matched
                 elif final:
                     delta.finish_reason = FINISH_REASONS[step.finish_reason]
-                    if delta.finish_reason == "eos":
+                    grammar_done = req.structured_output is not None and not _is_stop_id(step.token_id, req,
+                                                                                          self.downstreams)
+                    if delta.finish_reason == "eos" and not grammar_done:
                         delta.stop_reason = self.downstreams.token_text.get(step.token_id, str(step.token_id))
                     delta.text += stops.flush()
                 if delta.finish_reason:
@@ -145,6 +147,12 @@ def worker_request(req: GenerationRequest, prompt_ids: list[int], max_tokens: in
         else:
             setattr(work.structured_output, kind, value)
     return work
+
+
+def _is_stop_id(token_id: int, req: GenerationRequest, downstreams) -> bool:
+    """Whether an "eos" finish came from an eos or stop token id, not a completed structured output."""
+    info = downstreams.worker_info
+    return token_id in req.stop_token_ids or (info is not None and token_id in info.eos_token_ids)
 
 
 def _piece_ids(step: worker_pb2.GenerateResponse) -> list[int]:
