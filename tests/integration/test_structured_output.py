@@ -4,7 +4,11 @@ make the output fit."""
 from __future__ import annotations
 
 import json
+import pathlib
 import re
+import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -157,3 +161,16 @@ def test_grpc_structured_output(gateway):
     with pytest.raises(grpc.RpcError) as e:
         list(gateway.Generate(bad))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in e.value.details()
+
+
+def test_grpcurl_structured_output_as_in_the_readme(stack):
+    """The README's grpcurl shape: the oneof and the choice wrapper in proto JSON, through reflection."""
+    grpcurl = shutil.which("grpcurl") or str(pathlib.Path(sys.executable).parent / "grpcurl")
+    body = json.dumps({"prompt": "Sentiment:", "max_tokens": 8,
+                       "structured_output": {"choice": {"choices": ["positive", "negative"]}}})
+    result = subprocess.run([grpcurl, "-plaintext", "-d", body, stack.gateway.address,
+                             "vllm_v0.gateway.v1.GatewayService/Generate"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    messages = [json.loads(m) for m in result.stdout.replace("}\n{", "}\x00{").split("\x00")]
+    assert "".join(m.get("text", "") for m in messages) in ("positive", "negative")
+    assert messages[-1]["finish_reason"] == "FINISH_REASON_EOS"

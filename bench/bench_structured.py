@@ -1,0 +1,79 @@
+"""Structured-output overhead: engine tok/s at 16 streams, none constrained against one constrained.
+
+In one process, on a random checkpoint with Qwen3-0.6B's config and the real vocabulary (bf16), rounds
+alternate (plain, constrained, constrained, plain, ...) on the same prompts. Each round runs 16 greedy
+streams of --new-tokens tokens together; in a constrained round one of them carries a regex that
+cannot complete within the run (so its mask is filled and applied at every step). tok/s counts every
+stream's tokens over the round's wall time. The issue's target: the constrained rounds within 5%.
+
+    python -m bench.bench_structured                       # ~1 min of setup, then the rounds
+    python -m bench.bench_structured --checkpoint-dir DIR   # reuse a cached 0.6B-shaped checkpoint
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.bench_engine import DEFAULT_CHECKPOINT, ensure_checkpoint, random_prompt  # noqa: E402
+from services.model_worker.config.sampling import SamplingParams, StructuredOutput  # noqa: E402
+from services.model_worker.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+
+# Lowercase letters only, far more than a run generates: the grammar never completes during a round.
+ENDLESS = StructuredOutput("regex", "[a-z]{4000}")
+
+
+def run_round(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, constrained: bool) -> float:
+    plain = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = [plain] * len(prompts)
+    if constrained:
+        params = [SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                                 structured_output=ENDLESS)] + params[1:]
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    assert all(len(o) == new_tokens for o in outputs), "a stream ended early: the round is not comparable"
+    return sum(len(o) for o in outputs) / seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint-dir", type=pathlib.Path, default=DEFAULT_CHECKPOINT)
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=4, help="pairs of rounds (plain + constrained)")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+
+    checkpoint = ensure_checkpoint(args.checkpoint_dir, "qwen3-0.6b")
+    engine = LLMEngine(checkpoint, EngineConfig(device=args.device, dtype="bfloat16"))
+    generator = torch.Generator().manual_seed(0)
+    prompts = [random_prompt(args.prompt_tokens, 151_000, generator) for _ in range(args.streams)]
+    run_round(engine, prompts, 4, constrained=True)  # warm up, and load the grammar's tokenizer once
+    plain, constrained, ratios = [], [], []
+    for r in range(args.rounds):
+        order = (False, True) if r % 2 == 0 else (True, False)
+        got = {c: run_round(engine, prompts, args.new_tokens, c) for c in order}
+        plain.append(got[False])
+        constrained.append(got[True])
+        ratios.append(got[True] / got[False])
+        print(f"round {r}: plain {got[False]:.1f} tok/s, one constrained {got[True]:.1f} tok/s, "
+              f"ratio {ratios[-1]:.3f}", flush=True)
+    print(f"{args.streams} streams, median over {args.rounds} rounds: plain {statistics.median(plain):.1f} tok/s "
+          f"({min(plain):.1f}-{max(plain):.1f}), one constrained {statistics.median(constrained):.1f} tok/s "
+          f"({min(constrained):.1f}-{max(constrained):.1f}), ratio {statistics.median(ratios):.3f} "
+          f"({min(ratios):.3f}-{max(ratios):.3f})")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
