@@ -67,9 +67,11 @@ def allowed_ids(mask: torch.Tensor) -> set[int]:
     return {w * 32 + b for w, word in enumerate(words) for b in range(32) if (word >> b) & 1}
 
 
-def test_apply_token_bitmask_against_bit_by_bit_reference():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_apply_token_bitmask_against_bit_by_bit_reference(dtype):
     vocab = 70  # not a multiple of 32: the last word's spare bits are ignored
-    logits = torch.randn(3, vocab)
+    with torch.inference_mode():  # as the runner's logits are
+        logits = torch.randn(3, vocab).to(dtype)
     before = logits.clone()
     mask = torch.randint(-2**31, 2**31 - 1, (1, 3), dtype=torch.int32)
     logits = apply_token_bitmask(logits, [1], [mask])
