@@ -149,3 +149,9 @@ def test_params_cross_the_core_socket_as_json():
     params = SamplingParams(structured_output=StructuredOutput.choice(["a", "b"]))
     raw = json.loads(json.dumps(protocol.params_to_dict(params)))
     assert protocol.params_from_dict(raw) == params
+
+
+def test_a_checkpoint_without_tokenizer_json_refuses_the_request_not_the_engine(tmp_path):
+    grammar = GrammarEngine(tmp_path, VOCAB, frozenset(EOS))
+    with pytest.raises(InvalidArgument, match="tokenizer.json"):
+        grammar.matcher(StructuredOutput("regex", "a"))

@@ -76,8 +76,13 @@ class GrammarEngine:
                 import llguidance
 
                 path = self.checkpoint_dir / "tokenizer.json"
-                self._tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=self.vocab_size,
-                                                         eos_token=self.eos_ids or None)
+                try:
+                    self._tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=self.vocab_size,
+                                                             eos_token=self.eos_ids or None)
+                except (OSError, ValueError, RuntimeError) as e:
+                    # A request error, not a dead engine: free text still works on this checkpoint.
+                    raise InvalidArgument(f"structured_output needs the checkpoint's tokenizer.json, which this "
+                                          f"worker cannot read: {type(e).__name__}: {e}") from None
             return self._tokenizer
 
     @property
@@ -91,10 +96,13 @@ class GrammarEngine:
         import llguidance
 
         grammar = grammar_text(constraint)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error and not error.startswith("WARNING"):
-            raise InvalidArgument(f"structured_output {constraint.kind} is invalid: {_first_line(error)}")
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        try:
+            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+            if error and not error.startswith("WARNING"):
+                raise InvalidArgument(f"structured_output {constraint.kind} is invalid: {_first_line(error)}")
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        except (ValueError, RuntimeError) as e:  # the compiler's own refusals, whatever their spelling
+            raise InvalidArgument(f"structured_output {constraint.kind} is invalid: {_first_line(str(e))}") from None
         if matcher.is_error():
             raise InvalidArgument(f"structured_output {constraint.kind} is invalid: "
                                   f"{_first_line(matcher.get_error())}")
