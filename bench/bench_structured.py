@@ -25,10 +25,35 @@ import torch  # noqa: E402
 
 from bench.bench_engine import DEFAULT_CHECKPOINT, ensure_checkpoint, random_prompt  # noqa: E402
 from services.model_worker.config.sampling import SamplingParams, StructuredOutput  # noqa: E402
+from services.model_worker.engine import llm_engine  # noqa: E402
 from services.model_worker.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from services.model_worker.executor import grammar  # noqa: E402
 
 # Lowercase letters only, far more than a run generates: the grammar never completes during a round.
 ENDLESS = StructuredOutput("regex", "[a-z]{4000}")
+
+
+class GrammarClock:
+    """Seconds the step thread spends on grammar work (waiting for a mask, applying it, advancing the
+    matcher): the serial cost a constrained stream adds to every step, less noisy than tok/s on a
+    shared machine. The mask fill itself runs on the grammar thread and is not counted here."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.calls = {"mask": 0, "apply": 0, "accept": 0}
+        for owner, name, key in ((grammar.GrammarState, "mask", "mask"), (grammar.GrammarState, "accept", "accept"),
+                                 (llm_engine, "apply_token_bitmask", "apply")):
+            setattr(owner, name, self._timed(getattr(owner, name), key))
+
+    def _timed(self, fn, key):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls[key] += 1
+        return timed
 
 
 def run_round(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, constrained: bool) -> float:
@@ -59,10 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     generator = torch.Generator().manual_seed(0)
     prompts = [random_prompt(args.prompt_tokens, 151_000, generator) for _ in range(args.streams)]
     run_round(engine, prompts, 4, constrained=True)  # warm up, and load the grammar's tokenizer once
+    clock = GrammarClock()
+    step_seconds = []
     plain, constrained, ratios = [], [], []
     for r in range(args.rounds):
         order = (False, True) if r % 2 == 0 else (True, False)
         got = {c: run_round(engine, prompts, args.new_tokens, c) for c in order}
+        step_seconds.append(args.streams / got[False])
         plain.append(got[False])
         constrained.append(got[True])
         ratios.append(got[True] / got[False])
@@ -72,6 +100,11 @@ def main(argv: list[str] | None = None) -> None:
           f"({min(plain):.1f}-{max(plain):.1f}), one constrained {statistics.median(constrained):.1f} tok/s "
           f"({min(constrained):.1f}-{max(constrained):.1f}), ratio {statistics.median(ratios):.3f} "
           f"({min(ratios):.3f}-{max(ratios):.3f})")
+    steps = clock.calls["apply"]
+    per_step_ms = clock.seconds / max(steps, 1) * 1e3
+    print(f"grammar work on the step thread: {per_step_ms:.2f} ms a constrained step over {steps} steps; "
+          f"a plain step took {statistics.median(step_seconds) * 1e3:.0f} ms (median), so "
+          f"{per_step_ms / (statistics.median(step_seconds) * 1e3) * 100:.2f}% of a step")
     engine.close()
 
 
