@@ -8,6 +8,10 @@ stream's tokens over the round's wall time. The issue's target: the constrained 
 
     python -m bench.bench_structured                       # ~1 min of setup, then the rounds
     python -m bench.bench_structured --checkpoint-dir DIR   # reuse a cached 0.6B-shaped checkpoint
+    python -m bench.bench_structured --rounds 0             # only the interleaved decode steps
+
+Then, less sensitive to a shared machine's bursts, decode steps of one 16-stream batch alternate with the
+first stream's constraint switched on and off, and the step-thread time of the grammar work is printed.
 """
 from __future__ import annotations
 
@@ -69,6 +73,35 @@ def run_round(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, cons
     return sum(len(o) for o in outputs) / seconds
 
 
+def run_interleaved_steps(engine: LLMEngine, prompts: list[list[int]], steps: int) -> tuple[list[float], list[float]]:
+    """One batch of the streams, decoding; its first stream's constraint is switched on and off every other
+    step, so that both kinds of step see the same batch, context lengths and machine load. Returns each
+    kind's step times. (While switched off the matcher is not advanced: it stays a valid grammar state of
+    the same cost, which is all timing needs.)"""
+    plain = SamplingParams(temperature=0.0, max_tokens=steps * 2 + 4, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=steps * 2 + 4, ignore_eos=True,
+                                 structured_output=ENDLESS)
+    ids = [f"interleaved-{i}" for i in range(len(prompts))]
+    for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+        engine.add_request(rid, prompt, constrained if i == 0 else plain)
+    while any(s.num_uncached_tokens > 1 for s in engine._seqs.values()):
+        engine.step()  # prefill first: only decode steps are compared
+    seq = engine._seqs[ids[0]]
+    state = seq.grammar
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(steps * 2):
+        on = (i % 4) in (1, 2)  # off, on, on, off, ...: neither kind always goes first
+        seq.grammar = state if on else None
+        if on and state._pending is None:
+            state.prepare()
+        start = time.perf_counter()
+        engine.step()
+        times[on].append(time.perf_counter() - start)
+    for rid in ids:
+        engine.abort(rid)
+    return times[False], times[True]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint-dir", type=pathlib.Path, default=DEFAULT_CHECKPOINT)
@@ -76,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=4, help="pairs of rounds (plain + constrained)")
+    p.add_argument("--interleaved-steps", type=int, default=40, help="decode steps of each kind, alternating")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
 
@@ -85,26 +119,31 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [random_prompt(args.prompt_tokens, 151_000, generator) for _ in range(args.streams)]
     run_round(engine, prompts, 4, constrained=True)  # warm up, and load the grammar's tokenizer once
     clock = GrammarClock()
-    step_seconds = []
     plain, constrained, ratios = [], [], []
     for r in range(args.rounds):
         order = (False, True) if r % 2 == 0 else (True, False)
         got = {c: run_round(engine, prompts, args.new_tokens, c) for c in order}
-        step_seconds.append(args.streams / got[False])
         plain.append(got[False])
         constrained.append(got[True])
         ratios.append(got[True] / got[False])
         print(f"round {r}: plain {got[False]:.1f} tok/s, one constrained {got[True]:.1f} tok/s, "
               f"ratio {ratios[-1]:.3f}", flush=True)
+    if not ratios:
+        plain = constrained = ratios = [float("nan")]
     print(f"{args.streams} streams, median over {args.rounds} rounds: plain {statistics.median(plain):.1f} tok/s "
           f"({min(plain):.1f}-{max(plain):.1f}), one constrained {statistics.median(constrained):.1f} tok/s "
           f"({min(constrained):.1f}-{max(constrained):.1f}), ratio {statistics.median(ratios):.3f} "
           f"({min(ratios):.3f}-{max(ratios):.3f})")
+    off, on = run_interleaved_steps(engine, prompts, args.interleaved_steps)
+    print(f"decode steps interleaved in one batch ({len(off)} each): plain {statistics.median(off) * 1e3:.1f} ms "
+          f"(tok/s {args.streams / statistics.median(off):.1f}), one constrained {statistics.median(on) * 1e3:.1f} ms "
+          f"(tok/s {args.streams / statistics.median(on):.1f}), ratio of tok/s "
+          f"{statistics.median(off) / statistics.median(on):.3f}")
     steps = clock.calls["apply"]
     per_step_ms = clock.seconds / max(steps, 1) * 1e3
     print(f"grammar work on the step thread: {per_step_ms:.2f} ms a constrained step over {steps} steps; "
-          f"a plain step took {statistics.median(step_seconds) * 1e3:.0f} ms (median), so "
-          f"{per_step_ms / (statistics.median(step_seconds) * 1e3) * 100:.2f}% of a step")
+          f"a plain interleaved step took {statistics.median(off) * 1e3:.0f} ms (median), so "
+          f"{per_step_ms / (statistics.median(off) * 1e3) * 100:.2f}% of a step")
     engine.close()
 
 
