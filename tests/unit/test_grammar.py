@@ -67,7 +67,8 @@ def allowed_ids(mask: torch.Tensor) -> set[int]:
     return {w * 32 + b for w, word in enumerate(words) for b in range(32) if (word >> b) & 1}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+# float64 takes the torch path a GPU's logits take; the others numpy's bit-pattern copy.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_apply_token_bitmask_against_bit_by_bit_reference(dtype):
     vocab = 70  # not a multiple of 32: the last word's spare bits are ignored
     with torch.inference_mode():  # as the runner's logits are
@@ -155,3 +156,14 @@ def test_a_checkpoint_without_tokenizer_json_refuses_the_request_not_the_engine(
     grammar = GrammarEngine(tmp_path, VOCAB, frozenset(EOS))
     with pytest.raises(InvalidArgument, match="tokenizer.json"):
         grammar.matcher(StructuredOutput("regex", "a"))
+
+
+@pytest.mark.parametrize("constraint, message", [
+    (StructuredOutput("xml", "x"), "kind must be one of"),
+    (StructuredOutput("choice", "[]"), "at least one"),
+    (StructuredOutput("choice", '["a", 3]'), "list of strings"),
+    (StructuredOutput("regex", ""), "regex is empty"),
+])
+def test_the_front_checks_the_shape_before_the_core(constraint, message):
+    with pytest.raises(InvalidArgument, match=message):
+        SamplingParams(structured_output=constraint).validate(VOCAB)
