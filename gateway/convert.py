@@ -32,5 +32,16 @@ def from_proto(msg: gateway_pb2.GenerateRequest) -> GenerationRequest:
         skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
         request_id=msg.request_id,
         logit_bias=dict(msg.logit_bias),
+        structured_output=structured_output(msg.structured_output),
         **optional,
     )
+
+
+def structured_output(message: gateway_pb2.StructuredOutput) -> tuple[str, object] | None:
+    """The oneof as (kind, value); None when no form is set or json_object is false."""
+    kind = message.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not message.json_object):
+        return None
+    if kind == "choice":
+        return kind, list(message.choice.choices)
+    return kind, getattr(message, kind)

@@ -150,7 +150,9 @@ class GenerationCore:
                     delta.finish_reason, delta.stop_reason = "stop", matched
                 elif final:
                     delta.finish_reason = FINISH_REASONS[step.finish_reason]
-                    if delta.finish_reason == "eos":
+                    grammar_done = req.structured_output is not None and not _is_stop_id(step.token_id, req,
+                                                                                          self.downstreams)
+                    if delta.finish_reason == "eos" and not grammar_done:
                         delta.stop_reason = self.downstreams.token_text.get(step.token_id, str(step.token_id))
                     delta.text += stops.flush()
                 if output is not None:
@@ -243,7 +245,19 @@ def worker_request(req: GenerationRequest, prompt_ids: list[int], max_tokens: in
     if req.prompt_logprobs is not None:
         work.prompt_logprobs = req.prompt_logprobs
     work.logit_bias.update(req.logit_bias)
+    if req.structured_output is not None:
+        kind, value = req.structured_output
+        if kind == "choice":
+            work.structured_output.choice.choices.extend(value)
+        else:
+            setattr(work.structured_output, kind, value)
     return work
+
+
+def _is_stop_id(token_id: int, req: GenerationRequest, downstreams) -> bool:
+    """Whether an "eos" finish came from an eos or stop token id, not a completed structured output."""
+    info = downstreams.worker_info
+    return token_id in req.stop_token_ids or (info is not None and token_id in info.eos_token_ids)
 
 
 def _piece_ids(step: worker_pb2.GenerateResponse) -> list[int]:

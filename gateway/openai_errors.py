@@ -68,10 +68,9 @@ def param_of(message: str) -> str | None:
 def error_body(error: BaseException) -> tuple[int, dict]:
     code = grpc_code(error)
     status, kind = HTTP_STATUS.get(code, (500, "server_error"))
-    param = None
+    param = getattr(error, "param", None)  # HttpError's, or a refused unknown field's
     if isinstance(error, HttpError):
         status = error.http_status or status
-        param = error.param
     if isinstance(error, grpc.aio.AioRpcError):
         message = error.details() or code.name
     elif code == grpc.StatusCode.INTERNAL and not isinstance(error, ServiceError):

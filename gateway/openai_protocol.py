@@ -22,8 +22,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Unknown top-level fields that only label or log a request: accepted and ignored, as OpenAI clients send
+# them. Any other unknown field might change the output, so it is refused rather than ignored.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prediction", "stream_options"})
+# vLLM's keys in `structured_outputs` that pick the form; exactly one is given.
+STRUCTURED_FORMS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
+# vLLM's older top-level spellings of the same forms.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
 class _Common(BaseModel):
-    # Unknown fields (user, metadata, store, ...) are accepted and ignored, as OpenAI clients send many.
+    # Unknown fields are kept so that refuse_unknown_fields can name them.
     model_config = ConfigDict(extra="allow")
 
     model: str = ""
@@ -45,6 +56,13 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stop_token_ids: list[int] = Field(default_factory=list)
+    # Structured output: OpenAI's spelling, then vLLM's (current and older).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Common):
@@ -93,7 +111,6 @@ class ChatRequest(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -245,8 +262,6 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
 
 
 def chat_request(body: ChatRequest) -> GenerationRequest:
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise InvalidArgument("response_format other than text is not supported")
     messages, message_tool_calls, tool_call_ids = [], {}, {}
     for i, message in enumerate(body.messages):
         role = "system" if message.role == "developer" else message.role  # OpenAI's newer name for system
@@ -310,6 +325,8 @@ def choice_requests(req: GenerationRequest, n: int) -> list[GenerationRequest]:
 
 
 def _common(body: _Common, req: GenerationRequest) -> GenerationRequest:
+    refuse_unknown_fields(body)
+    req.structured_output = structured_output(body)
     if not 1 <= body.n <= MAX_N:
         raise InvalidArgument(f"n must be in [1, {MAX_N}], got {body.n}")
     req.logit_bias = _logit_bias(body.logit_bias or {})
@@ -347,3 +364,82 @@ def _text(message: ChatMessage, index: int) -> str:
         parts.append(part.text)
     return "".join(parts)
 
+
+
+class UnknownField(InvalidArgument):
+    """A field this server does not know; `param` names it for the error object."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def refuse_unknown_fields(body: BaseModel) -> None:
+    unknown = sorted(set(body.model_extra or ()) - IGNORED_FIELDS)
+    if unknown:
+        raise UnknownField(f"{unknown[0]} is not a supported field (it would change the output, so it is "
+                              f"refused rather than ignored)", unknown[0])
+
+
+def structured_output(body: _Common) -> tuple[str, object] | None:
+    """The one structured-output constraint the body asks for, from whichever spelling it uses."""
+    given = []
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        given.append(("response_format", _response_format(body.response_format)))
+    if body.structured_outputs is not None:
+        given.append(("structured_outputs", _structured_outputs(body.structured_outputs)))
+    for name, key in GUIDED_FIELDS.items():
+        value = getattr(body, name)
+        if value is not None:
+            given.append((name, _form(name, key, value)))
+    if len(given) > 1:
+        raise InvalidArgument(f"{given[1][0]}: give one structured-output constraint, not both "
+                              f"{given[0][0]} and {given[1][0]}")
+    return given[0][1] if given else None
+
+
+def _response_format(value: dict) -> tuple[str, object]:
+    kind = value.get("type")
+    if kind == "json_object":
+        return "json_object", True
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise InvalidArgument("response_format.json_schema must be an object with a `schema` object")
+        # OpenAI's `name`, `description` and `strict` describe the schema; the output always follows it.
+        return "json_schema", json.dumps(spec.get("schema", {}))
+    raise InvalidArgument(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+
+
+def _structured_outputs(value: dict) -> tuple[str, object]:
+    forms = [k for k in value if k in STRUCTURED_FORMS and value[k] not in (None, False)]
+    # vLLM's fine-tuning switches; this engine's JSON is always compact, so these change nothing here.
+    others = sorted(set(value) - set(STRUCTURED_FORMS) - {"disable_any_whitespace", "disable_fallback",
+                                                           "disable_additional_properties"})
+    if others:
+        raise InvalidArgument(f"structured_outputs.{others[0]} is not supported; give one of "
+                              f"{', '.join(STRUCTURED_FORMS)}")
+    if len(forms) != 1:
+        raise InvalidArgument(f"structured_outputs must hold exactly one of {', '.join(STRUCTURED_FORMS)}")
+    return _form(f"structured_outputs.{forms[0]}", forms[0], value[forms[0]])
+
+
+def _form(name: str, key: str, value: Any) -> tuple[str, object]:
+    kind = STRUCTURED_FORMS[key]
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidArgument(f"{name} must be true")
+        return kind, True
+    if kind == "json_schema":
+        if isinstance(value, dict):
+            return kind, json.dumps(value)
+        if isinstance(value, str):
+            return kind, value
+        raise InvalidArgument(f"{name} must be a JSON schema (an object or its JSON text)")
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise InvalidArgument(f"{name} must be a list of non-empty strings")
+        return kind, list(value)
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{name} must be a non-empty string")
+    return kind, value

@@ -99,6 +99,9 @@ class GenerationRequest:
     parallel_tool_calls: bool = True  # false: at most one call is returned
     message_tool_calls: dict[int, list[ToolCall]] = field(default_factory=dict)  # message index -> its calls
     tool_call_ids: dict[int, str] = field(default_factory=dict)  # "tool" message index -> the call it answers
+    # (kind, value): ("json_schema", JSON text), ("json_object", True), ("regex", str), ("choice", [str]),
+    # ("grammar", str); compiled and checked by the worker, which enforces it at the logits.
+    structured_output: tuple[str, object] | None = None
 
 
 def validate(req: GenerationRequest, limits: Limits) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import json
 from dataclasses import dataclass, fields
 
 from rpcserver.errors import InvalidArgument
@@ -27,6 +28,55 @@ _FLOAT_FIELDS = (
 )
 
 
+# The forms a structured-output constraint takes; `value` is a string in each (choice: a JSON list).
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# A constraint's text is compiled in the engine core; past this it is refused before any work.
+MAX_STRUCTURED_CHARS = 100_000
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match: a JSON schema, any JSON object, a regex, one of several strings, or
+    an EBNF/GBNF (or Lark) grammar. Compiled and enforced at the logits by executor/grammar.py."""
+
+    kind: str
+    value: str = ""
+
+    @classmethod
+    def json_schema(cls, schema: str | dict) -> StructuredOutput:
+        """The constraint for a JSON schema (a JSON string or a dict): the one tool calls reuse."""
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> StructuredOutput:
+        return cls("choice", json.dumps(list(choices)))
+
+    def validate(self) -> None:
+        """The shape only; whether the schema, regex or grammar compiles is checked where it is compiled."""
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidArgument(
+                f"structured_output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}"
+            )
+        if not isinstance(self.value, str):
+            raise InvalidArgument(f"structured_output {self.kind} must be a string, got {self.value!r}")
+        if len(self.value) > MAX_STRUCTURED_CHARS:
+            raise InvalidArgument(
+                f"structured_output {self.kind} is {len(self.value)} characters; "
+                f"at most {MAX_STRUCTURED_CHARS} are allowed"
+            )
+        if self.kind in ("json_schema", "regex", "grammar") and not self.value:
+            raise InvalidArgument(f"structured_output {self.kind} is empty")
+        if self.kind == "choice":
+            try:
+                choices = json.loads(self.value)
+            except ValueError:
+                choices = None
+            if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+                raise InvalidArgument("structured_output choice must be a list of strings")
+            if not choices or not all(choices):
+                raise InvalidArgument("structured_output choice must hold at least one non-empty string")
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0 (anything below GREEDY_TEMPERATURE) means greedy
@@ -46,9 +96,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # None: none; N >= 0: every prompt token's logprob (the first has none) and its position's N best.
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None  # None: free text
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(self.stop_token_ids)
+        if isinstance(self.structured_output, dict):  # as it crosses the core's socket
+            self.structured_output = StructuredOutput(**self.structured_output)
         if isinstance(self.logit_bias, dict):
             self.logit_bias = tuple(self.logit_bias.items())
         self.logit_bias = tuple((t, b) for t, b in self.logit_bias)
@@ -152,6 +205,8 @@ class SamplingParams:
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise InvalidArgument(
                     f"logit_bias[{token_id}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias:g}")
+        if self.structured_output is not None:
+            self.structured_output.validate()
         for i, token_id in enumerate(self.stop_token_ids):
             _check_int(f"stop_token_ids[{i}]", token_id)
             if not 0 <= token_id < vocab_size:

@@ -1,6 +1,7 @@
 """What crosses the socket between the worker and its engine core: length-prefixed JSON frames, never pickle.
 
-Worker to core: {"type": "add", "id", "prompt", "params"}, {"type": "abort", "id"}, {"type": "shutdown"}.
+Worker to core: {"type": "add", "id", "prompt", "params"}, {"type": "abort", "id"}, {"type": "shutdown"}; params
+is SamplingParams as a dict, its structured_output a {"kind", "value"} object or null.
 Core to worker: {"type": "ready", "info"} once the model is loaded, or {"type": "failed", "message"} if it
 cannot load; then {"type": "update", "outputs", "errors", "step_seconds", "stats", "kv_stored", "kv_evicted"} after every
 step, and after applying commands that left nothing to step; kv_stored and kv_evicted are the hex block hashes

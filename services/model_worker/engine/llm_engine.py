@@ -17,6 +17,7 @@ from services.model_worker.engine.block_manager import BlockManager
 from services.model_worker.engine.scheduler import Scheduler
 from services.model_worker.engine.sequence import FinishReason, Sequence
 from services.model_worker.executor.executor import Executor
+from services.model_worker.executor.grammar import GrammarEngine, apply_token_bitmask
 from services.model_worker.executor.prompt_logprobs import score_rows
 from services.model_worker.executor.sampler import Sampler
 from services.model_worker.executor.transfer import to_device
@@ -58,9 +59,11 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_ids = frozenset(self.generation.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
+        self.grammar = GrammarEngine(self.checkpoint_dir, self.config.vocab_size, self.eos_ids)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks, if any."""
+        """Stop the other tensor-parallel ranks, if any, and the grammar thread."""
+        self.grammar.close()
         self.executor.close()
 
     # -- requests -----------------------------------------------------------------------------------
@@ -83,6 +86,8 @@ class LLMEngine:
             raise InvalidArgument(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                                   f"context of {self.max_model_len} tokens; lower max_tokens to at most {room}")
         seq = Sequence(request_id, prompt_ids, params, max_tokens, self.eos_ids, self.device)
+        if params.structured_output is not None:
+            seq.grammar = self.grammar.matcher(params.structured_output)
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
         return seq
@@ -111,6 +116,9 @@ class LLMEngine:
             self._score_prompts(logits[len(seqs):], prompt_spans)
             logits = logits[:len(seqs)]
         if seqs:
+            constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+            if constrained:  # a batch without constraints does no grammar work at all
+                logits = apply_token_bitmask(logits, constrained, [seqs[i].grammar.mask() for i in constrained])
             # Token histories matter only to penalties; skip building them for the common case.
             none = torch.empty(0, dtype=torch.long, device=self.device)
             history = [(to_device(s.prompt_ids, torch.long, self.device),

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 
 import torch
 
 from services.model_worker.config.sampling import SamplingParams
 
+log = logging.getLogger(__name__)
 _arrival = itertools.count()
 
 
@@ -18,7 +20,7 @@ class SequenceStatus(enum.Enum):
 
 
 class FinishReason(enum.Enum):
-    EOS = "eos"          # an eos id or a stop token id
+    EOS = "eos"          # an eos id, a stop token id, or the structured output's grammar completed
     LENGTH = "length"    # max_tokens or the context limit
     ABORTED = "aborted"  # cancelled by the caller
 
@@ -50,6 +52,8 @@ class Sequence:
             [None] * len(prompt_ids) if params.prompt_logprobs is not None else None)
         self.arrival = next(_arrival)
         self.generator: torch.Generator | None = None
+        # The structured-output matcher (executor/grammar.py's GrammarState), set by the engine; None: free text.
+        self.grammar = None
         if params.seed is not None:
             # One generator per sequence: its draws depend on nothing else in the batch.
             self.generator = torch.Generator(device=device)
@@ -79,8 +83,18 @@ class Sequence:
         self.token_ids.append(token_id)
         if token_id in self.stop_ids:
             self.finish(FinishReason.EOS)
+        elif self.grammar is not None and not self._grammar_accepts(token_id):
+            self.finish(FinishReason.EOS)
         elif len(self.output_ids) >= self.max_tokens:
             self.finish(FinishReason.LENGTH)
+
+    def _grammar_accepts(self, token_id: int) -> bool:
+        """Advances the matcher; False when the grammar is complete (the output is whole: it ends as an eos
+        would) or, which the mask should make impossible, refused the token."""
+        if not self.grammar.accept(token_id):
+            log.warning("request %s: the grammar refused token %d it had allowed", self.request_id, token_id)
+            return False
+        return not self.grammar.is_complete
 
     def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED

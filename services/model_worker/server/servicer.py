@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from rpcserver.errors import Unavailable
 from rpcserver.shared import SAMPLING_FIELDS
 from rpcserver.status import grpc_errors
-from services.model_worker.config.sampling import MAX_LOGPROBS, SamplingParams
+from services.model_worker.config.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from services.model_worker.core.client import EngineClient
 from services.model_worker.core.kv_events import LoadDelta
 from services.model_worker.server.metrics import REQUESTS
@@ -33,6 +33,18 @@ def load_updates(delta: LoadDelta, block_size: int) -> Iterator[worker_pb2.LoadU
         yield worker_pb2.LoadUpdate(reset=delta.reset and start == 0, block_size=block_size,
                                     stored_block_hashes=[h for h, stored in piece if stored],
                                     evicted_block_hashes=[h for h, stored in piece if not stored], **delta.load)
+
+
+def structured_output(message: worker_pb2.StructuredOutput) -> StructuredOutput | None:
+    """The proto's oneof as the engine's constraint; None when no form is set (or json_object is false)."""
+    kind = message.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not message.json_object):
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput.choice(list(message.choice.choices))
+    return StructuredOutput(kind, getattr(message, kind))
 
 
 class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
@@ -62,6 +74,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
         overrides["logit_bias"] = tuple(sorted(request.logit_bias.items()))
         overrides["stop_token_ids"] = tuple(request.stop_token_ids)
         overrides["ignore_eos"] = request.ignore_eos
+        overrides["structured_output"] = structured_output(request.structured_output)
         return self.engine.make_params(overrides)
 
     @grpc_errors

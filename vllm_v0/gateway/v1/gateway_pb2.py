@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n vllm_v0/gateway/v1/gateway.proto\x12\x12vllm_v0.gateway.v1\"t\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x30\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1c.vllm_v0.gateway.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\xa6\x07\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x31\n\x08messages\x18\x02 \x03(\x0b\x32\x1f.vllm_v0.gateway.v1.ChatMessage\x12\x1c\n\x0f\x65nable_thinking\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x04H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\r\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0b\x88\x01\x01\x12\x12\n\nrequest_id\x18\x12 \x01(\t\x12\r\n\x05tools\x18\x16 \x03(\t\x12\x13\n\x0btool_choice\x18\x17 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x18 \x01(\x08H\x0c\x88\x01\x01\x12\x46\n\nlogit_bias\x18\x14 \x03(\x0b\x32\x32.vllm_v0.gateway.v1.GenerateRequest.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x12\n\x10_enable_thinkingB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x16\n\x14_parallel_tool_callsB\x12\n\x10_prompt_logprobs\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"k\n\x08Logprobs\x12\x30\n\x06\x63hosen\x18\x01 \x01(\x0b\x32 .vllm_v0.gateway.v1.TokenLogprob\x12-\n\x03top\x18\x02 \x03(\x0b\x32 .vllm_v0.gateway.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x94\x03\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.vllm_v0.gateway.v1.Logprobs\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .vllm_v0.gateway.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12(\n\x05usage\x18\x06 \x01(\x0b\x32\x19.vllm_v0.gateway.v1.Usage\x12\x1d\n\x15time_to_first_token_s\x18\x07 \x01(\x02\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x16\n\x0ereasoning_text\x18\t \x01(\t\x12\x30\n\ntool_calls\x18\n \x03(\x0b\x32\x1c.vllm_v0.gateway.v1.ToolCall\x12:\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32!.vllm_v0.gateway.v1.PromptLogprob\"\x10\n\x0eGetInfoRequest\"\xec\x01\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x03 \x01(\r\x12\x18\n\x10max_tokens_limit\x18\x04 \x01(\r\x12\x18\n\x10max_stop_strings\x18\x05 \x01(\r\x12\x1d\n\x15max_stop_string_chars\x18\x06 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x07 \x01(\r\x12\x31\n\x07workers\x18\x08 \x03(\x0b\x32 .vllm_v0.gateway.v1.WorkerStatus\"\xc9\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x02\x12\x15\n\rcached_blocks\x18\x08 \x01(\r\x12\x11\n\tin_flight\x18\t \x01(\r\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"r\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12-\n\x03top\x18\x03 \x03(\x0b\x32 .vllm_v0.gateway.v1.TokenLogprobB\n\n\x08_logprob*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\xbd\x01\n\x0eGatewayService\x12W\n\x08Generate\x12#.vllm_v0.gateway.v1.GenerateRequest\x1a$.vllm_v0.gateway.v1.GenerateResponse0\x01\x12R\n\x07GetInfo\x12\".vllm_v0.gateway.v1.GetInfoRequest\x1a#.vllm_v0.gateway.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n vllm_v0/gateway/v1/gateway.proto\x12\x12vllm_v0.gateway.v1\"t\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x30\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1c.vllm_v0.gateway.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\xe7\x07\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x31\n\x08messages\x18\x02 \x03(\x0b\x32\x1f.vllm_v0.gateway.v1.ChatMessage\x12\x1c\n\x0f\x65nable_thinking\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x04H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\r\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0b\x88\x01\x01\x12\x12\n\nrequest_id\x18\x12 \x01(\t\x12\r\n\x05tools\x18\x16 \x03(\t\x12\x13\n\x0btool_choice\x18\x17 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x18 \x01(\x08H\x0c\x88\x01\x01\x12\x46\n\nlogit_bias\x18\x14 \x03(\x0b\x32\x32.vllm_v0.gateway.v1.GenerateRequest.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\r\x88\x01\x01\x12?\n\x11structured_output\x18\x13 \x01(\x0b\x32$.vllm_v0.gateway.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x12\n\x10_enable_thinkingB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x16\n\x14_parallel_tool_callsB\x12\n\x10_prompt_logprobs\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"k\n\x08Logprobs\x12\x30\n\x06\x63hosen\x18\x01 \x01(\x0b\x32 .vllm_v0.gateway.v1.TokenLogprob\x12-\n\x03top\x18\x02 \x03(\x0b\x32 .vllm_v0.gateway.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x94\x03\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.vllm_v0.gateway.v1.Logprobs\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .vllm_v0.gateway.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12(\n\x05usage\x18\x06 \x01(\x0b\x32\x19.vllm_v0.gateway.v1.Usage\x12\x1d\n\x15time_to_first_token_s\x18\x07 \x01(\x02\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x16\n\x0ereasoning_text\x18\t \x01(\t\x12\x30\n\ntool_calls\x18\n \x03(\x0b\x32\x1c.vllm_v0.gateway.v1.ToolCall\x12:\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32!.vllm_v0.gateway.v1.PromptLogprob\"\x10\n\x0eGetInfoRequest\"\xec\x01\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x03 \x01(\r\x12\x18\n\x10max_tokens_limit\x18\x04 \x01(\r\x12\x18\n\x10max_stop_strings\x18\x05 \x01(\r\x12\x1d\n\x15max_stop_string_chars\x18\x06 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x07 \x01(\r\x12\x31\n\x07workers\x18\x08 \x03(\x0b\x32 .vllm_v0.gateway.v1.WorkerStatus\"\xc9\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x02\x12\x15\n\rcached_blocks\x18\x08 \x01(\r\x12\x11\n\tin_flight\x18\t \x01(\r\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"r\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12-\n\x03top\x18\x03 \x03(\x0b\x32 .vllm_v0.gateway.v1.TokenLogprobB\n\n\x08_logprob\"\xc8\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12>\n\x06\x63hoice\x18\x04 \x01(\x0b\x32,.vllm_v0.gateway.v1.StructuredOutput.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kind*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\xbd\x01\n\x0eGatewayService\x12W\n\x08Generate\x12#.vllm_v0.gateway.v1.GenerateRequest\x1a$.vllm_v0.gateway.v1.GenerateResponse0\x01\x12R\n\x07GetInfo\x12\".vllm_v0.gateway.v1.GetInfoRequest\x1a#.vllm_v0.gateway.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2371
-  _globals['_FINISHREASON']._serialized_end=2489
+  _globals['_FINISHREASON']._serialized_start=2639
+  _globals['_FINISHREASON']._serialized_end=2757
   _globals['_CHATMESSAGE']._serialized_start=56
   _globals['_CHATMESSAGE']._serialized_end=172
   _globals['_GENERATEREQUEST']._serialized_start=175
-  _globals['_GENERATEREQUEST']._serialized_end=1109
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=824
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=872
-  _globals['_TOKENLOGPROB']._serialized_start=1111
-  _globals['_TOKENLOGPROB']._serialized_end=1160
-  _globals['_LOGPROBS']._serialized_start=1162
-  _globals['_LOGPROBS']._serialized_end=1269
-  _globals['_USAGE']._serialized_start=1271
-  _globals['_USAGE']._serialized_end=1328
-  _globals['_GENERATERESPONSE']._serialized_start=1331
-  _globals['_GENERATERESPONSE']._serialized_end=1735
-  _globals['_GETINFOREQUEST']._serialized_start=1737
-  _globals['_GETINFOREQUEST']._serialized_end=1753
-  _globals['_GETINFORESPONSE']._serialized_start=1756
-  _globals['_GETINFORESPONSE']._serialized_end=1992
-  _globals['_WORKERSTATUS']._serialized_start=1995
-  _globals['_WORKERSTATUS']._serialized_end=2196
-  _globals['_TOOLCALL']._serialized_start=2198
-  _globals['_TOOLCALL']._serialized_end=2253
-  _globals['_PROMPTLOGPROB']._serialized_start=2255
-  _globals['_PROMPTLOGPROB']._serialized_end=2369
-  _globals['_GATEWAYSERVICE']._serialized_start=2492
-  _globals['_GATEWAYSERVICE']._serialized_end=2681
+  _globals['_GENERATEREQUEST']._serialized_end=1174
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=889
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=937
+  _globals['_TOKENLOGPROB']._serialized_start=1176
+  _globals['_TOKENLOGPROB']._serialized_end=1225
+  _globals['_LOGPROBS']._serialized_start=1227
+  _globals['_LOGPROBS']._serialized_end=1334
+  _globals['_USAGE']._serialized_start=1336
+  _globals['_USAGE']._serialized_end=1393
+  _globals['_GENERATERESPONSE']._serialized_start=1396
+  _globals['_GENERATERESPONSE']._serialized_end=1800
+  _globals['_GETINFOREQUEST']._serialized_start=1802
+  _globals['_GETINFOREQUEST']._serialized_end=1818
+  _globals['_GETINFORESPONSE']._serialized_start=1821
+  _globals['_GETINFORESPONSE']._serialized_end=2057
+  _globals['_WORKERSTATUS']._serialized_start=2060
+  _globals['_WORKERSTATUS']._serialized_end=2261
+  _globals['_TOOLCALL']._serialized_start=2263
+  _globals['_TOOLCALL']._serialized_end=2318
+  _globals['_PROMPTLOGPROB']._serialized_start=2320
+  _globals['_PROMPTLOGPROB']._serialized_end=2434
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=2437
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=2637
+  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_start=2603
+  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_end=2629
+  _globals['_GATEWAYSERVICE']._serialized_start=2760
+  _globals['_GATEWAYSERVICE']._serialized_end=2949
 # @@protoc_insertion_point(module_scope)
