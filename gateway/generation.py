@@ -14,7 +14,7 @@ from gateway.reasoning_parser import ReasoningParser, prompt_opens_reasoning
 from gateway.request_id import new_request_id
 from gateway.stop import StopStringMatcher
 from gateway.tool_parser import ToolCallDelta, ToolCallParser
-from gateway.tools import forced_call_constraint, offered_tools
+from gateway.tools import forced_call_constraint, offered_tools, tool_call_grammar
 from gateway.validation import GenerationRequest, Limits, check_prompt_length, validate
 from rpcserver.errors import InvalidArgument, Unavailable
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
@@ -104,6 +104,15 @@ class GenerationCore:
         """
         limits = self.limits()
         validate(req, limits)
+        constraint = forced_call_constraint(req.tools, req.tool_choice)
+        if constraint is not None:
+            # The constraint holds from the first token, so the model answers without a think block:
+            # the prompt closes it, as enable_thinking false does.
+            if req.enable_thinking:
+                raise InvalidArgument('tool_choice "required" or a named function constrains the output from its '
+                                      "first token, which leaves no room for thinking; set enable_thinking to "
+                                      "false or use tool_choice \"auto\"")
+            req.enable_thinking = False
         prompt_ids, rendered = await self.encode(req, timeout())
         record.prompt_tokens = len(prompt_ids)
         # Callers choose their ids freely and may reuse one; the worker needs each open request's id to be
@@ -112,9 +121,8 @@ class GenerationCore:
         max_tokens = check_prompt_length(len(prompt_ids), req.max_tokens, limits)
         # max_tokens 0 scores the prompt: the worker runs its prefill and one token, which is dropped here.
         work = worker_request(req, prompt_ids, max(max_tokens, 1), record.worker_request_id)
-        constraint = forced_call_constraint(req.tools, req.tool_choice)
         if constraint is not None:
-            constrain(work, constraint)
+            constrain(work, req, constraint)
 
         stops = StopStringMatcher(req.stop)
         output = chat_output(req, rendered)
@@ -221,16 +229,13 @@ def chat_message(req: GenerationRequest, index: int) -> tokenizer_pb2.ChatMessag
                     for c in req.message_tool_calls.get(index, [])])
 
 
-def constrain(work: worker_pb2.GenerateRequest, constraint: dict) -> None:
-    """Where a forced tool call ("required" or a named function) must constrain the worker's sampling.
-
-    It needs the worker's structured-output engine (a `structured_output` field on the worker's
-    GenerateRequest that takes the structural tag `constraint`, applied once the reasoning ends).
-    This worker has none, and an unconstrained model may answer without calling, so the request is
-    refused rather than served with a guarantee it does not have.
-    """
-    raise InvalidArgument('tool_choice "required" or a named function needs structured output in the model '
-                          'worker, which this server lacks; use tool_choice "auto"')
+def constrain(work: worker_pb2.GenerateRequest, req: GenerationRequest, constraint: dict) -> None:
+    """A forced tool call ("required" or a named function): the worker's grammar engine admits only
+    `<tool_call>` blocks whose JSON is a call of an allowed tool with valid arguments."""
+    if req.structured_output is not None:
+        raise InvalidArgument('tool_choice "required" or a named function already constrains the output; '
+                              "leave out response_format and structured_outputs")
+    work.structured_output.grammar = tool_call_grammar(constraint, req.parallel_tool_calls)
 
 
 def worker_request(req: GenerationRequest, prompt_ids: list[int], max_tokens: int,

@@ -78,3 +78,28 @@ def forced_call_constraint(tools: list[str], tool_choice: str) -> dict | None:
         structures.append({"begin": "<tool_call>\n", "schema": schema, "end": "\n</tool_call>"})
     return {"type": "structural_tag", "structures": structures, "triggers": ["<tool_call>"],
             "at_least_one": True}
+
+
+# llguidance's JSON options (the worker's executor/grammar.py uses the same for JSON schemas).
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+def tool_call_grammar(constraint: dict, parallel: bool) -> str:
+    """The forced-call constraint as a Lark grammar for the worker's structured-output engine.
+
+    One `<tool_call>` block, or several on their own lines when parallel calls are allowed; each
+    block's JSON must match one of the structures' schemas (the name and the function's
+    parameters), compiled compact by llguidance's `%json`. `<tool_call>` and `</tool_call>` are
+    Qwen3's own tokens, so the grammar names them as tokens (unquoted): llguidance will not spell
+    a special token's text out of other tokens.
+    """
+    rules = []
+    for i, structure in enumerate(constraint["structures"]):
+        assert (structure["begin"], structure["end"]) == ("<tool_call>\n", "\n</tool_call>")
+        rules.append(f'call{i}: <tool_call> "\\n" json{i} "\\n" </tool_call>')
+        # Compact JSON, as every structured output here: no whitespace between JSON tokens.
+        schema = {**structure["schema"], "x-guidance": COMPACT_JSON}
+        rules.append(f"json{i}: %json {json.dumps(schema)}")
+    calls = " | ".join(f"call{i}" for i in range(len(constraint["structures"])))
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return "\n".join([start, f"call: {calls}", *rules]) + "\n"

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import urllib.request
 
+import jsonschema
 import openai
 import pytest
 
@@ -78,10 +79,22 @@ def test_chat_with_tools_over_http_and_grpc_agree(client, gateway, stack):
     assert "".join(d.content or "" for d in chunks) == (message.content or "")
 
 
-def test_forced_tool_choice_is_refused_without_structured_output(client):
-    with pytest.raises(openai.BadRequestError) as error:
-        client.chat.completions.create(model="any", messages=CONVERSATION[:1], tools=[WEATHER], tool_choice="required")
-    assert error.value.body["param"] == "tool_choice"
+BOUNDED = {"type": "function", "function": {"name": "pick_city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "days": {"type": "boolean"}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_forced_tool_choice_always_returns_a_call_whose_arguments_validate(client, seed):
+    """Random weights never write a tool call unaided: with "required" the worker's grammar makes them."""
+    choice = client.chat.completions.create(model="any", messages=CONVERSATION[:1], tools=[WEATHER, BOUNDED],
+                                            tool_choice={"type": "function", "function": {"name": "pick_city"}},
+                                            parallel_tool_calls=False, temperature=1.0, seed=seed,
+                                            max_tokens=64).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "pick_city"
+    jsonschema.validate(json.loads(call.function.arguments), BOUNDED["function"]["parameters"])
 
 
 def readme_grpcurl_commands_with(word: str) -> list[list[str]]:

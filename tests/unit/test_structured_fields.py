@@ -4,7 +4,7 @@ import json
 import pytest
 
 from gateway.openai_errors import error_body
-from gateway.openai_protocol import ChatRequest, CompletionRequest, chat_request, completion_request, parse
+from gateway.openai_protocol import ChatRequest, CompletionRequest, chat_request, completion_requests, parse
 from rpcserver.errors import InvalidArgument
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
@@ -16,7 +16,7 @@ def chat(**fields):
 
 
 def completion(**fields):
-    return completion_request(parse(CompletionRequest, json.dumps({"prompt": "x", **fields}).encode()))
+    return completion_requests(parse(CompletionRequest, json.dumps({"prompt": "x", **fields}).encode()))[0]
 
 
 @pytest.mark.parametrize("fields, want", [

@@ -195,9 +195,10 @@ def test_reasoning_cut_by_max_tokens_stays_reasoning(serve):
 
 
 @pytest.mark.parametrize("extra, param, words", [
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "structured output"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     "tool_choice", "structured output"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "already constrains"),
+    ({"tools": [WEATHER], "tool_choice": "required", "extra_body": {"chat_template_kwargs": {"enable_thinking": True}}},
+     "tool_choice", "thinking"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
     ({"tool_choice": "required"}, "tool_choice", "no tools"),
@@ -267,13 +268,32 @@ def test_grpc_parallel_tool_calls_false_and_forced_choice(serve):
     replies = generate(downstreams, gateway_pb2.GenerateRequest(
         messages=[gateway_pb2.ChatMessage(**ASK[0])], tools=[json.dumps(WEATHER)], parallel_tool_calls=False))
     assert len({c.id for r in replies for c in r.tool_calls}) == 1
-    try:
-        generate(downstreams, gateway_pb2.GenerateRequest(
-            messages=[gateway_pb2.ChatMessage(**ASK[0])], tools=[json.dumps(WEATHER)], tool_choice="get_weather"))
-    except grpc.aio.AioRpcError as e:
-        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured output" in e.details()
-    else:
-        raise AssertionError("a forced call without a constraining worker must be refused")
+    generate(downstreams, gateway_pb2.GenerateRequest(
+        messages=[gateway_pb2.ChatMessage(**ASK[0])], tools=[json.dumps(WEATHER), json.dumps(CLOCK)],
+        tool_choice="get_weather"))
+    grammar = downstreams.works[-1].structured_output.grammar
+    assert '"const": "get_weather"' in grammar and '"now"' not in grammar
+
+
+@pytest.mark.parametrize("choice, names, parallel", [
+    ("required", ["get_weather", "now"], True),
+    ({"type": "function", "function": {"name": "now"}}, ["now"], True),
+    ("required", ["get_weather", "now"], False),
+])
+def test_a_forced_tool_choice_constrains_the_worker_to_calls_of_the_allowed_tools(serve, demo_tokenizer, choice,
+                                                                                   names, parallel):
+    """The worker gets a grammar of `<tool_call>` blocks over the allowed tools' schemas, and a prompt whose think
+    block is closed (the constraint holds from the first token); the answer is parsed as with "auto"."""
+    client, downstreams = serve(CALLS)
+    message = client.chat.completions.create(model="qwen3", messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice,
+                                             parallel_tool_calls=parallel).choices[0].message
+    work = downstreams.works[-1]
+    grammar = work.structured_output.grammar
+    assert grammar.startswith("start: call (\"\\n\" call)*\n" if parallel else "start: call\n")
+    assert sorted(n for n in ("get_weather", "now") if f'"const": "{n}"' in grammar) == names
+    assert json.dumps(WEATHER["function"]["parameters"]) in grammar or names == ["now"]
+    assert demo_tokenizer.decode(list(work.prompt_token_ids)).endswith("<think>\n\n</think>\n\n")
+    assert [c.function.name for c in message.tool_calls] == ["get_weather"] * (2 if parallel else 1)
 
 
 def test_reasoning_when_the_template_opens_the_think_block(serve, demo_tokenizer, demo_tokenizer_dir):
