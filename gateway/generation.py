@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from gateway.chat_output import ChatOutput
 from gateway.convert import SAMPLING_FIELDS
 from gateway.metrics import RequestRecord
-from gateway.reasoning_parser import ReasoningParser, prompt_opens_reasoning
+from gateway.reasoning_parser import THINK_END, ReasoningParser, prompt_opens_reasoning
 from gateway.request_id import new_request_id
 from gateway.stop import StopStringMatcher
 from gateway.tool_parser import ToolCallDelta, ToolCallParser
@@ -123,6 +123,11 @@ class GenerationCore:
         work = worker_request(req, prompt_ids, max(max_tokens, 1), record.worker_request_id)
         if constraint is not None:
             constrain(work, req, constraint)
+        elif work.HasField("structured_output") and reasoning_comes_first(req, rendered):
+            # As in vLLM: the model reasons freely, and the constraint holds from the end of its think block.
+            think_end = next((i for i, text in self.downstreams.token_text.items() if text == THINK_END), None)
+            if think_end is not None:
+                work.structured_output.start_after_token_id = think_end
 
         stops = StopStringMatcher(req.stop)
         output = chat_output(req, rendered)
@@ -211,6 +216,11 @@ class GenerationCore:
             out.append(PromptLogprob(TokenLogprob(token_id, logprob, got[0]),
                                      [TokenLogprob(t.token_id, t.logprob, p) for t, p in zip(entry.top, got[1:])]))
         return out, prompt_text if req.echo else None
+
+
+def reasoning_comes_first(req: GenerationRequest, rendered_prompt: str) -> bool:
+    """A chat whose prompt leaves thinking to the model (Qwen3's think block not closed in the prompt)."""
+    return req.messages is not None and not rendered_prompt.rstrip().endswith(THINK_END)
 
 
 def chat_output(req: GenerationRequest, rendered_prompt: str) -> ChatOutput | None:

@@ -167,3 +167,19 @@ def test_a_checkpoint_without_tokenizer_json_refuses_the_request_not_the_engine(
 def test_the_front_checks_the_shape_before_the_core(constraint, message):
     with pytest.raises(InvalidArgument, match=message):
         SamplingParams(structured_output=constraint).validate(VOCAB)
+
+
+def test_a_constraint_that_starts_after_the_reasoning_leaves_the_think_block_free(engine, tokenizer):
+    """start_after (Qwen3's </think>): before it nothing is masked; from the token after it, the grammar holds."""
+    think_end = tokenizer.token_to_id("</think>")
+    letter = tokenizer.encode("x").ids[0]
+    prompt = tokenizer.encode("Count:").ids
+    digits = StructuredOutput("regex", r"[0-9]{3}", start_after=think_end)
+    # +100 on a letter: while the constraint waits, the letter (no digit) is what comes out.
+    (free,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, logit_bias={letter: 100.0},
+                                                       structured_output=digits))
+    assert free == [letter] * 6
+    # +100 on </think>: the reasoning ends at once, and the digits follow, then the grammar ends the sequence.
+    (out,) = engine.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=20,
+                                                      logit_bias={think_end: 100.0}, structured_output=digits))
+    assert out[0] == think_end and re.fullmatch(r"[0-9]{3}", tokenizer.decode(out[1:]))

@@ -312,3 +312,21 @@ def test_reasoning_when_the_template_opens_the_think_block(serve, demo_tokenizer
     assert opening.decode(list(downstreams.works[0].prompt_token_ids)).endswith("<|im_start|>assistant\n<think>\n")
     content, reasoning, _, _, _ = streamed(client, messages=ASK)
     assert (reasoning, content) == (whole.model_extra["reasoning_content"], whole.content)
+
+
+@pytest.mark.parametrize("thinking, starts_after", [(None, True), (True, True), (False, False)])
+def test_a_chats_structured_output_starts_after_the_reasoning(serve, demo_tokenizer, thinking, starts_after):
+    """As in vLLM: with thinking on, the worker's constraint waits for </think>; with it off, it holds from the start."""
+    client, downstreams = serve("{}")
+    think_end = demo_tokenizer.tokenizer.token_to_id("</think>")
+    downstreams.token_text = {**downstreams.token_text, think_end: "</think>"}
+    extra = {} if thinking is None else {"extra_body": {"chat_template_kwargs": {"enable_thinking": thinking}}}
+    client.chat.completions.create(model="qwen3", messages=ASK, response_format={"type": "json_object"}, **extra)
+    constraint = downstreams.works[-1].structured_output
+    assert constraint.json_object
+    assert constraint.HasField("start_after_token_id") == starts_after
+    if starts_after:
+        assert constraint.start_after_token_id == think_end
+    # A completion prompt has no reasoning parser: its constraint holds from the first token.
+    client.completions.create(model="qwen3", prompt="{", extra_body={"structured_outputs": {"regex": "[0-9]+"}})
+    assert not downstreams.works[-1].structured_output.HasField("start_after_token_id")

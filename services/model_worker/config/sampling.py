@@ -41,6 +41,8 @@ class StructuredOutput:
 
     kind: str
     value: str = ""
+    # The constraint starts after this token is generated (Qwen3's </think>): the reasoning is free.
+    start_after: int | None = None
 
     @classmethod
     def json_schema(cls, schema: str | dict) -> StructuredOutput:
@@ -64,6 +66,9 @@ class StructuredOutput:
                 f"structured_output {self.kind} is {len(self.value)} characters; "
                 f"at most {MAX_STRUCTURED_CHARS} are allowed"
             )
+        if self.start_after is not None and (isinstance(self.start_after, bool)
+                                             or not isinstance(self.start_after, int) or self.start_after < 0):
+            raise InvalidArgument(f"structured_output start_after must be a token id, got {self.start_after!r}")
         if self.kind in ("json_schema", "regex", "grammar") and not self.value:
             raise InvalidArgument(f"structured_output {self.kind} is empty")
         if self.kind == "choice":

@@ -116,7 +116,7 @@ class LLMEngine:
             self._score_prompts(logits[len(seqs):], prompt_spans)
             logits = logits[:len(seqs)]
         if seqs:
-            constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+            constrained = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.active]
             if constrained:  # a batch without constraints does no grammar work at all
                 logits = apply_token_bitmask(logits, constrained, [seqs[i].grammar.mask() for i in constrained])
             # Token histories matter only to penalties; skip building them for the common case.

@@ -106,7 +106,7 @@ class GrammarEngine:
         if matcher.is_error():
             raise InvalidArgument(f"structured_output {constraint.kind} is invalid: "
                                   f"{_first_line(matcher.get_error())}")
-        return GrammarState(matcher, self.vocab_size, self.pool)
+        return GrammarState(matcher, self.vocab_size, self.pool, constraint.start_after)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -117,12 +117,20 @@ class GrammarState:
     """One sequence's matcher and its next mask, filled on the grammar thread after each accepted token
     (llguidance releases the GIL), so it is ready by the time the next step's logits are."""
 
-    def __init__(self, matcher, vocab_size: int, pool: ThreadPoolExecutor):
+    def __init__(self, matcher, vocab_size: int, pool: ThreadPoolExecutor, start_after: int | None = None):
         self.matcher = matcher
         self.bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
         self._pool = pool
         self._pending: Future | None = None
-        self.prepare()
+        # Until this token is generated (the end of the reasoning) nothing is masked or matched.
+        self.waiting_for = start_after
+        if self.active:
+            self.prepare()
+
+    @property
+    def active(self) -> bool:
+        """Whether the constraint applies to the next token (False while the reasoning runs)."""
+        return self.waiting_for is None
 
     def prepare(self) -> None:
         """Starts filling the mask for the matcher's current state."""
@@ -141,6 +149,11 @@ class GrammarState:
 
     def accept(self, token_id: int) -> bool:
         """Advances past a sampled token and starts the next mask; False when the grammar refused it."""
+        if not self.active:
+            if token_id == self.waiting_for:
+                self.waiting_for = None
+                self.prepare()
+            return True
         if self._pending is not None:
             self._pending.result()  # never change the matcher under a fill
             self._pending = None
@@ -152,7 +165,7 @@ class GrammarState:
     @property
     def is_complete(self) -> bool:
         """The grammar can take no more tokens (an EOS aside): the sequence ends here."""
-        return self.matcher.is_stopped()
+        return self.active and self.matcher.is_stopped()
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> torch.Tensor:

@@ -41,10 +41,14 @@ def structured_output(message: worker_pb2.StructuredOutput) -> StructuredOutput 
     if kind is None or (kind == "json_object" and not message.json_object):
         return None
     if kind == "json_object":
-        return StructuredOutput("json_object")
-    if kind == "choice":
-        return StructuredOutput.choice(list(message.choice.choices))
-    return StructuredOutput(kind, getattr(message, kind))
+        constraint = StructuredOutput("json_object")
+    elif kind == "choice":
+        constraint = StructuredOutput.choice(list(message.choice.choices))
+    else:
+        constraint = StructuredOutput(kind, getattr(message, kind))
+    if message.HasField("start_after_token_id"):
+        constraint.start_after = message.start_after_token_id
+    return constraint
 
 
 class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
