@@ -25,6 +25,19 @@ def demo_tokenizer(demo_tokenizer_dir):
     return TokenizerCore.from_dir(demo_tokenizer_dir)
 
 
+@pytest.fixture(scope="session")
+def hf_demo_tokenizer(demo_tokenizer_dir):
+    """transformers' tokenizer on the same files, chat template included: the independent reference."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    config = json.loads((demo_tokenizer_dir / "tokenizer_config.json").read_text())
+    return PreTrainedTokenizerFast(tokenizer_file=str(demo_tokenizer_dir / "tokenizer.json"),
+                                   chat_template=config["chat_template"], eos_token=config["eos_token"],
+                                   pad_token=config["pad_token"])
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip tests marked `cuda` where torch sees no CUDA device, so the same suite runs on CPU-only CI."""
     marked = [item for item in items if item.get_closest_marker("cuda") is not None]

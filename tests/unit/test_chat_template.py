@@ -5,7 +5,6 @@ import re
 from datetime import datetime
 
 import pytest
-from transformers import PreTrainedTokenizerFast
 
 from rpcserver.errors import InvalidArgument
 from services.tokenizer.chat_template import ChatTemplate
@@ -37,20 +36,9 @@ CONVERSATIONS = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference(demo_tokenizer_dir):
-    config = json.loads((demo_tokenizer_dir / "tokenizer_config.json").read_text())
-    return PreTrainedTokenizerFast(
-        tokenizer_file=str(demo_tokenizer_dir / "tokenizer.json"),
-        chat_template=config["chat_template"],
-        eos_token=config["eos_token"],
-        pad_token=config["pad_token"],
-    )
-
-
-def reference_render(reference, messages, add_generation_prompt, enable_thinking):
+def reference_render(hf_demo_tokenizer, messages, add_generation_prompt, enable_thinking):
     extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    return reference.apply_chat_template(
+    return hf_demo_tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
     )
 
@@ -58,19 +46,20 @@ def reference_render(reference, messages, add_generation_prompt, enable_thinking
 @pytest.mark.parametrize("enable_thinking", [None, False, True])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("name", CONVERSATIONS)
-def test_render_matches_transformers(demo_tokenizer, reference, name, add_generation_prompt, enable_thinking):
+def test_render_matches_transformers(demo_tokenizer, hf_demo_tokenizer, name, add_generation_prompt, enable_thinking):
     messages = CONVERSATIONS[name]
     ours = demo_tokenizer.render_chat(messages, add_generation_prompt, enable_thinking)
-    assert ours == reference_render(reference, messages, add_generation_prompt, enable_thinking)
+    assert ours == reference_render(hf_demo_tokenizer, messages, add_generation_prompt, enable_thinking)
 
 
 @pytest.mark.parametrize("name", CONVERSATIONS)
-def test_encode_chat_matches_transformers_ids(demo_tokenizer, reference, name):
+def test_encode_chat_matches_transformers_ids(demo_tokenizer, hf_demo_tokenizer, name):
     messages = CONVERSATIONS[name]
     ids, rendered = demo_tokenizer.encode_chat(messages, enable_thinking=False)
-    expected = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, enable_thinking=False)
+    expected = hf_demo_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                     enable_thinking=False)
     assert ids == list(expected["input_ids"])
-    assert rendered == reference_render(reference, messages, True, False)
+    assert rendered == reference_render(hf_demo_tokenizer, messages, True, False)
 
 
 def test_qwen3_layout(demo_tokenizer):
@@ -106,11 +95,11 @@ HELPERS_TEMPLATE = (
 
 
 @pytest.mark.parametrize("extra", [{}, {"enable_thinking": False}])
-def test_helpers_match_transformers(demo_tokenizer_dir, reference, extra):
+def test_helpers_match_transformers(demo_tokenizer_dir, hf_demo_tokenizer, extra):
     config = json.loads((demo_tokenizer_dir / "tokenizer_config.json").read_text())
     messages = [{"role": "user", "content": "<tag> & \"quotes\" — 中文"}, ANSWER]
     ours = ChatTemplate(HELPERS_TEMPLATE, config).render(messages, **extra)
-    expected = reference.apply_chat_template(messages, chat_template=HELPERS_TEMPLATE, tokenize=False, **extra)
+    expected = hf_demo_tokenizer.apply_chat_template(messages, chat_template=HELPERS_TEMPLATE, tokenize=False, **extra)
     assert ours == expected
     assert "中文" in ours and "<tag>" in ours and str(datetime.now().year) in ours
 
@@ -147,20 +136,21 @@ TOOL_CONVERSATIONS = {
 
 @pytest.mark.parametrize("enable_thinking", [None, False])
 @pytest.mark.parametrize("name", TOOL_CONVERSATIONS)
-def test_render_with_tools_matches_transformers(demo_tokenizer, reference, name, enable_thinking):
+def test_render_with_tools_matches_transformers(demo_tokenizer, hf_demo_tokenizer, name, enable_thinking):
     tools, messages = TOOL_CONVERSATIONS[name]
     extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     ours = demo_tokenizer.render_chat(messages, True, enable_thinking, tools)
-    expected = reference.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **extra)
+    expected = hf_demo_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                     **extra)
     assert ours == expected
     if tools:
         assert "<tools>\n{" in ours and all(f'"name": "{t["function"]["name"]}"' in ours for t in tools)
 
 
-def test_encode_request_takes_tools_as_json(demo_tokenizer, reference):
+def test_encode_request_takes_tools_as_json(demo_tokenizer, hf_demo_tokenizer):
     tools, messages = TOOL_CONVERSATIONS["parallel calls and their results"]
     ids, rendered = demo_tokenizer.encode_request(messages=messages, tools=[json.dumps(t) for t in tools])
-    expected = reference.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True)
+    expected = hf_demo_tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True)
     assert ids == list(expected["input_ids"])
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tōkyō", "unit": "c"}}\n</tool_call>' in rendered
 

@@ -22,8 +22,7 @@ def as_layer(linear: nn.Linear, method: LinearMethod) -> ReplicatedLinear:
     """Our linear layer holding nn.Linear's very weight and bias, processed by `method`."""
     layer = ReplicatedLinear(linear.in_features, linear.out_features, linear.bias is not None).to(linear.weight.dtype)
     layer.weight, layer.bias = linear.weight, linear.bias
-    layer.method = method
-    method.process_weights_after_loading(layer)
+    use_linear_method(layer, method)
     return layer
 
 

@@ -1,11 +1,8 @@
 """vLLM's /tokenize and /detokenize routes over the real tokenizer core, checked against transformers."""
 from __future__ import annotations
 
-import json
-
 import pytest
 from starlette.testclient import TestClient
-from transformers import PreTrainedTokenizerFast
 
 from gateway.generation import GenerationCore
 from gateway.http_app import create_app
@@ -25,36 +22,29 @@ def client(demo_tokenizer):
     return TestClient(create_app(GenerationCore(downstreams, {}), lambda: "qwen3", lambda: True, None, 1 << 20))
 
 
-@pytest.fixture(scope="module")
-def reference(demo_tokenizer_dir):
-    config = json.loads((demo_tokenizer_dir / "tokenizer_config.json").read_text())
-    return PreTrainedTokenizerFast(tokenizer_file=str(demo_tokenizer_dir / "tokenizer.json"),
-                                   chat_template=config["chat_template"], eos_token=config["eos_token"],
-                                   pad_token=config["pad_token"])
-
-
-def test_tokenize_a_prompt(client, reference):
+def test_tokenize_a_prompt(client, hf_demo_tokenizer):
     text = "Hello, 世界 <|im_start|> 🎉"
     body = client.post("/tokenize", json={"model": "qwen3", "prompt": text}).json()
-    want = reference(text)["input_ids"]
+    want = hf_demo_tokenizer(text)["input_ids"]
     assert body == {"count": len(want), "max_model_len": 1024, "tokens": want, "token_strs": None}
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("thinking", [None, False])
-def test_tokenize_messages_with_tools(client, reference, add_generation_prompt, thinking):
+def test_tokenize_messages_with_tools(client, hf_demo_tokenizer, add_generation_prompt, thinking):
     extra = {} if thinking is None else {"chat_template_kwargs": {"enable_thinking": thinking}}
     body = client.post("/tokenize", json={"messages": CONVERSATION, "tools": [WEATHER],
                                           "add_generation_prompt": add_generation_prompt, **extra}).json()
-    want = reference.apply_chat_template(CONVERSATION, tools=[WEATHER], add_generation_prompt=add_generation_prompt,
-                                         **({} if thinking is None else {"enable_thinking": thinking}))["input_ids"]
+    want = hf_demo_tokenizer.apply_chat_template(
+        CONVERSATION, tools=[WEATHER], add_generation_prompt=add_generation_prompt,
+        **({} if thinking is None else {"enable_thinking": thinking}))["input_ids"]
     assert body["tokens"] == list(want) and body["count"] == len(want)
 
 
-def test_detokenize_round_trip(client, reference):
-    ids = reference.apply_chat_template(CONVERSATION, tools=[WEATHER], add_generation_prompt=True)["input_ids"]
+def test_detokenize_round_trip(client, hf_demo_tokenizer):
+    ids = hf_demo_tokenizer.apply_chat_template(CONVERSATION, tools=[WEATHER], add_generation_prompt=True)["input_ids"]
     body = client.post("/detokenize", json={"model": "qwen3", "tokens": list(ids)}).json()
-    assert body == {"prompt": reference.decode(ids)}
+    assert body == {"prompt": hf_demo_tokenizer.decode(ids)}
     assert "<tool_call>" in body["prompt"] and "<|im_start|>" in body["prompt"]
 
 

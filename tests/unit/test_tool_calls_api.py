@@ -14,7 +14,6 @@ import grpc
 import openai
 import pytest
 from starlette.testclient import TestClient
-from transformers import PreTrainedTokenizerFast
 
 from gateway.generation import GenerationCore
 from gateway.http_app import create_app
@@ -69,14 +68,6 @@ def serve(demo_tokenizer):
     return make
 
 
-@pytest.fixture(scope="module")
-def reference(demo_tokenizer_dir):
-    config = json.loads((demo_tokenizer_dir / "tokenizer_config.json").read_text())
-    return PreTrainedTokenizerFast(tokenizer_file=str(demo_tokenizer_dir / "tokenizer.json"),
-                                   chat_template=config["chat_template"], eos_token=config["eos_token"],
-                                   pad_token=config["pad_token"])
-
-
 def streamed(client, **kwargs):
     """A streamed chat reassembled as an OpenAI client does: (content, reasoning, calls, finish, chunks)."""
     content, reasoning, calls, finish, chunks = "", "", {}, None, 0
@@ -129,7 +120,7 @@ def test_text_around_calls_stays_content_and_parallel_false_keeps_one_call(serve
     assert (content, reasoning, finish, len(calls)) == ("Let me check both.", "", "tool_calls", 1)
 
 
-def test_prompt_with_tools_and_past_calls_matches_transformers(serve, reference):
+def test_prompt_with_tools_and_past_calls_matches_transformers(serve, hf_demo_tokenizer):
     client, downstreams = serve("It is 18 C in Paris.")
     messages = [*ASK,
                 {"role": "assistant", "content": None, "tool_calls": [
@@ -142,8 +133,8 @@ def test_prompt_with_tools_and_past_calls_matches_transformers(serve, reference)
     reply = client.chat.completions.create(model="qwen3", messages=messages, tools=[WEATHER, CLOCK])
     # transformers sees the assistant turn as the template does: content "" rather than absent.
     expected_messages = [{**m, "content": m["content"] or ""} for m in messages]
-    expected = reference.apply_chat_template(expected_messages, tools=[WEATHER, CLOCK], tokenize=True,
-                                             add_generation_prompt=True)["input_ids"]
+    expected = hf_demo_tokenizer.apply_chat_template(expected_messages, tools=[WEATHER, CLOCK], tokenize=True,
+                                                     add_generation_prompt=True)["input_ids"]
     assert list(downstreams.works[0].prompt_token_ids) == list(expected)
     assert reply.choices[0].message.content == "It is 18 C in Paris." and reply.choices[0].finish_reason == "stop"
     assert reply.choices[0].message.tool_calls is None
@@ -228,7 +219,7 @@ def generate(downstreams, request: gateway_pb2.GenerateRequest) -> list[gateway_
     return asyncio.run(run())
 
 
-def test_grpc_generate_parses_reasoning_and_tool_calls_like_http(serve, reference):
+def test_grpc_generate_parses_reasoning_and_tool_calls_like_http(serve, hf_demo_tokenizer):
     client, downstreams = serve(THINKING + CALLS)
     past_call = gateway_pb2.ToolCall(id="call_a", name="get_weather", arguments='{"city": "Oslo"}')
     request = gateway_pb2.GenerateRequest(
@@ -242,7 +233,7 @@ def test_grpc_generate_parses_reasoning_and_tool_calls_like_http(serve, referenc
                 {"role": "assistant", "content": "", "tool_calls": [{"id": "call_a", "type": "function", "function": {
                     "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
                 {"role": "tool", "tool_call_id": "call_a", "content": "3 C"}, ASK[0]]
-    expected = reference.apply_chat_template(messages, tools=[WEATHER], add_generation_prompt=True)["input_ids"]
+    expected = hf_demo_tokenizer.apply_chat_template(messages, tools=[WEATHER], add_generation_prompt=True)["input_ids"]
     assert list(downstreams.works[0].prompt_token_ids) == list(expected)
 
     assert "".join(r.text for r in replies) == ""
@@ -316,7 +307,7 @@ def test_reasoning_when_the_template_opens_the_think_block(serve, demo_tokenizer
 
 @pytest.mark.parametrize("thinking, starts_after", [(None, True), (True, True), (False, False)])
 def test_a_chats_structured_output_starts_after_the_reasoning(serve, demo_tokenizer, thinking, starts_after):
-    """As in vLLM: with thinking on, the worker's constraint waits for </think>; with it off, it holds from the start."""
+    """As in vLLM: with thinking on, the worker's constraint waits for </think>; off, it holds from the start."""
     client, downstreams = serve("{}")
     think_end = demo_tokenizer.tokenizer.token_to_id("</think>")
     downstreams.token_text = {**downstreams.token_text, think_end: "</think>"}

@@ -75,14 +75,14 @@ class RankGroup:
         size = config.tensor_parallel_size
         store, directory = private_store(size)
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
-        # gloo's own connections between the ranks stay on loopback too, unless the operator says otherwise.
-        env = {"GLOO_SOCKET_IFNAME": "lo", **os.environ}
+        # gloo's own connections between the ranks (theirs inherit it) stay on loopback too, unless the
+        # operator says otherwise.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         processes = [subprocess.Popen(
             [sys.executable, "-m", "services.model_worker.executor.rank_process", "--rank", str(rank), "--size",
              str(size), "--store", os.path.join(directory, "store"), "--checkpoint", str(checkpoint),
-             "--config", json.dumps(config.to_dict()), "--log-level", level], env=env)
+             "--config", json.dumps(config.to_dict()), "--log-level", level])
             for rank in range(1, size)]
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         group = cls(TensorParallel(0, size), None, processes, directory)
         threading.Thread(target=group._watch_ranks, name="rank-watchdog", daemon=True).start()
         log.info("started tensor-parallel ranks 1..%d (pids %s); rendezvous in %s", size - 1,
