@@ -2,6 +2,10 @@
 environment as rendered, with each pod's volumes on local folders, its ports on free local ones and the
 Services' names on 127.0.0.1. A Generate call through them proves the manifests configure the real programs.
 
+Where this machine lets the test make a mount namespace (as root), each process also runs as in its
+container on a read-only root filesystem, with only its pod's volumes writable, so the manifests'
+volumes are shown to hold everything the programs write.
+
 One substitution: the worker pod's init container writes the RANDOM Qwen3-0.6B-shaped demo checkpoint
 (1.2 GB, minutes on CPU); here the worker's `models` volume gets the suite's tiny checkpoint instead, at
 the same path. The tokenizer pod's init container (tokenizer files only) runs as rendered.
@@ -13,11 +17,13 @@ import math
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import urllib.request
+import warnings
 
 import grpc
 import pytest
@@ -93,14 +99,39 @@ class Cluster:
             if ref:  # as the kubelet computes it: the resource rounded up to whole divisors
                 amount = container["resources"][ref["resource"].split(".")[0]][ref["resource"].split(".")[1]]
                 env[var["name"]] = str(math.ceil(float(amount) / float(ref["divisor"])))
+        for mount in container.get("volumeMounts", []):
+            if mount["mountPath"] == "/tmp":  # the programs find /tmp by default; this one through TMPDIR
+                env["TMPDIR"] = pod.volumes[mount["name"]]
         env["PYTHONUNBUFFERED"] = "1"
         return [sys.executable, *command[1:], *args], env
 
     def start(self, pod: Pod, container: dict, log) -> subprocess.Popen:
         argv, env = self.command(pod, container)
+        if READ_ONLY_ROOT:
+            writable = [pod.volumes[m["name"]] for m in container.get("volumeMounts", [])
+                        if not m.get("readOnly")]
+            argv = read_only_root(argv, writable)
         process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         pod.processes.append(process)
         return process
+
+
+def read_only_root(argv: list[str], writable: list[str]) -> list[str]:
+    """argv in a mount namespace of its own where / is read-only but for the `writable` folders."""
+    steps = [f"mount --bind {shlex.quote(d)} {shlex.quote(d)}" for d in writable]
+    script = " && ".join([*steps, "mount -o remount,bind,ro /", "exec " + shlex.join(argv)])
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+
+
+def _can_make_read_only_root() -> bool:
+    probe = read_only_root(["sh", "-c", "! touch /.vllm-v0-read-only-probe 2>/dev/null"], [])
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except OSError:
+        return False
+
+
+READ_ONLY_ROOT = _can_make_read_only_root()
 
 
 def probe_address(pod: Pod, container: dict, kind: str) -> tuple[str, str]:
@@ -141,6 +172,9 @@ def log_tail(tmp_path, name: str) -> str:
 
 def test_the_rendered_containers_serve_a_generate_call(cluster):
     local, key, tmp_path = cluster
+    if not READ_ONLY_ROOT:
+        warnings.warn("no mount namespace here (unshare needs root): the services run on a writable root "
+                      "filesystem, so this run does not show that the volumes hold all they write")
     pods = local.pods
     logs = {name: open(tmp_path / f"{name}.log", "ab") for name in pods}
     try:

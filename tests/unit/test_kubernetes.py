@@ -10,7 +10,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2
 
-from tests.kube import (DEPLOY, OVERLAYS, ROOT, config_maps, container_env, containers, find, parse_flags, pod_spec,
+from tests.kube import (DEPLOY, OVERLAYS, PROGRAMS, ROOT, config_maps, container_env, containers, find, parse_flags, pod_spec,
                         program, render, render_dir)
 
 DEPLOYMENTS = ("tokenizer", "worker", "gateway")
@@ -70,6 +70,35 @@ def test_each_container_parses_with_its_own_programs_parser(overlay, monkeypatch
         assert program(containers(deployment)[0]) == MODULES[name]
         for container in all_containers(deployment):
             parse_flags(container, objects, monkeypatch)  # exits (SystemExit) on a flag it does not know
+
+
+# Read by the worker's kernel builder, not a flag.
+NON_FLAG_VARIABLES = {"VLLM_V0_CACHE"}
+
+
+def flag_variables(module: str, monkeypatch) -> set[str]:
+    """The VLLM_V0_* variables a program's flags read, as its --help lists them."""
+    import contextlib
+    import importlib
+    import io
+
+    monkeypatch.setenv("COLUMNS", "10000")  # one line per flag
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        importlib.import_module(PROGRAMS[module]).parse_args(["--help"])
+    return set(re.findall(r"\[env (VLLM_V0_\w+)\]", out.getvalue()))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_variable_a_container_gets_is_one_its_program_reads(overlay, monkeypatch):
+    """A misspelt variable in a ConfigMap would be ignored without a word: none is."""
+    objects = render(overlay)
+    for name in DEPLOYMENTS:
+        for container in all_containers(find(objects, "Deployment", name)):
+            given = {v for v in container_env(container, objects) if v.startswith("VLLM_V0_")} - NON_FLAG_VARIABLES
+            known = flag_variables(program(container), monkeypatch)
+            assert given <= known, (name, container["name"], given - known)
+    assert {"VLLM_V0_WORKER_ADDR", "VLLM_V0_TOKENIZER_ADDR"} <= flag_variables("gateway", monkeypatch)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
