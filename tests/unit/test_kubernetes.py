@@ -210,7 +210,7 @@ def test_pods_run_as_the_images_non_root_user_read_only_and_unprivileged(overlay
             mounts = [m["mountPath"] for m in container["volumeMounts"]]
             assert "/tmp" in mounts
             env = container_env(container, objects)
-            for var in ("HF_HOME", "VLLM_V0_CACHE", "TRITON_CACHE_DIR", "XDG_CACHE_HOME"):
+            for var in ("HF_HOME", "VLLM_V0_CACHE", "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "CUDA_CACHE_PATH"):
                 if var in env:
                     assert any(env[var] == m or env[var].startswith(m + "/") for m in mounts), (name, var)
             writes = container.get("args", [])
