@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 
 from services.model_worker.kernels.build import cache_dir
 from tests.integration.stack import ROOT, free_port, wait_serving
-from tests.kube import containers, find, render
+from tests.kube import container_env, containers, find, render
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 
@@ -80,8 +80,6 @@ class Cluster:
         return value
 
     def command(self, pod: Pod, container: dict) -> tuple[list[str], dict[str, str]]:
-        from tests.kube import container_env
-
         command = container["command"]
         assert command[0] == "python"
         args = list(container.get("args", []))
