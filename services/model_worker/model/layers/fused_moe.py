@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.model_worker.distributed.parallel import TensorParallel
+from services.model_worker.kernels import cpu_moe, triton_moe
 from services.model_worker.model.layers.weights import CheckpointTensor, WeightShapeError
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,15 @@ class TorchGroupedExperts(ExpertsKernel):
         return torch.zeros_like(x).index_add_(0, grouping.token_of, down)
 
 
+class TritonExperts(ExpertsKernel):
+    """The Triton grouped matmuls (kernels/triton_moe.py), for weights on a GPU."""
+
+    name = "triton"
+
+    def __call__(self, x, w13, w2, weights, ids):
+        return triton_moe.fused_moe(x, w13, w2, weights, ids)
+
+
 def reference_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
     """Token by token, choice by choice, in float64: what every kernel is tested against (never served)."""
@@ -108,8 +118,35 @@ def reference_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     return out
 
 
-def pick_experts_kernel(w13: torch.Tensor) -> ExpertsKernel:
-    """The fastest kernel that takes these weights."""
+class CpuExperts(ExpertsKernel):
+    """The C kernel (kernels/moe.c) for decode-sized steps; torch's grouped matmul for longer ones.
+
+    The C kernel streams each chosen expert's weights once through vector dot products, which is
+    what a decode step needs (a few rows per expert); a prefill of many tokens gives each expert
+    enough rows for the blocked matmuls behind torch's grouped_mm to win.
+    """
+
+    name = "cpu-c"
+    MAX_TOKENS = 32
+
+    def __init__(self, library):
+        self.library = library
+        self.fallback = TorchGroupedExperts()
+
+    def __call__(self, x, w13, w2, weights, ids):
+        if x.shape[0] > self.MAX_TOKENS:
+            return self.fallback(x, w13, w2, weights, ids)
+        return cpu_moe.moe_experts(self.library, x, w13, w2, weights, ids)
+
+
+def pick_experts_kernel(w13: torch.Tensor, w2: torch.Tensor) -> ExpertsKernel:
+    """The fastest kernel that takes these weights: C on a CPU, Triton on a GPU, torch's grouped matmul else."""
+    if w13.device.type == "cpu" and cpu_moe.supports(w13, w2):
+        library = cpu_moe.load()
+        if library is not None:
+            return CpuExperts(library)
+    if w13.device.type == "cuda" and triton_moe.available():
+        return TritonExperts()
     return TorchGroupedExperts()
 
 
@@ -163,7 +200,7 @@ class FusedMoE(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Pick the grouped-matmul kernel for the weights' device and dtype, once."""
-        self.kernel = pick_experts_kernel(self.w13)
+        self.kernel = pick_experts_kernel(self.w13, self.w2)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, intermediate_size={self.intermediate_size}, "
