@@ -14,10 +14,11 @@ from tests.unit.test_engine_reference import forward, random_prompt, reference_l
 
 SHAPES = {
     "e8_top2_norm_tied": {},
-    "e16_top4_unnormalised_untied": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=False,
-                                         tie_word_embeddings=False),
-    "dense_layer_mixed_in": dict(num_hidden_layers=3, mlp_only_layers=[1], num_experts=12, num_experts_per_tok=4),
-    "sparse_step_2": dict(decoder_sparse_step=2, tie_word_embeddings=False, max_shard_size="100KB"),
+    "e16_top4_unnormalised_untied_sharded": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=False,
+                                                 tie_word_embeddings=False, max_shard_size="100KB"),
+    # Layers 0 and 2 dense (decoder_sparse_step 2, mlp_only_layers [2]), 1 and 3 with experts.
+    "dense_layers_mixed_in": dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[2], num_experts=12,
+                                  num_experts_per_tok=4),
 }
 
 

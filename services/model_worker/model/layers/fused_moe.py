@@ -14,8 +14,6 @@ down), the router is whole on every rank, and the ranks' partial sums are all-re
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,8 +21,6 @@ from torch import nn
 from services.model_worker.distributed.parallel import TensorParallel
 from services.model_worker.kernels import cpu_moe, triton_moe
 from services.model_worker.model.layers.weights import CheckpointTensor, WeightShapeError
-
-log = logging.getLogger(__name__)
 
 # (checkpoint name part, which of w13/w2, which part of it): the published per-expert tensors.
 EXPERT_PARTS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
@@ -55,7 +51,6 @@ class Grouping:
         flat = ids.reshape(-1)
         self.order = torch.argsort(flat, stable=True)  # (T * k,) pair indices, expert-major
         self.token_of = self.order // top_k
-        self.sorted_ids = flat[self.order]
         counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         self.counts = counts
