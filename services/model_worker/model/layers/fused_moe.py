@@ -71,6 +71,21 @@ def _grouped_mm():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+def _grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, grouping: Grouping) -> torch.Tensor:
+    """rows (P, K) sorted by expert times each one's expert's weight (E, N, K) transposed: (P, N).
+
+    torch's grouped matmul wants every row 16-byte aligned (true of real models' sizes); other
+    shapes gather each pair's expert weight instead (a copy per pair: tiny test shapes only).
+    """
+    grouped_mm = _grouped_mm()
+    aligned = all(n * rows.element_size() % 16 == 0 for n in (rows.shape[1], weight.shape[1]))
+    if grouped_mm is not None and aligned:
+        return grouped_mm(rows.contiguous(), weight.transpose(1, 2), offs=grouping.offsets)
+    experts = torch.repeat_interleave(torch.arange(weight.shape[0], device=rows.device), grouping.counts.long(),
+                                      output_size=rows.shape[0])
+    return torch.bmm(weight[experts], rows.unsqueeze(-1)).squeeze(-1)
+
+
 class TorchGroupedExperts(ExpertsKernel):
     """torch's grouped matmul: one call per projection over the pairs sorted by expert.
 
@@ -82,11 +97,10 @@ class TorchGroupedExperts(ExpertsKernel):
 
     def __call__(self, x, w13, w2, weights, ids):
         grouping = Grouping(ids, w13.shape[0])
-        grouped_mm = _grouped_mm()
         rows = x[grouping.token_of]                                    # (P, H), P = T * k
-        gate_up = grouped_mm(rows, w13.transpose(1, 2), offs=grouping.offsets)   # (P, 2I)
+        gate_up = _grouped_matmul(rows, w13, grouping)                 # (P, 2I)
         gate, up = gate_up.chunk(2, dim=-1)
-        down = grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=grouping.offsets)  # (P, H)
+        down = _grouped_matmul(F.silu(gate) * up, w2, grouping)        # (P, H)
         down = down * weights.reshape(-1)[grouping.order, None]
         return torch.zeros_like(x).index_add_(0, grouping.token_of, down)
 
