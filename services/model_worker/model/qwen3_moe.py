@@ -11,7 +11,7 @@ from services.model_worker.config.model import Qwen3Config
 from services.model_worker.distributed.parallel import TensorParallel
 from services.model_worker.model.layers.fused_moe import EXPERT_PARTS, FUSED_PARTS, FusedMoE
 from services.model_worker.model.layers.linear import LinearMethod, ReplicatedLinear
-from services.model_worker.model.qwen3 import PACKED_MODULES, Qwen3ForCausalLM
+from services.model_worker.model.qwen3 import Qwen3ForCausalLM
 
 # model.layers.N.mlp.experts.E.gate_proj.weight (published) and model.layers.N.mlp.experts.gate_up_proj (3-D).
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -33,7 +33,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    packed_modules = PACKED_MODULES
+    """The dense model's classes and weight names (q/k/v and dense gate/up fused as there), plus the experts'."""
 
     @staticmethod
     def make_mlp(config: Qwen3Config, tp: TensorParallel, linear: LinearMethod | None):
