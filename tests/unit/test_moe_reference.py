@@ -110,3 +110,21 @@ def test_config_reads_both_spellings_and_refuses_bad_expert_counts():
         Qwen3Config.from_dict({**base, "num_experts": 8, "num_experts_per_tok": 9})
     with pytest.raises(ConfigError, match="num_experts must be a positive integer"):
         Qwen3Config.from_dict(base)
+
+
+@pytest.mark.parametrize("kernel", ["triton", "torch_grouped"])
+def test_every_experts_kernel_gives_the_reference_logits_in_the_model(tmp_path, kernel):
+    """The GPU's Triton kernel (here in its interpreter) and torch's grouped matmul, in place of the C kernel."""
+    from services.model_worker.kernels import triton_moe
+    from services.model_worker.model.layers.fused_moe import TorchGroupedExperts, TritonExperts
+
+    if kernel == "triton" and not triton_moe.available():
+        pytest.skip("triton is not installed")
+    reference = make_moe_checkpoint(tmp_path, num_experts=12, num_experts_per_tok=4, tie_word_embeddings=False)
+    engine = LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="float32", num_blocks=16, block_size=8))
+    for module in engine.model.modules():
+        if isinstance(module, FusedMoE):
+            module.kernel = TritonExperts() if kernel == "triton" else TorchGroupedExperts()
+    prompt = random_prompt(13, seed=5)
+    (ours,) = forward(engine, [prompt])
+    assert (ours - reference_logits(reference, prompt)).abs().max().item() <= 1e-4
