@@ -128,3 +128,33 @@ def test_every_experts_kernel_gives_the_reference_logits_in_the_model(tmp_path, 
     prompt = random_prompt(13, seed=5)
     (ours,) = forward(engine, [prompt])
     assert (ours - reference_logits(reference, prompt)).abs().max().item() <= 1e-4
+
+
+PUBLISHED = {  # config.json of the published checkpoints (the keys the model reads), and their sizes
+    "Qwen3-30B-A3B": (dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                           num_attention_heads=32, num_key_value_heads=4), 30.5e9, 3.3e9),
+    "Qwen3-235B-A22B": (dict(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                             num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4), 235e9, 22e9),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_shapes_build_with_their_parameter_counts(name):
+    """Built without memory: every expert of every layer is there, and a token's share is the advertised one."""
+    from services.model_worker.distributed.parallel import check_divisible
+    from services.model_worker.model.qwen3_moe import Qwen3MoeForCausalLM
+
+    shape, total, active = PUBLISHED[name]
+    config = Qwen3Config.from_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "tie_word_embeddings": False, **shape})
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config)
+    count = sum(p.numel() for p in model.parameters())
+    experts = sum(m.w13.numel() + m.w2.numel() for m in model.modules() if isinstance(m, FusedMoE))
+    per_token = count - experts * (1 - config.num_experts_per_tok / config.num_experts)
+    assert abs(count / total - 1) < 0.02 and abs(per_token / active - 1) < 0.05
+    check_divisible(config, 4)  # 4 KV heads: up to 4 ranks
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        check_divisible(config, 8)
