@@ -10,12 +10,13 @@ import torch
 
 from rpcserver.errors import InvalidArgument
 from services.model_worker.config.engine import EngineConfig
-from services.model_worker.config.model import GenerationDefaults, Qwen3Config
+from services.model_worker.config.model import ConfigError, GenerationDefaults, Qwen3Config
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.distributed.parallel import check_divisible
 from services.model_worker.engine.block_manager import BlockManager
 from services.model_worker.engine.scheduler import Scheduler
 from services.model_worker.engine.sequence import FinishReason, Sequence
+from services.model_worker.engine.speculator import Speculator
 from services.model_worker.executor.executor import Executor
 from services.model_worker.executor.grammar import GrammarEngine, apply_token_bitmask
 from services.model_worker.executor.prompt_logprobs import score_rows
@@ -44,6 +45,8 @@ class LLMEngine:
 
     def __init__(self, checkpoint_dir: str | pathlib.Path, config: EngineConfig | None = None):
         self.engine_config = config = config or EngineConfig()
+        if config.speculative.method == "draft":
+            raise ConfigError("speculative_method draft is not available yet: use ngram")
         self.checkpoint_dir = pathlib.Path(checkpoint_dir)
         self.config = Qwen3Config.from_json(self.checkpoint_dir)
         check_divisible(self.config, config.tensor_parallel_size)
@@ -60,6 +63,7 @@ class LLMEngine:
         self.eos_ids = frozenset(self.generation.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self.grammar = GrammarEngine(self.checkpoint_dir, self.config.vocab_size, self.eos_ids)
+        self.speculator = Speculator(config.speculative) if config.speculative.enabled else None
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any, and the grammar thread."""
@@ -106,12 +110,16 @@ class LLMEngine:
     # -- stepping -----------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return []
         host, seqs, prompt_spans = batch.step_inputs(self.kv_cache.block_size)
         logits = self.runner.run(host)
         outputs = []
+        if batch.num_draft:
+            return self._verify_step(batch, seqs, prompt_spans, logits)
         if prompt_spans:
             self._score_prompts(logits[len(seqs):], prompt_spans)
             logits = logits[:len(seqs)]
@@ -132,6 +140,46 @@ class LLMEngine:
                                           sampled.top_logprobs[i], seq.finish_reason, len(seq.prompt_ids),
                                           seq.take_prompt_logprobs()))
         self.scheduler.finish_step(batch)
+        for seq in seqs:
+            if seq.is_finished:
+                self._seqs.pop(seq.request_id, None)
+        return outputs
+
+    def _verify_step(self, batch, seqs: list[Sequence], prompt_spans, logits: torch.Tensor) -> list[StepOutput]:
+        """A step where some sequences verify proposals: each emits its accepted tokens, then one more."""
+        drafts = dict(zip(map(id, batch.seqs), batch.num_draft))
+        num_draft = [drafts[id(s)] for s in seqs]
+        num_rows = len(seqs) + sum(num_draft)
+        if prompt_spans:
+            self._score_prompts(logits[num_rows:], prompt_spans)
+            logits = logits[:num_rows]
+        starts = [0]
+        for d in num_draft:
+            starts.append(starts[-1] + d + 1)
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.active]
+        if constrained:  # these carry no proposals: one row each
+            logits = apply_token_bitmask(logits, [starts[i] for i in constrained],
+                                         [seqs[i].grammar.mask() for i in constrained])
+        emitted = self.speculator.sample(self.sampler, logits, seqs, num_draft, {starts[i] for i in constrained})
+        outputs = []
+        for seq, d, tokens in zip(seqs, num_draft, emitted):
+            self.speculator.record(seq, d, len(tokens))
+            for token in tokens:
+                seq.append(token.token_id)
+                outputs.append(StepOutput(seq.request_id, token.token_id, token.logprob, token.top_logprobs,
+                                          seq.finish_reason, len(seq.prompt_ids), seq.take_prompt_logprobs()))
+                if seq.is_finished:
+                    break
+            seq.draft = []
+        # Computed tokens: a verifying sequence's K/V hold its accepted proposals; its newest token, as after
+        # any decode, is not computed yet.
+        for i, seq in enumerate(batch.seqs):
+            if batch.num_draft[i]:
+                batch.num_tokens[i] = len(seq) - 1 - seq.num_cached_tokens
+        self.scheduler.finish_step(batch)
+        for seq, d in zip(batch.seqs, batch.num_draft):
+            if d and seq.block_table:
+                self.block_manager.trim(seq)
         for seq in seqs:
             if seq.is_finished:
                 self._seqs.pop(seq.request_id, None)
@@ -170,4 +218,5 @@ class LLMEngine:
             "kv_blocks_free": self.block_manager.num_free,
             "prefix_cache_hit_rate": self.block_manager.hit_rate,
             "preemptions": self.scheduler.num_preemptions,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }
