@@ -10,7 +10,7 @@ import torch
 
 from rpcserver.errors import InvalidArgument
 from services.model_worker.config.engine import EngineConfig
-from services.model_worker.config.model import ConfigError, GenerationDefaults, Qwen3Config
+from services.model_worker.config.model import GenerationDefaults, Qwen3Config
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.distributed.parallel import check_divisible
 from services.model_worker.engine.block_manager import BlockManager
@@ -45,8 +45,6 @@ class LLMEngine:
 
     def __init__(self, checkpoint_dir: str | pathlib.Path, config: EngineConfig | None = None):
         self.engine_config = config = config or EngineConfig()
-        if config.speculative.method == "draft":
-            raise ConfigError("speculative_method draft is not available yet: use ngram")
         self.checkpoint_dir = pathlib.Path(checkpoint_dir)
         self.config = Qwen3Config.from_json(self.checkpoint_dir)
         check_divisible(self.config, config.tensor_parallel_size)
