@@ -37,6 +37,8 @@ class StepOutput:
     # On a request's first output when it asked for them: per prompt position, None for the first token,
     # else (its logprob, the position's top (token id, logprob) best first).
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # On the last token of a step that verified proposals for the request: how many it accepted.
+    spec_accepted: int | None = None
 
 
 class LLMEngine:
@@ -168,6 +170,8 @@ class LLMEngine:
                                           seq.finish_reason, len(seq.prompt_ids), seq.take_prompt_logprobs()))
                 if seq.is_finished:
                     break
+            if d:
+                outputs[-1].spec_accepted = len(tokens) - 1
             seq.draft = []
         # Computed tokens: a verifying sequence's K/V hold its accepted proposals; its newest token, as after
         # any decode, is not computed yet.
