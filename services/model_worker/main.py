@@ -74,9 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
              "requests are open; past it the core is taken as hung: its stacks are logged, its streams get "
              "UNAVAILABLE, and it is restarted (0: never)")
     add_flag(parser, "--speculative-method", "", "speculative decoding: ngram (prompt lookup: propose what followed "
-             "the latest earlier occurrence of the last tokens) or draft (a smaller checkpoint; not available yet); "
-             "empty: off", choices=("", "ngram", "draft"))
-    add_flag(parser, "--speculative-model", "", "--speculative-method draft: the draft checkpoint directory")
+             "the latest earlier occurrence of the last tokens) or draft (a smaller checkpoint with the same "
+             "vocabulary, --speculative-model); empty: off", choices=("", "ngram", "draft"))
+    add_flag(parser, "--speculative-model", "", "--speculative-method draft: the draft checkpoint directory (same "
+             "vocabulary; it runs on the worker's device with a KV cache of its own)")
     add_flag(parser, "--num-speculative-tokens", 4, "most tokens proposed per sequence and step")
     add_flag(parser, "--ngram-max", 4, "prompt lookup: longest suffix matched")
     add_flag(parser, "--ngram-min", 2, "prompt lookup: shortest suffix matched")

@@ -19,14 +19,29 @@ VOCAB = 512  # tests.checkpoints.TINY
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-speculative")
-    make_checkpoint(path, eos_token_id=(7,))
+    model = make_checkpoint(path, eos_token_id=(7,))
+    # The draft model: the same weights, perturbed, so that it agrees with the target often but not always.
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.15 * param.std())
+    draft = tmp_path_factory.mktemp("tiny-speculative-draft")
+    model.save_pretrained(draft)
+    DRAFT[path] = draft
     return path
 
 
-def make_engine(checkpoint, spec: bool, num_blocks: int = 256, max_num_batched_tokens: int = 512, k: int = 4,
+DRAFT: dict = {}  # target checkpoint -> its draft checkpoint
+METHODS = ["ngram", "draft"]
+
+
+def make_engine(checkpoint, spec: bool | str, num_blocks: int = 256, max_num_batched_tokens: int = 512, k: int = 4,
                 fixed_k: bool = False, max_num_seqs: int = 16) -> LLMEngine:
-    speculative = SpeculativeConfig("ngram", num_speculative_tokens=k, ngram_min=1, ngram_max=3, fixed_k=fixed_k,
-                                    disable_batch_size=64) if spec else None
+    method = "ngram" if spec is True else spec
+    speculative = SpeculativeConfig(method, num_speculative_tokens=k, ngram_min=1, ngram_max=3, fixed_k=fixed_k,
+                                    disable_batch_size=64,
+                                    draft_model=str(DRAFT[checkpoint]) if method == "draft" else None
+                                    ) if spec else None
     return LLMEngine(checkpoint, EngineConfig(
         device="cpu", dtype="float32", num_blocks=num_blocks, block_size=4,
         limits=SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_waiting=512), speculative=speculative))
@@ -105,9 +120,10 @@ def run_staggered(engine: LLMEngine, reqs, seed: int, cancel: set[int] = frozens
     return outputs
 
 
-@pytest.mark.parametrize("count, fixed_k, num_blocks, budget", [(50, False, 20, 32), (16, True, 256, 64)],
-                         ids=["adaptive-k", "fixed-k"])
-def test_greedy_equals_plain_greedy(checkpoint, plain, count, fixed_k, num_blocks, budget):
+@pytest.mark.parametrize("method, count, fixed_k, num_blocks, budget",
+                         [("ngram", 50, False, 20, 32), ("ngram", 16, True, 256, 64), ("draft", 50, False, 20, 32)],
+                         ids=["ngram-adaptive-k", "ngram-fixed-k", "draft-adaptive-k"])
+def test_greedy_equals_plain_greedy(checkpoint, plain, method, count, fixed_k, num_blocks, budget):
     """Mixed batches (requests join every few steps), prompts prefilled in chunks, prefix hits, preemptions
     (a small cache), cancelled streams, stop ids."""
     prompts = prompts_with_repeats(plain, count, seed=2)
@@ -115,7 +131,7 @@ def test_greedy_equals_plain_greedy(checkpoint, plain, count, fixed_k, num_block
     reqs = [(p, SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 14), ignore_eos=rng.random() < 0.7))
             for p in prompts]
     expected = plain.generate([p for p, _ in reqs], [s for _, s in reqs])
-    spec = make_engine(checkpoint, spec=True, num_blocks=num_blocks, max_num_batched_tokens=budget, fixed_k=fixed_k)
+    spec = make_engine(checkpoint, spec=method, num_blocks=num_blocks, max_num_batched_tokens=budget, fixed_k=fixed_k)
     cancel = set(rng.sample(range(len(reqs)), 5))
     got = run_staggered(spec, reqs, seed=4, cancel=cancel)
     for i, tokens in got.items():
@@ -131,7 +147,8 @@ def test_greedy_equals_plain_greedy(checkpoint, plain, count, fixed_k, num_block
         assert spec.block_manager.hit_rate > 0
 
 
-def test_greedy_with_penalties_and_logprobs_equals_plain(checkpoint, plain):
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_with_penalties_and_logprobs_equals_plain(checkpoint, plain, method):
     """Each verified row's penalties count the proposals before it as output."""
     prompts = prompts_with_repeats(plain, 12, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.02,
@@ -143,11 +160,15 @@ def test_greedy_with_penalties_and_logprobs_equals_plain(checkpoint, plain):
         outs = {f"r{i}": [] for i in range(len(prompts))}
         while engine.has_work():
             for o in engine.step():
-                outs[o.request_id].append((o.token_id, round(o.logprob, 4), [t for t, _ in o.top_logprobs]))
+                outs[o.request_id].append((o.token_id, o.logprob, [t for t, _ in o.top_logprobs]))
         return outs
 
-    spec = make_engine(checkpoint, spec=True)
-    assert run(spec) == run(plain)
+    spec = make_engine(checkpoint, spec=method)
+    got, want = run(spec), run(plain)
+    for rid in want:
+        assert [(t, top) for t, _, top in got[rid]] == [(t, top) for t, _, top in want[rid]]
+        # A verified row's logits come from a query of several rows: equal up to float32 rounding.
+        assert [lp for _, lp, _ in got[rid]] == pytest.approx([lp for _, lp, _ in want[rid]], abs=1e-4)
     assert spec.stats()["spec_accepted"] > 0
 
 
@@ -167,9 +188,10 @@ def states_by_length(engine: LLMEngine, prompt: list[int], max_tokens: int) -> d
     return states
 
 
-def test_blocks_and_prefix_hashes_after_rejections_equal_a_plain_run(checkpoint, plain):
-    prompts = prompts_with_repeats(plain, 6, seed=6)[:3]
-    spec, fresh = make_engine(checkpoint, spec=True, fixed_k=True, k=5), make_engine(checkpoint, spec=False)
+@pytest.mark.parametrize("method", METHODS)
+def test_blocks_and_prefix_hashes_after_rejections_equal_a_plain_run(checkpoint, plain, method):
+    prompts = prompts_with_repeats(plain, 6, seed=6)[:2]
+    spec, fresh = make_engine(checkpoint, spec=method, fixed_k=True, k=5), make_engine(checkpoint, spec=False)
     for prompt in prompts:
         got, want = states_by_length(spec, prompt, 24), states_by_length(fresh, prompt, 24)
         common = [n for n in got if n in want]
@@ -208,10 +230,11 @@ def test_rejection_sampler_alone_keeps_the_target_distribution():
         assert float(torch.special.gammaincc(torch.tensor(1.5, dtype=torch.float64), stat / 2)) > 0.01
 
 
-def test_sampled_tokens_keep_their_distribution(checkpoint, plain):
+@pytest.mark.parametrize("method", METHODS)
+def test_sampled_tokens_keep_their_distribution(checkpoint, plain, method):
     """Per output position, speculative and plain draws are indistinguishable (p > 0.01): independent samples
     (different seeds) of the same request, 300 each."""
-    spec = make_engine(checkpoint, spec=True, max_num_batched_tokens=2048, max_num_seqs=400, fixed_k=True, k=3)
+    spec = make_engine(checkpoint, spec=method, max_num_batched_tokens=2048, max_num_seqs=400, fixed_k=True, k=3)
     # A prompt whose tail occurred before, followed by the model's own likeliest tokens there (iterated to a
     # near fixed point): proposals come at most steps and are accepted about a quarter of the time.
     rng = random.Random(8)

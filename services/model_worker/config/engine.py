@@ -50,9 +50,8 @@ class SpeculativeConfig:
                              "1 <= ngram_min <= ngram_max")
         if self.disable_batch_size < 1:
             raise ValueError(f"speculative_disable_batch_size must be >= 1, got {self.disable_batch_size}")
-        if self.method == "draft":
-            # The draft-model proposer is not built yet; refused here so no worker starts half-configured.
-            raise ValueError("speculative_method draft is not available yet; use ngram")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative_method draft needs speculative_model (the draft checkpoint directory)")
         if self.method != "draft" and self.draft_model:
             raise ValueError("speculative_model is only read with speculative_method draft")
 

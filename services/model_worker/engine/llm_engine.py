@@ -1,6 +1,7 @@
 """The engine: accept requests, and advance every live sequence one step at a time."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -9,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from rpcserver.errors import InvalidArgument
-from services.model_worker.config.engine import EngineConfig
-from services.model_worker.config.model import GenerationDefaults, Qwen3Config
+from services.model_worker.config.engine import EngineConfig, SpeculativeConfig
+from services.model_worker.config.model import ConfigError, GenerationDefaults, Qwen3Config
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.distributed.parallel import check_divisible
 from services.model_worker.engine.block_manager import BlockManager
@@ -21,6 +22,7 @@ from services.model_worker.executor.executor import Executor
 from services.model_worker.executor.grammar import GrammarEngine, apply_token_bitmask
 from services.model_worker.executor.prompt_logprobs import score_rows
 from services.model_worker.executor.sampler import Sampler
+from services.model_worker.executor.spec.draft import DraftProposer
 from services.model_worker.executor.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,29 @@ class LLMEngine:
         self.eos_ids = frozenset(self.generation.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self.grammar = GrammarEngine(self.checkpoint_dir, self.config.vocab_size, self.eos_ids)
-        self.speculator = Speculator(config.speculative) if config.speculative.enabled else None
+        self.draft_executor: Executor | None = None
+        self.speculator = (Speculator(config.speculative, self._draft_proposer(config))
+                           if config.speculative.enabled else None)
+
+    def _draft_proposer(self, config: EngineConfig) -> DraftProposer | None:
+        """Method "draft": the draft checkpoint on the same device, its KV cache over the target's block ids."""
+        if config.speculative.method != "draft":
+            return None
+        draft_dir = pathlib.Path(config.speculative.draft_model)
+        draft_config = Qwen3Config.from_json(draft_dir)
+        if draft_config.vocab_size != self.config.vocab_size:
+            raise ConfigError(f"the draft model's vocabulary ({draft_config.vocab_size}) differs from the model's "
+                              f"({self.config.vocab_size}); a draft must share the tokenizer")
+        if config.tensor_parallel_size > 1:
+            raise ConfigError("speculative_method draft runs on one rank: it cannot be combined with "
+                              "tensor_parallel_size > 1 yet")
+        if draft_config.max_position_embeddings < self.max_model_len:
+            raise ConfigError(f"the draft model's context ({draft_config.max_position_embeddings}) is shorter "
+                              f"than the model's ({self.max_model_len}); lower max_model_len")
+        self.draft_executor = Executor(draft_dir, dataclasses.replace(
+            config, num_blocks=self.kv_cache.num_blocks, max_model_len=self.max_model_len, enforce_eager=True,
+            speculative=SpeculativeConfig()), draft_config)
+        return DraftProposer(self.draft_executor.runner, self.kv_cache.block_size)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any, and the grammar thread."""
@@ -115,6 +139,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if batch.num_draft:
+            self.speculator.fill(batch.seqs, batch.num_draft)
         host, seqs, prompt_spans = batch.step_inputs(self.kv_cache.block_size)
         logits = self.runner.run(host)
         outputs = []

@@ -137,7 +137,7 @@ class Scheduler:
         return count
 
     def _preempt(self, seq: Sequence) -> None:
-        seq.draft = []
+        seq.draft, seq.draft_computed = [], 0
         self.running.remove(seq)
         self.block_manager.free_blocks(seq)
         seq.status = SequenceStatus.WAITING

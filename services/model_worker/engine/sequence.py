@@ -58,6 +58,10 @@ class Sequence:
         self.num_proposed = 0
         self.num_accepted = 0
         self.num_verify_steps = 0  # steps that verified proposals for it
+        # Draft-model proposals: the distributions they were drawn from (sampled requests), and how many of
+        # the sequence's tokens the draft model's KV cache holds (0 again after a preemption).
+        self.draft_probs: torch.Tensor | None = None
+        self.draft_computed = 0
         self.generator: torch.Generator | None = None
         # The structured-output matcher (executor/grammar.py's GrammarState), set by the engine; None: free text.
         self.grammar = None

@@ -26,6 +26,7 @@ from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.engine.sequence import Sequence
 from services.model_worker.executor.sampler import Sampler, apply_penalties, logprobs_of, probabilities
 from services.model_worker.executor.spec import ngram, rejection
+from services.model_worker.executor.spec.draft import DraftProposer
 from services.model_worker.executor.transfer import to_device
 
 
@@ -37,9 +38,10 @@ class Emitted:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, draft: DraftProposer | None = None):
         self.config = config
         self.method = config.method
+        self.draft = draft  # method "draft": the draft model's proposer
         self.num_proposed = 0  # tokens proposed and verified
         self.num_accepted = 0  # of which accepted
         self.num_verify_steps = 0  # sequence-steps that verified at least one proposal
@@ -60,8 +62,27 @@ class Speculator:
                 seq.spec_k = self.config.num_speculative_tokens
             # Never past max_tokens: the last step's own token comes on top of the proposals.
             k = min(seq.spec_k, seq.max_tokens - len(seq.output_ids) - 1)
-            if k > 0:
+            if k <= 0:
+                continue
+            if self.draft is not None:
+                # Room only: the scheduler fits it to the step's budget and blocks, then fill() runs the draft.
+                seq.draft = [0] * k
+            else:
                 seq.draft = ngram.propose(seq.token_ids, k, self.config.ngram_min, self.config.ngram_max)
+
+    def fill(self, seqs: list[Sequence], num_draft: list[int]) -> None:
+        """Method "draft", after scheduling (the blocks for the proposals exist now): the draft model's
+        proposals for the sequences that kept room for some."""
+        chosen = [(seq, d) for seq, d in zip(seqs, num_draft) if d]
+        if self.draft is None or not chosen:
+            return
+        proposals, dists = self.draft.propose(
+            [s.token_ids for s, _ in chosen], [min(s.draft_computed, len(s) - 1) for s, _ in chosen],
+            [d for _, d in chosen], [s.block_table for s, _ in chosen], [s.params for s, _ in chosen],
+            [s.generator for s, _ in chosen])
+        for (seq, _), tokens, dist in zip(chosen, proposals, dists):
+            seq.draft, seq.draft_probs = tokens, dist
+            seq.draft_computed = len(seq)  # and its first len(tokens) - 1 proposals, counted once accepted
 
     # -- verifying ----------------------------------------------------------------------------------
 
@@ -111,7 +132,7 @@ class Speculator:
             scores = apply_penalties(logits[rows_t].float(), [params[r] for r in rows],
                                      [history[r][0] for r in rows], [history[r][1] for r in rows])
             target = probabilities(scores, [params[r] for r in rows])
-            tokens = rejection.verify(target, seqs[i].draft[:num_draft[i]], None, seqs[i].generator)
+            tokens = rejection.verify(target, seqs[i].draft[:num_draft[i]], seqs[i].draft_probs, seqs[i].generator)
             used = rows[:len(tokens)]
             out = logprobs_of(logits[to_device(used, torch.long, device)], [params[r] for r in used],
                               to_device(tokens, torch.long, device))
@@ -130,6 +151,9 @@ class Speculator:
         seq.num_proposed += num_draft
         seq.num_accepted += accepted
         seq.num_verify_steps += 1
+        seq.draft_probs = None
+        if self.draft is not None:  # the draft's cache holds the accepted proposals it computed
+            seq.draft_computed += min(accepted, num_draft - 1)
         if not self.config.fixed_k:
             # All taken: try one more next time; else propose one more than were taken.
             limit = self.config.num_speculative_tokens
