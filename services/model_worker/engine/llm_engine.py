@@ -182,11 +182,15 @@ class LLMEngine:
         starts = [0]
         for d in num_draft:
             starts.append(starts[-1] + d + 1)
-        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.active]
-        if constrained:  # these carry no proposals: one row each
-            logits = apply_token_bitmask(logits, [starts[i] for i in constrained],
-                                         [seqs[i].grammar.mask() for i in constrained])
-        emitted = self.speculator.sample(self.sampler, logits, seqs, num_draft, {starts[i] for i in constrained})
+        rows, masks = [], []
+        for i, seq in enumerate(seqs):
+            if seq.grammar is not None and seq.grammar.active:
+                # Row j is masked by the grammar's state after the first j proposals (which it accepts).
+                rows += range(starts[i], starts[i + 1])
+                masks += seq.grammar.masks_along(seq.draft[:num_draft[i]]) if num_draft[i] else [seq.grammar.mask()]
+        if rows:
+            logits = apply_token_bitmask(logits, rows, masks)
+        emitted = self.speculator.sample(self.sampler, logits, seqs, num_draft)
         outputs = []
         for seq, d, tokens in zip(seqs, num_draft, emitted):
             self.speculator.record(seq, d, len(tokens))

@@ -54,9 +54,14 @@ class Speculator:
         crowded = len(running) > self.config.disable_batch_size
         for seq in running:
             seq.draft = []
-            # Decoding only (not mid-prefill); free text only (a grammar's mask would have to be checked
-            # at every proposed position); unseeded sequences decode plainly in a compute-bound batch.
-            if seq.num_uncached_tokens != 1 or seq.grammar is not None or (crowded and seq.generator is None):
+            # Decoding only (not mid-prefill); unseeded sequences decode plainly in a compute-bound batch.
+            if seq.num_uncached_tokens != 1 or (crowded and seq.generator is None):
+                continue
+            # Under a grammar: prompt lookup's proposals, cut to what the grammar accepts (a draft model's come
+            # after scheduling, too late to cut, so those sequences decode plainly), and not while the
+            # constraint waits for its start (a proposal could run across it).
+            constrained = seq.grammar is not None
+            if constrained and (self.draft is not None or not seq.grammar.active):
                 continue
             if not seq.spec_k:
                 seq.spec_k = self.config.num_speculative_tokens
@@ -69,6 +74,8 @@ class Speculator:
                 seq.draft = [0] * k
             else:
                 seq.draft = ngram.propose(seq.token_ids, k, self.config.ngram_min, self.config.ngram_max)
+                if constrained:
+                    del seq.draft[seq.grammar.valid_prefix(seq.draft):]
 
     def fill(self, seqs: list[Sequence], num_draft: list[int]) -> None:
         """Method "draft", after scheduling (the blocks for the proposals exist now): the draft model's
@@ -86,11 +93,10 @@ class Speculator:
 
     # -- verifying ----------------------------------------------------------------------------------
 
-    def sample(self, sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], num_draft: list[int],
-               masked_rows: set[int]) -> list[list[Emitted]]:
-        """Per sequence, the tokens its rows emit: logits holds, per sequence in order, num_draft[i] + 1 rows.
-
-        masked_rows: rows already masked by a grammar (those sequences never carry proposals).
+    def sample(self, sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence],
+               num_draft: list[int]) -> list[list[Emitted]]:
+        """Per sequence, the tokens its rows emit: logits holds, per sequence in order, num_draft[i] + 1 rows
+        (a constrained sequence's already masked, each by the grammar's state after the proposals before it).
         """
         device = logits.device
         params: list[SamplingParams] = []

@@ -162,6 +162,32 @@ class GrammarState:
             self.prepare()
         return ok
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens of a proposal the grammar would accept, in order (the state is unchanged)."""
+        if not self.active or not token_ids:
+            return 0
+        self._settle()
+        return self.matcher.validate_tokens(token_ids)
+
+    def masks_along(self, token_ids: list[int]) -> list[torch.Tensor]:
+        """The masks at the current state and after each of token_ids in turn (which the grammar accepts):
+        one per verification row of a proposal. The matcher is rolled back afterwards."""
+        self._settle()
+        masks = [self.mask().clone()]  # the shared buffer is refilled once the next token is accepted
+        for token in token_ids:
+            if not self.matcher.consume_token(token):
+                raise ValueError(f"the grammar refused proposed token {token} it had validated")
+            mask = torch.zeros_like(self.bitmask)
+            self.matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+            masks.append(mask)
+        self.matcher.rollback(len(token_ids))
+        return masks
+
+    def _settle(self) -> None:
+        """Waits for a mask being filled, so the matcher can be read and moved."""
+        if self._pending is not None:
+            self._pending.result()
+
     @property
     def is_complete(self) -> bool:
         """The grammar can take no more tokens (an EOS aside): the sequence ends here."""
