@@ -257,3 +257,36 @@ def test_sampled_tokens_keep_their_distribution(checkpoint, plain, method):
     for position in range(4):
         assert chi_square_p([t[position] for t in a], [t[position] for t in b]) > 0.01, position
     assert spec.generate([prompt] * 20, params(n)[:20]) == b[:20]  # seeded: reproducible
+
+
+# -- flags ------------------------------------------------------------------------------------------------------
+
+
+def test_the_worker_flags_reach_the_engine_config_and_bad_ones_are_refused(capsys):
+    from services.model_worker.main import engine_config, parse_args
+
+    spec = engine_config(parse_args(["--speculative-method", "draft", "--speculative-model", "/models/small",
+                                     "--num-speculative-tokens", "6", "--speculative-fixed-k",
+                                     "--speculative-disable-batch-size", "3"])).speculative
+    assert (spec.method, spec.draft_model, spec.num_speculative_tokens, spec.fixed_k, spec.disable_batch_size) == \
+        ("draft", "/models/small", 6, True, 3)
+    spec = engine_config(parse_args(["--speculative-method", "ngram", "--ngram-min", "1", "--ngram-max", "5"])).speculative
+    assert (spec.method, spec.ngram_min, spec.ngram_max, spec.draft_model) == ("ngram", 1, 5, None)
+    assert not engine_config(parse_args([])).speculative.enabled
+    for argv, needle in ((["--speculative-method", "draft"], "needs speculative-model"),
+                         (["--speculative-model", "x"], "only read with speculative-method draft"),
+                         (["--speculative-method", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min"),
+                         (["--speculative-method", "ngram", "--num-speculative-tokens", "0"],
+                          "--num-speculative-tokens must be >= 1")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert needle in capsys.readouterr().err
+
+
+def test_a_draft_with_another_vocabulary_is_refused(checkpoint, tmp_path):
+    from services.model_worker.config.model import ConfigError
+
+    make_checkpoint(tmp_path, vocab_size=256)
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="float32", num_blocks=64, block_size=4,
+                                           speculative=SpeculativeConfig("draft", draft_model=str(tmp_path))))
