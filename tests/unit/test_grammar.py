@@ -185,13 +185,16 @@ def test_a_constraint_that_starts_after_the_reasoning_leaves_the_think_block_fre
     assert out[0] == think_end and re.fullmatch(r"[0-9]{3}", tokenizer.decode(out[1:]))
 
 
-def test_speculative_proposals_under_a_grammar_leave_the_output_unchanged(checkpoint, engine, tokenizer):
-    """Prompt lookup's proposals are cut to what the grammar accepts, and each verified row is masked by the
-    grammar's state after the proposals before it: constrained greedy output equals plain constrained greedy."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_proposals_under_a_grammar_leave_the_output_unchanged(checkpoint, engine, tokenizer, method):
+    """Each verified row is masked by the grammar's state after the proposals before it (prompt lookup's are cut
+    to what the grammar accepts first; a draft model's, here the model itself unconstrained, often hold tokens
+    the grammar refuses, rejected at their row): constrained greedy output equals plain constrained greedy."""
     from services.model_worker.config.engine import SpeculativeConfig
 
+    speculative = SpeculativeConfig(method, ngram_min=1, draft_model=str(checkpoint) if method == "draft" else None)
     spec = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="float32", num_blocks=256, block_size=8,
-                                              speculative=SpeculativeConfig("ngram", ngram_min=1)))
+                                              speculative=speculative))
     try:
         prompt = tokenizer.encode('{"name": "Rex", "kind": "dog", "alive": true, "tags": ["a", "b"]} as JSON:').ids
         params = [SamplingParams(temperature=0.0, max_tokens=80, structured_output=StructuredOutput.json_schema(SCHEMA)),

@@ -57,11 +57,11 @@ class Speculator:
             # Decoding only (not mid-prefill); unseeded sequences decode plainly in a compute-bound batch.
             if seq.num_uncached_tokens != 1 or (crowded and seq.generator is None):
                 continue
-            # Under a grammar: prompt lookup's proposals, cut to what the grammar accepts (a draft model's come
-            # after scheduling, too late to cut, so those sequences decode plainly), and not while the
-            # constraint waits for its start (a proposal could run across it).
+            # Under a grammar: not while the constraint waits for its start (a proposal could run across it).
+            # Each verified row is masked by the grammar's state after the proposals before it, so a proposed
+            # token the grammar refuses is rejected at its row; prompt lookup's are cut before that here.
             constrained = seq.grammar is not None
-            if constrained and (self.draft is not None or not seq.grammar.active):
+            if constrained and not seq.grammar.active:
                 continue
             if not seq.spec_k:
                 seq.spec_k = self.config.num_speculative_tokens
