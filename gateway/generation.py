@@ -148,6 +148,9 @@ class GenerationCore:
                                     prompt_text=prompt_text)
                         return  # the cancel below drops the worker's sequence, if it has not ended already
                 record.add_token()
+                if step.HasField("spec_accepted"):
+                    record.spec_steps += 1
+                    record.spec_accepted += step.spec_accepted
                 final = bool(step.finish_reason)
                 piece_ids = _piece_ids(step) if with_pieces else []
                 new_text, pieces = await text.add([step.token_id], final, piece_ids)

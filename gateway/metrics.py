@@ -34,6 +34,10 @@ class RequestRecord:
     first_token_at: float | None = None
     last_token_at: float | None = None
     finish_reason: str = ""  # eos, length or stop once finished
+    # Speculative decoding on the worker: steps that verified proposals for this request, and the proposals
+    # they accepted (GenerateResponse.spec_accepted).
+    spec_steps: int = 0
+    spec_accepted: int = 0
 
     def add_token(self) -> None:
         now = time.perf_counter()
@@ -52,6 +56,9 @@ class RequestRecord:
                 f"prompt {self.prompt_tokens} tokens, completion {self.completion_tokens} tokens, "
                 f"ttft {f'{ttft:.3f} s' if ttft is not None else '-'}, "
                 f"total {time.perf_counter() - self.arrival:.3f} s")
+        if self.spec_steps:
+            line += (f", speculative: mean accepted length {self.spec_accepted / self.spec_steps:.2f} over "
+                     f"{self.spec_steps} verifications")
         if self.worker_request_id:
             line += f", worker request {self.worker_request_id}"
         if code != grpc.StatusCode.OK and error is not None:

@@ -12,8 +12,10 @@ import torch
 
 from services.model_worker.config.engine import EngineConfig
 from services.model_worker.config.engine import SchedulerLimits
+from services.model_worker.config.engine import SpeculativeConfig
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.engine.llm_engine import LLMEngine
+from services.model_worker.engine.speculator import Speculator
 from services.model_worker.executor.step_inputs import StepInputs
 
 BLOCK_SIZE = 8
@@ -48,6 +50,13 @@ def probe(checkpoint: str, size: int) -> dict:
         hits = engine.block_manager.prefix_hits
         out["prefix_hit"] = engine.generate([long_prompt[:32] + prompt(5, 4, vocab)], greedy(8))[0]
         out["prefix_hits"] = engine.block_manager.prefix_hits - hits
+        # Speculative decoding (prompt lookup) on the same ranks: verification steps broadcast like any other.
+        seed = prompt(6, 5, vocab)
+        looped = seed + engine.generate([seed], greedy(24))[0]
+        out["plain_after_loop"] = engine.generate([looped, prompt(9, 6, vocab)], greedy(16))
+        engine.speculator = Speculator(SpeculativeConfig("ngram", ngram_min=1))
+        out["speculative"] = engine.generate([looped, prompt(9, 6, vocab)], greedy(16))
+        out["spec_counts"] = [engine.speculator.num_proposed, engine.speculator.num_accepted]
         return out
     finally:
         engine.close()

@@ -13,7 +13,7 @@ from rpcserver.config import (SERVER_FLAG_RANGES, ServerConfig, add_flag, add_se
                               parse_size)
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
-from services.model_worker.config.engine import EngineConfig, SchedulerLimits
+from services.model_worker.config.engine import EngineConfig, SchedulerLimits, SpeculativeConfig
 from services.model_worker.config.model import ConfigError
 from services.model_worker.core.client import EngineClient
 from services.model_worker.core.process import CoreStartError
@@ -73,6 +73,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--step-timeout", 120.0, "seconds the engine core may go without finishing a step while "
              "requests are open; past it the core is taken as hung: its stacks are logged, its streams get "
              "UNAVAILABLE, and it is restarted (0: never)")
+    add_flag(parser, "--speculative-method", "", "speculative decoding: ngram (prompt lookup: propose what followed "
+             "the latest earlier occurrence of the last tokens) or draft (a smaller checkpoint with the same "
+             "vocabulary, --speculative-model); empty: off", choices=("", "ngram", "draft"))
+    add_flag(parser, "--speculative-model", "", "--speculative-method draft: the draft checkpoint directory (same "
+             "vocabulary; it runs on the worker's device with a KV cache of its own)")
+    add_flag(parser, "--num-speculative-tokens", 4, "most tokens proposed per sequence and step")
+    add_flag(parser, "--ngram-max", 4, "prompt lookup: longest suffix matched")
+    add_flag(parser, "--ngram-min", 2, "prompt lookup: shortest suffix matched")
+    add_flag(parser, "--speculative-fixed-k", False, "always propose --num-speculative-tokens (default: each "
+             "sequence's count adapts to how many of its recent proposals were accepted)")
+    add_flag(parser, "--speculative-disable-batch-size", 8, "above this many running sequences, unseeded ones "
+             "decode without proposals (the step is compute-bound there)")
     add_auth_flags(parser)  # for deployments without mTLS; the gateway sends its --downstream-api-key
     args = parser.parse_args(argv)
     check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--stats-interval", 0, None), ("--step-timeout", 0, None)))
@@ -91,7 +103,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len or None,
         enable_prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
-        limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting))
+        limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting),
+        speculative=SpeculativeConfig(
+            method=args.speculative_method or None, num_speculative_tokens=args.num_speculative_tokens,
+            ngram_max=args.ngram_max, ngram_min=args.ngram_min, fixed_k=args.speculative_fixed_k,
+            disable_batch_size=args.speculative_disable_batch_size, draft_model=args.speculative_model or None))
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -221,3 +221,32 @@ def test_a_constraint_that_starts_after_the_reasoning_leaves_the_think_block_fre
     (out,) = engine.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=20,
                                                       logit_bias={think_end: 100.0}, structured_output=digits))
     assert out[0] == think_end and re.fullmatch(r"[0-9]{3}", tokenizer.decode(out[1:]))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_proposals_under_a_grammar_leave_the_output_unchanged(checkpoint, engine, tokenizer, method):
+    """Each verified row is masked by the grammar's state after the proposals before it (prompt lookup's are cut
+    to what the grammar accepts first; a draft model's, here the model itself unconstrained, often hold tokens
+    the grammar refuses, rejected at their row): constrained greedy output equals plain constrained greedy."""
+    from services.model_worker.config.engine import SpeculativeConfig
+
+    speculative = SpeculativeConfig(method, ngram_min=1, draft_model=str(checkpoint) if method == "draft" else None)
+    spec = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="float32", num_blocks=256, block_size=8,
+                                              speculative=speculative))
+    try:
+        prompt = tokenizer.encode('{"name": "Rex", "kind": "dog", "alive": true, "tags": ["a", "b"]} as JSON:').ids
+        params = [SamplingParams(temperature=0.0, max_tokens=80, structured_output=StructuredOutput.json_schema(SCHEMA)),
+                  SamplingParams(temperature=0.0, max_tokens=30,
+                                 structured_output=StructuredOutput("regex", r"([a-c]{1,3} ){2,8}[0-9]{2}"))]
+        want = engine.generate([prompt, prompt], params)
+        seqs = [spec.add_request(f"s{i}", prompt, p) for i, p in enumerate(params)]
+        got = {s.request_id: [] for s in seqs}
+        while spec.has_work():
+            for out in spec.step():
+                got[out.request_id].append(out.token_id)
+        assert [got["s0"], got["s1"]] == want
+        jsonschema.validate(json.loads(tokenizer.decode(got["s0"])), SCHEMA)
+        assert all(s.num_proposed > 0 for s in seqs)  # proposals were verified under each grammar
+        assert spec.speculator.num_accepted > 0
+    finally:
+        spec.close()

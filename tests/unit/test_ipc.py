@@ -9,6 +9,7 @@ import pytest
 from rpcserver.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.model_worker.config.engine import EngineConfig
 from services.model_worker.config.engine import SchedulerLimits
+from services.model_worker.config.engine import SpeculativeConfig
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.core import protocol as ipc
 from services.model_worker.engine.llm_engine import StepOutput
@@ -45,11 +46,13 @@ def test_payloads_round_trip():
     config = EngineConfig(device="cpu", dtype="float32", num_blocks=12, max_model_len=None,
                           limits=SchedulerLimits(3, 64, 5))
     assert EngineConfig.from_dict(config.to_dict()) == config
+    config.speculative = SpeculativeConfig("ngram", num_speculative_tokens=3, ngram_min=1, fixed_k=True)
+    assert EngineConfig.from_dict(config.to_dict()) == config
     params = SamplingParams(temperature=0.7, top_k=5, seed=2**64 - 1, logprobs=2, max_tokens=9,
                             stop_token_ids=(4, 5), ignore_eos=True)
     assert ipc.params_from_dict(ipc.params_to_dict(params)) == params
     for output in (StepOutput("3", 17, -0.25, [(17, -0.25), (2, -1.5)], FinishReason.LENGTH, 6),
-                   StepOutput("4", 0, None, [], None, 1)):
+                   StepOutput("4", 0, None, [], None, 1), StepOutput("5", 3, None, [], None, 2, spec_accepted=2)):
         assert ipc.output_from_list(ipc.output_to_list(output)) == output
     for error in (InvalidArgument("bad prompt"), ResourceExhausted("full"), Unavailable("gone")):
         request_id, back = ipc.error_from_list(ipc.error_to_list("9", error))

@@ -68,6 +68,13 @@ def test_batched_chunked_and_prefix_hit_runs_match_one_rank(runs):
     assert two["prefix_hits"] > 0 and two["prefix_hits"] == one["prefix_hits"]
 
 
+def test_speculative_verification_steps_on_two_ranks_match_plain_decode(runs):
+    _, one, two = runs
+    assert two["speculative"] == two["plain_after_loop"] == one["speculative"]
+    # Verification steps ran (proposals made) and took the same decisions on both sizes.
+    assert two["spec_counts"][0] > 0 and two["spec_counts"] == one["spec_counts"]
+
+
 @pytest.mark.parametrize("shape", ["tied", "attention_bias"])
 def test_each_rank_holds_its_share_of_the_weights(tmp_path, shape):
     make_checkpoint(tmp_path, **SHAPES[shape])

@@ -21,6 +21,44 @@ class SchedulerLimits:
                              f"({self.max_num_seqs})")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (docs/speculative-decoding.md); method None: off."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 4  # the most tokens proposed per sequence and step
+    # Prompt lookup: the longest suffix of ngram_max .. ngram_min tokens found earlier in the sequence.
+    ngram_max: int = 4
+    ngram_min: int = 2
+    # False: k adapts per sequence to its recent acceptance (up to num_speculative_tokens); True: always k.
+    fixed_k: bool = False
+    # Above this many running sequences a step is compute-bound and verification costs more than it saves,
+    # so unseeded sequences decode plainly (seeded ones keep speculating, so their draws never depend on load).
+    disable_batch_size: int = 8
+    draft_model: str | None = None  # method "draft": the smaller checkpoint's directory
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) and ngram_max ({self.ngram_max}) must satisfy "
+                             "1 <= ngram_min <= ngram_max")
+        if self.disable_batch_size < 1:
+            raise ValueError(f"speculative_disable_batch_size must be >= 1, got {self.disable_batch_size}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative_method draft needs speculative_model (the draft checkpoint directory)")
+        if self.method != "draft" and self.draft_model:
+            raise ValueError("speculative_model is only read with speculative_method draft")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
 
 @dataclass
 class EngineConfig:
@@ -53,10 +91,13 @@ class EngineConfig:
     # Ranks (processes, one device each) the model is split across; rank 0 is the engine itself.
     tensor_parallel_size: int = 1
     limits: SchedulerLimits = None  # type: ignore[assignment]
+    speculative: SpeculativeConfig = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.limits is None:
             self.limits = SchedulerLimits()
+        if self.speculative is None:
+            self.speculative = SpeculativeConfig()
         # Checked here, at start, with the flag's name: a bad value would otherwise surface later as a
         # division by zero, an empty cache or a cache larger than the machine.
         if self.block_size < 1:
@@ -78,4 +119,6 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> EngineConfig:
-        return cls(**{**raw, "limits": SchedulerLimits(**raw["limits"])})
+        speculative = raw.get("speculative")
+        return cls(**{**raw, "limits": SchedulerLimits(**raw["limits"]),
+                      "speculative": SpeculativeConfig(**speculative) if speculative else None})

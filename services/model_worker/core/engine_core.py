@@ -163,6 +163,7 @@ def ready_info(engine: LLMEngine) -> dict:
             "eos_token_ids": sorted(engine.eos_ids), "block_size": engine.kv_cache.block_size,
             "is_demo_checkpoint": engine.is_demo_checkpoint,
             "tensor_parallel_size": engine.engine_config.tensor_parallel_size,
+            "speculative_method": engine.engine_config.speculative.method or "",
             "cpus": cpu_affinity.current(), "threads": torch.get_num_threads()}
 
 

@@ -89,15 +89,16 @@ def params_from_dict(raw: dict) -> SamplingParams:
 def output_to_list(output: StepOutput) -> list:
     reason = output.finish_reason.value if output.finish_reason is not None else None
     return [output.request_id, output.token_id, output.logprob, [list(t) for t in output.top_logprobs], reason,
-            output.prompt_tokens, output.prompt_logprobs]
+            output.prompt_tokens, output.prompt_logprobs, output.spec_accepted]
 
 
 def output_from_list(raw: list) -> StepOutput:
-    request_id, token_id, logprob, top_logprobs, reason, prompt_tokens, prompt_logprobs = raw
+    request_id, token_id, logprob, top_logprobs, reason, prompt_tokens, prompt_logprobs, spec_accepted = raw
     if prompt_logprobs is not None:  # JSON made the tuples lists
         prompt_logprobs = [None if p is None else (p[0], [(t, lp) for t, lp in p[1]]) for p in prompt_logprobs]
     return StepOutput(request_id, token_id, logprob, [(t, lp) for t, lp in top_logprobs],
-                      FinishReason(reason) if reason is not None else None, prompt_tokens, prompt_logprobs)
+                      FinishReason(reason) if reason is not None else None, prompt_tokens, prompt_logprobs,
+                      spec_accepted)
 
 
 def error_to_list(request_id: str, error: ServiceError) -> list:

@@ -172,13 +172,29 @@ class BlockManager:
         self.prefix_queries += len(seq)
         self.prefix_hits += seq.num_cached_tokens
 
-    def can_grow(self, seq: Sequence) -> bool:
-        """Whether blocks for all the sequence's tokens (its newest included) fit in its own plus the free ones."""
-        return self.blocks_needed(len(seq)) - len(seq.block_table) <= self.num_free
+    def can_grow(self, seq: Sequence, extra: int = 0) -> bool:
+        """Whether blocks for all the sequence's tokens (its newest included), and `extra` proposed tokens after
+        them, fit in its own plus the free ones."""
+        return self.blocks_needed(len(seq) + extra) - len(seq.block_table) <= self.num_free
 
-    def grow(self, seq: Sequence) -> None:
-        """Give the sequence blocks for all its tokens: a new one each time it crosses a block boundary."""
-        self._append_blocks(seq, self.blocks_needed(len(seq)) - len(seq.block_table))
+    def grow(self, seq: Sequence, extra: int = 0) -> None:
+        """Give the sequence blocks for all its tokens (and `extra` proposed ones): a new one each time it crosses
+        a block boundary."""
+        self._append_blocks(seq, self.blocks_needed(len(seq) + extra) - len(seq.block_table))
+
+    def trim(self, seq: Sequence) -> None:
+        """After rejected proposals: give back the blocks past those its computed tokens fill, as a plain decode
+        would never have taken them. They hold no registered prefix (commit only covers computed tokens)."""
+        keep = max(self.blocks_needed(seq.num_cached_tokens), 1)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.hash is None, "a trimmed block is never shared or registered"
+            self.free[block.block_id] = None
+            self.free.move_to_end(block.block_id, last=False)
+            # Right after the sequence's run it is room again (it grows back into it, free_blocks releases it).
+            adjacent = seq.block_table and block.block_id == seq.block_table[-1] + 1
+            self.spare[block.block_id] = ROOM[0] if adjacent else SPARE[0]
 
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's full blocks whose K/V are now computed, for later prefix hits."""

@@ -1,6 +1,7 @@
 """The engine: accept requests, and advance every live sequence one step at a time."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -9,17 +10,19 @@ from dataclasses import dataclass
 import torch
 
 from rpcserver.errors import InvalidArgument
-from services.model_worker.config.engine import EngineConfig
-from services.model_worker.config.model import GenerationDefaults, Qwen3Config
+from services.model_worker.config.engine import EngineConfig, SpeculativeConfig
+from services.model_worker.config.model import ConfigError, GenerationDefaults, Qwen3Config
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.distributed.parallel import check_divisible
 from services.model_worker.engine.block_manager import BlockManager
 from services.model_worker.engine.scheduler import Scheduler
 from services.model_worker.engine.sequence import FinishReason, Sequence
+from services.model_worker.engine.speculator import Speculator
 from services.model_worker.executor.executor import Executor
 from services.model_worker.executor.grammar import GrammarEngine, apply_token_bitmask
 from services.model_worker.executor.prompt_logprobs import score_rows
 from services.model_worker.executor.sampler import Sampler
+from services.model_worker.executor.spec.draft import DraftProposer
 from services.model_worker.executor.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,8 @@ class StepOutput:
     # On a request's first output when it asked for them: per prompt position, None for the first token,
     # else (its logprob, the position's top (token id, logprob) best first).
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # On the last token of a step that verified proposals for the request: how many it accepted.
+    spec_accepted: int | None = None
 
 
 class LLMEngine:
@@ -60,6 +65,29 @@ class LLMEngine:
         self.eos_ids = frozenset(self.generation.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self.grammar = GrammarEngine(self.checkpoint_dir, self.config.vocab_size, self.eos_ids)
+        self.draft_executor: Executor | None = None
+        self.speculator = (Speculator(config.speculative, self._draft_proposer(config))
+                           if config.speculative.enabled else None)
+
+    def _draft_proposer(self, config: EngineConfig) -> DraftProposer | None:
+        """Method "draft": the draft checkpoint on the same device, its KV cache over the target's block ids."""
+        if config.speculative.method != "draft":
+            return None
+        draft_dir = pathlib.Path(config.speculative.draft_model)
+        draft_config = Qwen3Config.from_json(draft_dir)
+        if draft_config.vocab_size != self.config.vocab_size:
+            raise ConfigError(f"the draft model's vocabulary ({draft_config.vocab_size}) differs from the model's "
+                              f"({self.config.vocab_size}); a draft must share the tokenizer")
+        if config.tensor_parallel_size > 1:
+            raise ConfigError("speculative_method draft runs on one rank: it cannot be combined with "
+                              "tensor_parallel_size > 1 yet")
+        if draft_config.max_position_embeddings < self.max_model_len:
+            raise ConfigError(f"the draft model's context ({draft_config.max_position_embeddings}) is shorter "
+                              f"than the model's ({self.max_model_len}); lower max_model_len")
+        self.draft_executor = Executor(draft_dir, dataclasses.replace(
+            config, num_blocks=self.kv_cache.num_blocks, max_model_len=self.max_model_len, enforce_eager=True,
+            speculative=SpeculativeConfig()), draft_config)
+        return DraftProposer(self.draft_executor.runner, self.kv_cache.block_size)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any, and the grammar thread."""
@@ -106,12 +134,18 @@ class LLMEngine:
     # -- stepping -----------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if batch.num_draft:
+            self.speculator.fill(batch.seqs, batch.num_draft)
         host, seqs, prompt_spans = batch.step_inputs(self.kv_cache.block_size)
         logits = self.runner.run(host)
         outputs = []
+        if batch.num_draft:
+            return self._verify_step(batch, seqs, prompt_spans, logits)
         if prompt_spans:
             self._score_prompts(logits[len(seqs):], prompt_spans)
             logits = logits[:len(seqs)]
@@ -132,6 +166,52 @@ class LLMEngine:
                                           sampled.top_logprobs[i], seq.finish_reason, len(seq.prompt_ids),
                                           seq.take_prompt_logprobs()))
         self.scheduler.finish_step(batch)
+        for seq in seqs:
+            if seq.is_finished:
+                self._seqs.pop(seq.request_id, None)
+        return outputs
+
+    def _verify_step(self, batch, seqs: list[Sequence], prompt_spans, logits: torch.Tensor) -> list[StepOutput]:
+        """A step where some sequences verify proposals: each emits its accepted tokens, then one more."""
+        drafts = dict(zip(map(id, batch.seqs), batch.num_draft))
+        num_draft = [drafts[id(s)] for s in seqs]
+        num_rows = len(seqs) + sum(num_draft)
+        if prompt_spans:
+            self._score_prompts(logits[num_rows:], prompt_spans)
+            logits = logits[:num_rows]
+        starts = [0]
+        for d in num_draft:
+            starts.append(starts[-1] + d + 1)
+        rows, masks = [], []
+        for i, seq in enumerate(seqs):
+            if seq.grammar is not None and seq.grammar.active:
+                # Row j is masked by the grammar's state after the first j proposals (which it accepts).
+                rows += range(starts[i], starts[i + 1])
+                masks += seq.grammar.masks_along(seq.draft[:num_draft[i]]) if num_draft[i] else [seq.grammar.mask()]
+        if rows:
+            logits = apply_token_bitmask(logits, rows, masks)
+        emitted = self.speculator.sample(self.sampler, logits, seqs, num_draft)
+        outputs = []
+        for seq, d, tokens in zip(seqs, num_draft, emitted):
+            self.speculator.record(seq, d, len(tokens))
+            for token in tokens:
+                seq.append(token.token_id)
+                outputs.append(StepOutput(seq.request_id, token.token_id, token.logprob, token.top_logprobs,
+                                          seq.finish_reason, len(seq.prompt_ids), seq.take_prompt_logprobs()))
+                if seq.is_finished:
+                    break
+            if d:
+                outputs[-1].spec_accepted = len(tokens) - 1
+            seq.draft = []
+        # Computed tokens: a verifying sequence's K/V hold its accepted proposals; its newest token, as after
+        # any decode, is not computed yet.
+        for i, seq in enumerate(batch.seqs):
+            if batch.num_draft[i]:
+                batch.num_tokens[i] = len(seq) - 1 - seq.num_cached_tokens
+        self.scheduler.finish_step(batch)
+        for seq, d in zip(batch.seqs, batch.num_draft):
+            if d and seq.block_table:
+                self.block_manager.trim(seq)
         for seq in seqs:
             if seq.is_finished:
                 self._seqs.pop(seq.request_id, None)
@@ -170,4 +250,5 @@ class LLMEngine:
             "kv_blocks_free": self.block_manager.num_free,
             "prefix_cache_hit_rate": self.block_manager.hit_rate,
             "preemptions": self.scheduler.num_preemptions,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rpcserver.errors import ResourceExhausted
 from services.model_worker.config.engine import SchedulerLimits
@@ -14,7 +14,10 @@ from services.model_worker.executor.step_inputs import StepInputs
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_tokens: list[int]  # new tokens computed for each sequence this step
+    num_tokens: list[int]  # new tokens computed for each sequence this step, its proposed tokens included
+    # Per sequence, how many of its new tokens are proposals to verify (its `draft`, after its own tokens);
+    # empty when none has any.
+    num_draft: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -23,13 +26,15 @@ class ScheduledBatch:
         """The step's flat inputs, the sequences that get a next token from it, and the prompt spans whose
         logprobs it computes: (sequence, first prompt position scored, count), their rows after the sampled ones."""
         token_ids, context_lens, sampled, extra_rows, spans = [], [], [], [], []
+        num_draft = self.num_draft or [0] * len(self.seqs)
         row = 0
         for i, (seq, n) in enumerate(zip(self.seqs, self.num_tokens)):
             start = seq.num_cached_tokens
-            token_ids.append(seq.token_ids[start:start + n])
+            own = n - num_draft[i]
+            token_ids.append(seq.token_ids[start:start + own] + seq.draft[:num_draft[i]])
             context_lens.append(start + n)
             # A prompt prefilled in chunks yields a token only after its last chunk.
-            if start + n == len(seq):
+            if start + own == len(seq):
                 sampled.append(i)
             if seq.wants_prompt_logprobs:
                 # Position p's logits score prompt token p + 1: this chunk scores tokens start+1 .. up to the last.
@@ -39,7 +44,7 @@ class ScheduledBatch:
                     spans.append((seq, start + 1, count))
             row += n
         host = StepInputs.build(token_ids, [s.block_table for s in self.seqs], context_lens, block_size, sampled,
-                                extra_rows)
+                                extra_rows, [num_draft[i] for i in sampled] if self.num_draft else None)
         return host, [self.seqs[i] for i in sampled], spans
 
 
@@ -94,10 +99,13 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            self.block_manager.grow(seq)
+            drafts = self._fit_draft(seq, budget - wanted)
+            self.block_manager.grow(seq, drafts)
             batch.seqs.append(seq)
-            batch.num_tokens.append(wanted)
-            budget -= wanted
+            batch.num_tokens.append(wanted + drafts)
+            budget -= wanted + drafts
+            if drafts:
+                batch.num_draft += [0] * (len(batch.seqs) - 1 - len(batch.num_draft)) + [drafts]
 
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
@@ -112,9 +120,24 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(wanted)
             budget -= wanted
+        if batch.num_draft:
+            batch.num_draft += [0] * (len(batch.seqs) - len(batch.num_draft))
         return batch
 
+    def _fit_draft(self, seq: Sequence, budget: int) -> int:
+        """How many of a decoding sequence's proposed tokens this step verifies: what the token budget and the
+        free blocks allow (never a preemption for a proposal); the rest are dropped."""
+        if not seq.draft or seq.num_uncached_tokens != 1:
+            seq.draft = []
+            return 0
+        count = min(len(seq.draft), budget)
+        while count and not self.block_manager.can_grow(seq, count):
+            count -= 1
+        del seq.draft[count:]
+        return count
+
     def _preempt(self, seq: Sequence) -> None:
+        seq.draft, seq.draft_computed = [], 0
         self.running.remove(seq)
         self.block_manager.free_blocks(seq)
         seq.status = SequenceStatus.WAITING

@@ -51,6 +51,17 @@ class Sequence:
         self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = (
             [None] * len(prompt_ids) if params.prompt_logprobs is not None else None)
         self.arrival = next(_arrival)
+        # Speculative decoding: the tokens proposed for this step (verified by it, then cleared), the
+        # proposal length it adapts (set by the engine's speculator), and its own counts.
+        self.draft: list[int] = []
+        self.spec_k = 0
+        self.num_proposed = 0
+        self.num_accepted = 0
+        self.num_verify_steps = 0  # steps that verified proposals for it
+        # Draft-model proposals: the distributions they were drawn from (sampled requests), and how many of
+        # the sequence's tokens the draft model's KV cache holds (0 again after a preemption).
+        self.draft_probs: torch.Tensor | None = None
+        self.draft_computed = 0
         self.generator: torch.Generator | None = None
         # The structured-output matcher (executor/grammar.py's GrammarState), set by the engine; None: free text.
         self.grammar = None

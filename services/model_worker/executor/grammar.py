@@ -165,6 +165,37 @@ class GrammarState:
             self.prepare()
         return ok
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens of a proposal the grammar would accept, in order (the state is unchanged)."""
+        if not self.active or not token_ids:
+            return 0
+        self._settle()
+        return self.matcher.validate_tokens(token_ids)
+
+    def masks_along(self, token_ids: list[int]) -> list[torch.Tensor]:
+        """The masks at the current state and after each of token_ids in turn: one per verification row of a
+        proposal. Past a token the grammar refuses, the rows repeat the last mask: that token is masked out
+        of its own row, so it is rejected there and the rows after it are never used. The matcher is rolled
+        back afterwards."""
+        self._settle()
+        masks = [self.mask().clone()]  # the shared buffer is refilled once the next token is accepted
+        # Validated first: consuming a refused token would leave the matcher in its error state.
+        valid = self.matcher.validate_tokens(token_ids) if token_ids else 0
+        for token in token_ids[:valid]:
+            if not self.matcher.consume_token(token):
+                raise ValueError(f"the grammar refused token {token} it had validated")
+            mask = torch.zeros_like(self.bitmask)
+            self.matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+            masks.append(mask)
+        masks += [masks[-1]] * (len(token_ids) - valid)
+        self.matcher.rollback(valid)
+        return masks
+
+    def _settle(self) -> None:
+        """Waits for a mask being filled, so the matcher can be read and moved."""
+        if self._pending is not None:
+            self._pending.result()
+
     @property
     def is_complete(self) -> bool:
         """The grammar can take no more tokens (an EOS aside): the sequence ends here."""

@@ -133,6 +133,26 @@ def _sample(
     return token_ids
 
 
+def probabilities(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """(R, V) float32: the distribution each (non-greedy) row's draw is taken from, after temperature and
+    the top_k, top_p and min_p masks; scores are the logits with penalties applied, as _sample gets them.
+    Speculative decoding's rejection sampler verifies proposals against it."""
+    probs = torch.zeros_like(scores)
+    for rows, candidates, ids in _truncate(_scale(scores, params), params):
+        rows_t = to_device(rows, torch.long, scores.device)
+        row_probs = candidates.softmax(dim=-1)
+        if ids is None:
+            probs[rows_t] = row_probs
+        else:
+            probs[rows_t] = torch.zeros_like(probs[rows_t]).scatter_(1, ids, row_probs)
+    return probs
+
+
+def logprobs_of(logits: torch.Tensor, params: list[SamplingParams], token_ids: torch.Tensor) -> SamplerOutput:
+    """The chosen tokens with their logprobs and top logprobs, as the sampler reports them."""
+    return _with_logprobs(logits, params, token_ids)
+
+
 def _scale(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return logits / _column([p.temperature for p in params], logits.device)
 

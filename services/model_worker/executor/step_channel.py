@@ -19,7 +19,8 @@ class StepChannel:
 
     def __init__(self, group, max_tokens: int, max_seqs: int, max_table_width: int):
         self.group = group
-        capacity = _HEADER + 3 * max_tokens + (max_seqs + 1) + max_seqs + max_seqs * max_table_width + max_seqs
+        # Sampled rows: at most one per token (speculative decoding samples every proposed row).
+        capacity = _HEADER + 3 * max_tokens + (max_seqs + 1) + max_seqs + max_seqs * max_table_width + max_tokens
         self.buffer = torch.zeros(capacity, dtype=torch.int32)
 
     def send(self, host: StepInputs) -> None:

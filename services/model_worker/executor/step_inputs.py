@@ -34,15 +34,23 @@ class StepInputs:
 
     @classmethod
     def build(cls, token_ids: list[list[int]], block_tables: list[list[int]], context_lens: list[int],
-              block_size: int, sampled: list[int] | None = None, extra_rows: list[int] = ()) -> "StepInputs":
+              block_size: int, sampled: list[int] | None = None, extra_rows: list[int] = (),
+              num_draft: list[int] | None = None) -> "StepInputs":
         """token_ids: each sequence's new tokens; context_lens: its tokens after this step (cached + new).
 
         sampled: the sequences whose last new token yields a next token (default: all).
         extra_rows: flat rows whose logits are wanted too, after the sampled ones (prompt logprobs).
+        num_draft: per sampled sequence, how many of its last new tokens are proposals to verify: its
+        d + 1 last rows are sampled, in order (speculative decoding); None: none anywhere.
         """
         flat = FlatLayout.build([len(t) for t in token_ids], block_tables, context_lens, block_size)
         last_rows = flat.query_start_loc[1:].long() - 1
         sample_rows = last_rows if sampled is None else last_rows[torch.tensor(sampled, dtype=torch.int64)]
+        if num_draft is not None and any(num_draft):
+            counts = torch.tensor(num_draft, dtype=torch.int64) + 1
+            ends = sample_rows.repeat_interleave(counts)
+            back = counts.cumsum(0).repeat_interleave(counts) - torch.arange(int(counts.sum())) - 1
+            sample_rows = ends - back
         if extra_rows:
             sample_rows = torch.cat((sample_rows, torch.tensor(extra_rows, dtype=torch.int64)))
         return cls(torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64), flat.positions,

@@ -48,3 +48,17 @@ class EngineCollector:
                                 value=stats["prefix_cache_hit_rate"])
         yield CounterMetricFamily("vllm_v0_worker_preemptions", "sequences preempted for lack of KV blocks",
                                   value=stats["preemptions"])
+        method = (self.client.info or {}).get("speculative_method")
+        if method:
+            proposed = CounterMetricFamily("vllm_v0_worker_spec_proposed_tokens", "speculative decoding: tokens "
+                                           "proposed and verified", labels=("method",))
+            proposed.add_metric((method,), stats.get("spec_proposed", 0))
+            yield proposed
+            accepted = CounterMetricFamily("vllm_v0_worker_spec_accepted_tokens", "speculative decoding: proposed "
+                                           "tokens the model accepted", labels=("method",))
+            accepted.add_metric((method,), stats.get("spec_accepted", 0))
+            yield accepted
+            rate = GaugeMetricFamily("vllm_v0_worker_spec_acceptance_ratio", "speculative decoding: accepted / "
+                                     "proposed tokens since start", labels=("method",))
+            rate.add_metric((method,), stats.get("spec_acceptance_rate", 0.0))
+            yield rate

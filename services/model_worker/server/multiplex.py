@@ -27,6 +27,8 @@ def step_message(out: StepOutput, first: bool) -> worker_pb2.GenerateResponse:
     """One step of one request as Generate streams it; the prompt length rides on the first."""
     msg = worker_pb2.GenerateResponse(token_id=out.token_id, finish_reason=FINISH_REASONS[out.finish_reason],
                                       prompt_tokens=out.prompt_tokens if first else 0)
+    if out.spec_accepted is not None:
+        msg.spec_accepted = out.spec_accepted
     if out.logprob is not None:
         msg.logprob = out.logprob
         msg.top_logprobs.extend(worker_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in out.top_logprobs)

@@ -120,5 +120,9 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
             vocab_size=info["vocab_size"], eos_token_ids=info["eos_token_ids"], running=stats["running"],
             waiting=stats["waiting"], kv_blocks_used=stats["kv_blocks_used"], kv_blocks_free=stats["kv_blocks_free"],
             block_size=info["block_size"], prefix_cache_hit_rate=stats["prefix_cache_hit_rate"],
-            tokens_after_cancel=engine.tokens_after_cancel, max_logprobs=MAX_LOGPROBS)
+            tokens_after_cancel=engine.tokens_after_cancel, max_logprobs=MAX_LOGPROBS,
+            speculative_method=info.get("speculative_method", ""),
+            speculative_proposed_tokens=stats.get("spec_proposed", 0),
+            speculative_accepted_tokens=stats.get("spec_accepted", 0),
+            speculative_acceptance_rate=stats.get("spec_acceptance_rate", 0.0))
 

@@ -76,20 +76,22 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_id", "logprob", "top_logprobs", "finish_reason", "prompt_tokens", "prompt_logprobs")
+    __slots__ = ("token_id", "logprob", "top_logprobs", "finish_reason", "prompt_tokens", "prompt_logprobs", "spec_accepted")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: FinishReason
     prompt_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ...) -> None: ...
+    spec_accepted: int
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ..., spec_accepted: _Optional[int] = ...) -> None: ...
 
 class GenerateManyRequest(_message.Message):
     __slots__ = ("start", "cancel")
@@ -122,7 +124,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "device", "max_context", "vocab_size", "eos_token_ids", "running", "waiting", "kv_blocks_used", "kv_blocks_free", "block_size", "prefix_cache_hit_rate", "tokens_after_cancel", "max_logprobs")
+    __slots__ = ("model", "dtype", "device", "max_context", "vocab_size", "eos_token_ids", "running", "waiting", "kv_blocks_used", "kv_blocks_free", "block_size", "prefix_cache_hit_rate", "tokens_after_cancel", "max_logprobs", "speculative_method", "speculative_proposed_tokens", "speculative_accepted_tokens", "speculative_acceptance_rate")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +139,10 @@ class GetInfoResponse(_message.Message):
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_AFTER_CANCEL_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -151,7 +157,11 @@ class GetInfoResponse(_message.Message):
     prefix_cache_hit_rate: float
     tokens_after_cancel: int
     max_logprobs: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., tokens_after_cancel: _Optional[int] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
+    speculative_method: str
+    speculative_proposed_tokens: int
+    speculative_accepted_tokens: int
+    speculative_acceptance_rate: float
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., tokens_after_cancel: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., speculative_method: _Optional[str] = ..., speculative_proposed_tokens: _Optional[int] = ..., speculative_accepted_tokens: _Optional[int] = ..., speculative_acceptance_rate: _Optional[float] = ...) -> None: ...
 
 class WatchLoadRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,1 @@
+"""Speculative decoding's device side: the proposers and the rejection sampler that verifies their tokens."""
