@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from checkpoint.files import eos_token_ids, read_json
+from services.model_worker.config.quantization import QuantizationError, checkpoint_quantization
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
@@ -35,8 +36,14 @@ class Qwen3Config:
     torch_dtype: str = "bfloat16"
     attention_bias: bool = False
     architecture: str = "Qwen3ForCausalLM"
+    # config.json's quantization_config: None, or Qwen's FP8 format (config/quantization.py checks it).
+    quantization_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        try:
+            checkpoint_quantization(self.quantization_config)
+        except QuantizationError as e:
+            raise ConfigError(str(e)) from None
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"unsupported architecture {self.architecture!r}: this engine implements "
@@ -105,6 +112,7 @@ class Qwen3Config:
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
             attention_bias=bool(raw.get("attention_bias", False)),
             architecture=architecture,
+            quantization_config=raw.get("quantization_config") or None,
         )
 
     @classmethod
