@@ -66,7 +66,7 @@ class EightBitLinearMethod(LinearMethod):
         if not self.from_checkpoint:
             weight = layer.weight.detach()
             if self.fmt == "int8":
-                q, scales = quantize_int8(weight)
+                q, scales = quantize_int8(weight, layer.tp if isinstance(layer, RowParallelLinear) else None)
             else:
                 # Each part of a fused layer (q, k, v; gate, up) in blocks of its own, as a checkpoint holds them.
                 qs, row_scales = [], []

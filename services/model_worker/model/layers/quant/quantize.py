@@ -10,17 +10,21 @@ from __future__ import annotations
 import torch
 
 from services.model_worker.config.quantization import FP8_BLOCK
+from services.model_worker.distributed.parallel import TensorParallel
 from services.model_worker.model.layers.weights import CheckpointTensor
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 INT8_MAX = 127   # symmetric: -127..127, so the scale is amax / 127
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(weight: torch.Tensor, tp: TensorParallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-row symmetric int8: scale = amax / 127 (1 for an all-zero row), q = round(w / scale),
-    half to even, in float32. Returns (q (N, K) int8, scales (N, 1) float32)."""
+    half to even, in float32. Returns (q (N, K) int8, scales (N, 1) float32). tp: the ranks that each hold
+    part of every row (a row-parallel layer), whose amax is taken over the whole row, as on one rank."""
     w = weight.float()
     amax = w.abs().amax(dim=1, keepdim=True)
+    if tp is not None:
+        amax = tp.all_max(amax)
     scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
     q = torch.round(w / scales).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scales
