@@ -51,52 +51,86 @@ AI float scale_at(const float *scales, int64_t row, int64_t blocks, int64_t b, c
     return fp8 ? scales[row * blocks + b] * 256.0f : scales[row * blocks + b];
 }
 
-/* Output rows n0.. (R of them, fewer at the end) for input rows m0.. (MB of them, ms used). */
-AI void rows_block(const float *xf, const uint8_t *w, const float *scales, uint16_t *out, int m0, int ms,
-                   int64_t n, int64_t n0, int rows, int64_t k, int64_t bk, int prefetch, const int fp8, const int R,
-                   const int MB) {
+/* Output rows n0..n0+R-1 for input rows m0..m0+MB-1. R and MB are constants at every call, so the
+ * loops over them unroll and the R x MB accumulators stay in registers. */
+AI void rows_block(const float *xf, const uint8_t *w, const float *scales, uint16_t *out, int m0, int64_t n,
+                   int64_t n0, int64_t k, int64_t bk, int prefetch, const int fp8, const int R, const int MB) {
     const int64_t blocks = (k + bk - 1) / bk;
-    __m512 acc[R][MB];
+    __m512 acc[8][4]; /* R <= 8, MB <= 4: fixed sizes, so that the compiler keeps them in registers */
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
         for (int i = 0; i < MB; i++) acc[r][i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t k0 = b * bk, k1 = k0 + bk < k ? k0 + bk : k;
-        __m512 s[R];
+        __m512 s[8];
         if (fp8)
-            for (int r = 0; r < rows; r++) s[r] = _mm512_set1_ps(scale_at(scales, n0 + r, blocks, b, 1));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) s[r] = _mm512_set1_ps(scale_at(scales, n0 + r, blocks, b, 1));
         for (int64_t j = k0; j < k1; j += 16) {
-            __m512 xv[MB];
-            for (int i = 0; i < ms; i++) xv[i] = _mm512_loadu_ps(xf + (int64_t)(m0 + i) * k + j);
-            for (int r = 0; r < rows; r++) {
+            __m512 xv[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < MB; i++) xv[i] = _mm512_loadu_ps(xf + (int64_t)(m0 + i) * k + j);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
                 const uint8_t *p = w + (n0 + r) * k + j;
                 if (prefetch && (j & 63) == 0) _mm_prefetch((const char *)(p + R * k), _MM_HINT_T0);
                 __m512 wv = widen16(p, fp8);
                 if (fp8) wv = _mm512_mul_ps(wv, s[r]);
-                for (int i = 0; i < ms; i++) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
+#pragma GCC unroll 4
+                for (int i = 0; i < MB; i++) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
             }
         }
     }
-    for (int r = 0; r < rows; r++) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
         const float rs = fp8 ? 1.0f : scales[n0 + r];
-        for (int i = 0; i < ms; i++) out[(int64_t)(m0 + i) * n + n0 + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[r][i]) * rs);
+#pragma GCC unroll 4
+        for (int i = 0; i < MB; i++) out[(int64_t)(m0 + i) * n + n0 + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[r][i]) * rs);
     }
 }
 
-AI void gemv(const float *xf, const uint8_t *w, const float *scales, uint16_t *out, int m, int64_t n, int64_t k,
-             int64_t bk, const int fp8) {
-    if (m == 1) {
-#pragma omp parallel for schedule(static)
-        for (int64_t n0 = 0; n0 < n; n0 += 8)
-            rows_block(xf, w, scales, out, 0, 1, n, n0, n - n0 < 8 ? (int)(n - n0) : 8, k, bk, 1, fp8, 8, 1);
+/* Output rows n0..n0+rows-1 (R of them, or one at a time at the end) for input rows m0..m0+MB-1. */
+AI void rows_tail(const float *xf, const uint8_t *w, const float *scales, uint16_t *out, int m0, int64_t n,
+                  int64_t n0, int rows, int64_t k, int64_t bk, int prefetch, const int fp8, const int R, const int MB) {
+    if (rows == R) {
+        rows_block(xf, w, scales, out, m0, n, n0, k, bk, prefetch, fp8, R, MB);
         return;
     }
-#pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < n; n0 += 4) {
-        const int rows = n - n0 < 4 ? (int)(n - n0) : 4;
-        for (int m0 = 0; m0 < m; m0 += 4)
-            rows_block(xf, w, scales, out, m0, m - m0 < 4 ? m - m0 : 4, n, n0, rows, k, bk, m0 == 0, fp8, 4, 4);
+    for (int r = 0; r < rows; r++) rows_block(xf, w, scales, out, m0, n, n0 + r, k, bk, 0, fp8, 1, MB);
+}
+
+/* Input rows in groups of 4 (the last group 1 to 4), each over output rows n0..n0+rows-1. */
+AI void group_of_rows(const float *xf, const uint8_t *w, const float *scales, uint16_t *out, int m, int64_t n,
+                      int64_t n0, int rows, int64_t k, int64_t bk, const int fp8) {
+    for (int m0 = 0; m0 < m; m0 += 4) {
+        const int prefetch = m0 == 0;
+        switch (m - m0 < 4 ? m - m0 : 4) {
+            case 4: rows_tail(xf, w, scales, out, m0, n, n0, rows, k, bk, prefetch, fp8, 4, 4); break;
+            case 3: rows_tail(xf, w, scales, out, m0, n, n0, rows, k, bk, prefetch, fp8, 4, 3); break;
+            case 2: rows_tail(xf, w, scales, out, m0, n, n0, rows, k, bk, prefetch, fp8, 4, 2); break;
+            default: rows_tail(xf, w, scales, out, m0, n, n0, rows, k, bk, prefetch, fp8, 4, 1); break;
+        }
     }
 }
+
+/* The row loops, one function per format: GCC outlines an OpenMP region before it inlines, so a
+ * format passed down as a value would reach rows_block as a variable and nothing would specialise. */
+#define DEFINE_GEMV(NAME, FP8)                                                                               \
+    static void NAME(const float *xf, const uint8_t *w, const float *scales, uint16_t *out, int m, int64_t n, \
+                     int64_t k, int64_t bk) {                                                               \
+        if (m == 1) {                                                                                        \
+            _Pragma("omp parallel for schedule(static)")                                                    \
+            for (int64_t n0 = 0; n0 < n; n0 += 8)                                                            \
+                rows_tail(xf, w, scales, out, 0, n, n0, n - n0 < 8 ? (int)(n - n0) : 8, k, bk, 1, FP8, 8, 1); \
+            return;                                                                                          \
+        }                                                                                                    \
+        _Pragma("omp parallel for schedule(static)")                                                        \
+        for (int64_t n0 = 0; n0 < n; n0 += 4)                                                                \
+            group_of_rows(xf, w, scales, out, m, n, n0, n - n0 < 4 ? (int)(n - n0) : 4, k, bk, FP8);         \
+    }
+DEFINE_GEMV(gemv_int8, 0)
+DEFINE_GEMV(gemv_fp8, 1)
 
 /* rows weight rows from w (their scales from scales) as bf16(q * scale), row-major into dst. */
 AI void dequantize_rows(const uint8_t *w, const float *scales, uint16_t *dst, int64_t rows, int64_t k, int64_t bk,
@@ -106,7 +140,17 @@ AI void dequantize_rows(const uint8_t *w, const float *scales, uint16_t *dst, in
         for (int64_t b = 0; b < blocks; b++) {
             const __m512 s = _mm512_set1_ps(scale_at(scales, r, blocks, b, fp8));
             const int64_t k0 = b * bk, k1 = k0 + bk < k ? k0 + bk : k;
-            for (int64_t j = k0; j < k1; j += 16) {
+            int64_t j = k0;
+#if defined(__AVX512BF16__)
+            /* 32 at a time, rounded by the hardware (to nearest even, as round_bf16x16): the dequantizing
+             * is most of what the AMX path adds to reading the bytes. */
+            for (; j + 32 <= k1; j += 32) {
+                const __m512 lo = _mm512_mul_ps(widen16(w + r * k + j, fp8), s);
+                const __m512 hi = _mm512_mul_ps(widen16(w + r * k + j + 16, fp8), s);
+                _mm512_storeu_si512(dst + r * k + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+#endif
+            for (; j < k1; j += 16) {
                 const __m512i rounded = round_bf16x16(_mm512_mul_ps(widen16(w + r * k + j, fp8), s));
                 _mm256_storeu_si256((__m256i *)(dst + r * k + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
             }
@@ -123,8 +167,8 @@ int q8_linear(const uint16_t *x, const uint8_t *w, const float *scales, uint16_t
     float *xf = malloc(sizeof(float) * (size_t)m * k);
     if (!xf) return -1;
     for (int64_t i = 0; i < (int64_t)m * k; i++) xf[i] = bf16_to_f32(x[i]);
-    if (fp8) gemv(xf, w, scales, out, m, n, k, bk, 1);
-    else gemv(xf, w, scales, out, m, n, k, bk, 0);
+    if (fp8) gemv_fp8(xf, w, scales, out, m, n, k, bk);
+    else gemv_int8(xf, w, scales, out, m, n, k, bk);
     free(xf);
     return 0;
 #else
