@@ -78,3 +78,33 @@ def test_layer_routes_every_row_count_to_a_correct_path(kernels, fmt):
     x = torch.randn(3, 256)  # float32: F.linear on the float32 dequantization, exactly
     assert torch.equal(layer(x), F.linear(x, dequantize(layer.weight, layer.weight_scale_inv, layer.block_k,
                                                         torch.float32), layer.bias.float()))
+
+
+@needs_avx512
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("batch", [1, 3, 6])
+def test_fused_decode_steps_equal_the_layer_by_layer_forward_bit_for_bit(tmp_path, fmt, batch, monkeypatch):
+    """The fused decode loop (kernels/decoder.c) calls the same 8-bit kernels with the same routing."""
+    from services.model_worker.config.engine import EngineConfig
+    from services.model_worker.engine.llm_engine import LLMEngine
+    from tests.checkpoints import make_checkpoint
+    from tests.unit.test_engine_reference import random_prompt
+    from tests.unit.test_fused_decode import hidden_states
+
+    make_checkpoint(tmp_path, eos_token_id=(), num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                    head_dim=32, hidden_size=160, intermediate_size=288)
+
+    def make_engine(fused: bool) -> LLMEngine:
+        return LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=256, block_size=8,
+                                                fused_decode=fused, quantization=fmt))
+
+    prompts = [random_prompt(3 + 4 * i, seed=batch * 10 + i) for i in range(batch)]
+    plain = hidden_states(make_engine(False), prompts, 5)
+    from services.model_worker.kernels import cpu_decoder
+    calls = []
+    real = cpu_decoder.decode_layers
+    monkeypatch.setattr(cpu_decoder, "decode_layers", lambda *args: (calls.append(args[4].shape[0]), real(*args))[1])
+    engine = make_engine(True)
+    fused = hidden_states(engine, prompts, 5)
+    assert calls and set(calls) == {batch}  # every decode step went through the fused loop
+    assert len(fused) == len(plain) and all(torch.equal(a, b) for a, b in zip(fused, plain))
