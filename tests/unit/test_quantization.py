@@ -11,6 +11,7 @@ from services.model_worker.config.engine import EngineConfig
 from services.model_worker.config.model import ConfigError, Qwen3Config
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.engine.llm_engine import LLMEngine
+from services.model_worker.model.layers.linear import linear_layers
 from services.model_worker.model.layers.quant.eight_bit import EightBitLinearMethod
 from tests.checkpoints import make_checkpoint
 from tests.quant_checkpoints import FP8_CONFIG, write_dequantized, write_fp8
@@ -70,31 +71,24 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_copy(source):
         ours.close()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
-def test_quantize_on_load_matches_a_reference_that_rounds_the_same_way(source, fmt, tmp_path):
-    write_dequantized(source / "src", tmp_path / "reference", fmt, lm_head=True)
-    ours = engine(source / "src", quantization=fmt, quantize_lm_head=True)
+@pytest.mark.parametrize("shape,fmt", [("partial_blocks_gqa_tied", "int8"), ("untied_sharded", "fp8")])
+def test_quantize_on_load_matches_a_reference_that_rounds_the_same_way(shape, fmt, tmp_path):
+    make_checkpoint(tmp_path / "src", **SHAPES[shape])
+    write_dequantized(tmp_path / "src", tmp_path / "reference", fmt, lm_head=True)
+    ours = engine(tmp_path / "src", quantization=fmt, quantize_lm_head=True)
     try:
         head = ours.model.lm_head
         assert head.weight.element_size() == 1 and head.weight_scale_inv.dtype == torch.float32
         assert ours.model.model.embed_tokens.weight.dtype == torch.float32  # a tied embedding keeps its table
+        layers = [m for _, m in linear_layers(ours.model)]
+        weights = sum(m.in_features * m.out_features for m in layers)
+        held = sum(t.numel() * t.element_size() for m in layers for t in m.parameters())
+        # One byte a weight plus the float32 scales (a row's, or a row's per 128 inputs), not four bytes a weight.
+        scales = sum(m.out_features * (1 if fmt == "int8" else -(-m.in_features // 128)) for m in layers)
+        assert held == weights + 4 * scales
         assert_matches(ours, reference_model(tmp_path / "reference"))
     finally:
         ours.close()
-
-
-def test_quantized_layers_hold_one_byte_a_weight(source):
-    from services.model_worker.model.layers.linear import linear_layers
-    quantized = engine(source / "src", quantization="int8")
-    try:
-        layers = [m for _, m in linear_layers(quantized.model, include_lm_head=False)]
-        weights = sum(m.in_features * m.out_features for m in layers)
-        held = sum(t.numel() * t.element_size() for m in layers for t in m.parameters())
-        # One byte a weight plus a float32 scale per row, against four bytes a weight in float32.
-        assert held == weights + 4 * sum(m.out_features for m in layers)
-        assert all(m.weight.dtype == torch.int8 for m in layers)
-    finally:
-        quantized.close()
 
 
 def fp8_config(**changes) -> dict:
