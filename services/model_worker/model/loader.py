@@ -164,9 +164,12 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
     if problems:
         raise LoadError(f"checkpoint {checkpoint_dir} does not match its config.json: " + "; ".join(problems))
     model.eval().requires_grad_(False)
+    loaded = {p.data_ptr() for p in model.parameters()}
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()  # the layer's weight format (model/layers/linear.py)
+    if huge_pages and device.type == "cpu" and any(p.data_ptr() not in loaded for p in model.parameters()):
+        hugepages.rehome_parameters(model)  # weights replaced after loading (quantized): free the loaded ones
     log.info("loaded %d tensors (%.2f GB) from %s to %s as %s in %.1f s", len(seen), total_bytes / 1e9,
              checkpoint_dir, device, str(dtype).removeprefix("torch."), time.perf_counter() - start)
     return model
