@@ -71,6 +71,23 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_copy(source):
         ours.close()
 
 
+def test_fp8_checkpoint_in_bf16_is_as_close_to_float32_as_transformers_bf16(source):
+    """bf16 compute on the C kernels (the weights widened from their bytes): its logits no farther from
+    transformers' float32 ones on the dequantized copy than twice transformers' own bf16 rounding."""
+    reference = reference_model(source / "fp8_dequantized")
+    prompt = random_prompt(29, seed=5)
+    with torch.no_grad():
+        exact = reference(torch.tensor([prompt])).logits[0]
+        rounding = (reference.to(torch.bfloat16)(torch.tensor([prompt])).logits[0].float() - exact).abs().max().item()
+    ours = LLMEngine(source / "fp8", EngineConfig(device="cpu", dtype="bfloat16", num_blocks=96, block_size=8))
+    try:
+        assert ours.model.model.layers[0].mlp.gate_up_proj.q8 is not None  # the kernels, not a dequantized copy
+        (logits,) = forward(ours, [prompt])
+        assert (logits.float() - exact).abs().max().item() <= 2 * rounding
+    finally:
+        ours.close()
+
+
 @pytest.mark.parametrize("shape,fmt", [("partial_blocks_gqa_tied", "int8"), ("untied_sharded", "fp8")])
 def test_quantize_on_load_matches_a_reference_that_rounds_the_same_way(shape, fmt, tmp_path):
     make_checkpoint(tmp_path / "src", **SHAPES[shape])
