@@ -7,9 +7,12 @@ import pathlib
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
+# What the tokenizer service reads of a checkpoint: all of it but the weights, which may be gigabytes.
+TOKENIZER_FILES = [pattern for pattern in CHECKPOINT_FILES if pattern != "*.safetensors"]
 
 
-def resolve_model(model: str) -> pathlib.Path:
+def resolve_model(model: str, patterns: list[str] = CHECKPOINT_FILES) -> pathlib.Path:
+    """--model as a local directory: itself, or a hub id's snapshot of the files matching `patterns`."""
     path = pathlib.Path(model).expanduser()
     if path.is_dir():
         return path.resolve()
@@ -20,7 +23,7 @@ def resolve_model(model: str) -> pathlib.Path:
 
     log.info("fetching %s from the hub (cached after the first start)", model)
     try:
-        return pathlib.Path(snapshot_download(model, allow_patterns=CHECKPOINT_FILES))
+        return pathlib.Path(snapshot_download(model, allow_patterns=patterns))
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, gated repo: all end the same way
         raise SystemExit(
             f"--model {model}: cannot download it from the hub ({type(e).__name__}: {e}). Offline? Download the "

@@ -86,8 +86,13 @@ def build_demo_checkpoint(
     dtype: str = "bfloat16",
     seed: int = 0,
     tie_word_embeddings: bool | None = None,
+    weights: bool = True,
 ) -> Path:
-    """Write config, generation config, tokenizer files, RANDOM weights and a README into `out_dir`."""
+    """Write config, generation config, tokenizer files, RANDOM weights and a README into `out_dir`.
+
+    Without `weights`, only the files the tokenizer service reads: its own copy of the checkpoint in
+    a deployment where it does not share a volume with the worker.
+    """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if dtype not in DTYPES:
@@ -98,6 +103,9 @@ def build_demo_checkpoint(
     # Read by the services so their logs say so too; transformers ignores unknown keys.
     config[DEMO_MARKER] = "RANDOM weights: the output is gibberish"
     write_json(out_dir / "config.json", config)
+    if not weights:
+        logger.info("Wrote the tokenizer files and config of a %s Qwen3 checkpoint to %s (no weights)", preset, out_dir)
+        return out_dir
     write_random_weights(out_dir / "model.safetensors", config, dtype, seed)
     (out_dir / "README.md").write_text(README.format(preset=preset, dtype=dtype, seed=seed), encoding="utf-8")
     logger.warning(
@@ -121,6 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--untie-embeddings", action="store_true", help="write a separate lm_head.weight instead of tying it"
     )
+    parser.add_argument(
+        "--tokenizer-only", action="store_true",
+        help="write only the tokenizer files and config.json, no weights: enough for the tokenizer service",
+    )
     return parser.parse_args(argv)
 
 
@@ -128,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     build_demo_checkpoint(
-        args.out, args.preset, args.dtype, args.seed, tie_word_embeddings=False if args.untie_embeddings else None
+        args.out, args.preset, args.dtype, args.seed, tie_word_embeddings=False if args.untie_embeddings else None,
+        weights=not args.tokenizer_only,
     )
 
 

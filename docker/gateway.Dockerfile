@@ -17,13 +17,15 @@ RUN grep -v '^torch' requirements.txt > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt
 
-RUN useradd --create-home --uid 1000 app
+RUN groupadd --gid 1000 app \
+ && useradd --create-home --uid 1000 --gid 1000 app
 
 COPY vllm_v0/ vllm_v0/
 COPY rpcserver/ rpcserver/
 COPY gateway/ gateway/
 
-USER app
+# Numeric, so Kubernetes' runAsNonRoot can check it without reading /etc/passwd (deploy/kubernetes/).
+USER 1000:1000
 EXPOSE 50051 8000
 # Exec form: the server itself is PID 1 and gets SIGTERM to drain its streams.
 CMD ["python", "-m", "gateway", "--host", "0.0.0.0", "--port", "50051"]

@@ -18,7 +18,8 @@ RUN grep -v '^torch' requirements.txt > /tmp/requirements.txt \
 
 # A new named volume copies the ownership of the directory it is mounted on, so these
 # mount points decide that the non-root user can write the weights and the HF cache.
-RUN useradd --create-home --uid 1000 app \
+RUN groupadd --gid 1000 app \
+ && useradd --create-home --uid 1000 --gid 1000 app \
  && mkdir -p /models /hf-cache \
  && chown app:app /models /hf-cache
 
@@ -28,6 +29,7 @@ COPY checkpoint/ checkpoint/
 COPY services/__init__.py services/__init__.py
 COPY services/tokenizer/ services/tokenizer/
 
-USER app
+# Numeric, so Kubernetes' runAsNonRoot can check it without reading /etc/passwd (deploy/kubernetes/).
+USER 1000:1000
 EXPOSE 50052
 CMD ["python", "-m", "services.tokenizer", "--host", "0.0.0.0", "--port", "50052", "--model", "/models/demo"]

@@ -39,7 +39,8 @@ RUN pip install --index-url "$TORCH_INDEX_URL" "$(grep '^torch==' requirements.t
 
 # A new named volume copies the ownership of the directory it is mounted on, so these
 # mount points decide that the non-root user can write the weights and the HF cache.
-RUN useradd --create-home --uid 1000 app \
+RUN groupadd --gid 1000 app \
+ && useradd --create-home --uid 1000 --gid 1000 app \
  && mkdir -p /models /hf-cache \
  && chown app:app /models /hf-cache
 
@@ -50,7 +51,8 @@ COPY services/__init__.py services/__init__.py
 COPY services/model_worker/ services/model_worker/
 COPY demo/ demo/
 
-USER app
+# Numeric, so Kubernetes' runAsNonRoot can check it without reading /etc/passwd (deploy/kubernetes/).
+USER 1000:1000
 EXPOSE 50053
 CMD ["python", "-m", "services.model_worker", "--host", "0.0.0.0", "--port", "50053", \
      "--model", "/models/demo", "--device", "cuda", "--dtype", "auto"]

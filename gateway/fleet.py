@@ -150,6 +150,9 @@ class Fleet:
         # collected mid-wait, leaving its channel open for good.
         self._retiring: set[asyncio.Task] = set()
         self.changed = asyncio.Event()  # set whenever a worker joins, leaves or changes state
+        # Targets whose last lookup failed: said once, not every interval (a Kubernetes headless Service
+        # has no address at all until its first worker is ready, which can take many minutes).
+        self._unresolved: set[str] = set()
 
     async def start(self) -> None:
         await self._resolve()
@@ -190,8 +193,14 @@ class Fleet:
             try:
                 wanted.extend(a for a in await resolve(target) if a not in wanted)
             except OSError as e:  # keep what it stood for until the name resolves again
-                log.warning("cannot resolve %s (%s); keeping its last addresses", target, e)
+                if target not in self._unresolved:
+                    log.warning("cannot resolve %s (%s); keeping its last addresses until it resolves", target, e)
+                    self._unresolved.add(target)
                 wanted.extend(a for a in self.workers if a not in wanted and target.startswith(DNS_PREFIX))
+                continue
+            if target in self._unresolved:
+                log.info("%s resolves again", target)
+                self._unresolved.discard(target)
         for address in [a for a in self.workers if a not in wanted]:
             log.info("worker %s: no longer in %s; removing it", address, ", ".join(self.targets))
             worker = self.workers.pop(address)

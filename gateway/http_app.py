@@ -171,8 +171,10 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
                 await choices.close()
             return error_response(e)
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(stream_events(fmt, choices, firsts, usage), media_type="text/event-stream",
+            options = body.stream_options
+            usage = options is not None and options.include_usage
+            continuous = usage and options.continuous_usage_stats
+            return StreamingResponse(stream_events(fmt, choices, firsts, usage, continuous), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache", "x-request-id": request_id})
         async def collect() -> None:
             for index, delta in firsts:
@@ -266,16 +268,17 @@ async def until_disconnect(request: Request, work) -> bool:
 
 
 async def stream_events(fmt: ResponseFormat, choices: Choices, firsts: list[tuple[int, Delta]],
-                        include_usage: bool) -> AsyncIterator[bytes]:
-    """Server-sent events: one `data:` line per delta, usage last when asked for, then [DONE].
+                        include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
+    """Server-sent events: one `data:` line per delta, usage last when asked for (and in every chunk with
+    vLLM's continuous_usage_stats), then [DONE].
 
     A client that disconnects cancels this generator; closing the choices cancels the worker's sequences.
     """
     try:
         for index, delta in firsts:
-            yield sse(_with_usage(fmt.chunk(index, delta), include_usage))
+            yield sse(_with_usage(fmt, fmt.chunk(index, delta), include_usage, continuous_usage))
         async for index, delta in choices.rest():
-            yield sse(_with_usage(fmt.chunk(index, delta), include_usage))
+            yield sse(_with_usage(fmt, fmt.chunk(index, delta), include_usage, continuous_usage))
         if include_usage:
             yield sse(fmt.usage_chunk())
     except Exception as e:  # noqa: BLE001 - the status line is sent: the error goes in the stream
@@ -291,7 +294,8 @@ def _logged_prompt(req: GenerationRequest):
     return req.messages if req.messages is not None else req.prompt_token_ids
 
 
-def _with_usage(chunk: dict, include_usage: bool) -> dict:
+def _with_usage(fmt: ResponseFormat, chunk: dict, include_usage: bool, continuous: bool) -> dict:
     if include_usage:
-        chunk["usage"] = None  # as OpenAI: every chunk has the key, only the last one a value
+        # As OpenAI: every chunk has the key, only the last one a value (unless asked for in each).
+        chunk["usage"] = fmt.usage() if continuous else None
     return chunk

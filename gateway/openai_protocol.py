@@ -20,6 +20,8 @@ MAX_PROMPTS = 256
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far, not only the last one.
+    continuous_usage_stats: bool = False
 
 
 # Unknown top-level fields that only label or log a request: accepted and ignored, as OpenAI clients send

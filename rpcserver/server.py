@@ -16,6 +16,11 @@ from rpcserver.shared import read_file
 
 log = logging.getLogger(__name__)
 
+# A health service name that answers SERVING for as long as the server's event loop answers calls,
+# whatever the readiness ("" and the service names) says: for liveness probes, which must not restart
+# a server that is only waiting for its model or its backends, or draining.
+LIVENESS = "liveness"
+
 
 def server_options(config: ServerConfig) -> list[tuple[str, int]]:
     max_message_bytes = config.max_message_bytes
@@ -85,6 +90,7 @@ class GrpcServer:
         if not self.port:
             raise SystemExit(f"cannot listen on {address}: the address is already in use or not available here")
         await self.set_serving(False)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         start_metrics_server(self.config.host, self.config.metrics_port)
         await self.server.start()
         log.info("listening on %s:%d (%s)", self.config.host, self.port, "TLS" if credentials else "plaintext")

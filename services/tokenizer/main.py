@@ -8,7 +8,7 @@ import time
 
 import jinja2
 
-from checkpoint.path import resolve_model
+from checkpoint.path import TOKENIZER_FILES, resolve_model
 from rpcserver.auth import add_auth_flags, auth_interceptors
 from rpcserver.config import SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges
 from rpcserver.handlers import add_servicer
@@ -52,7 +52,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 async def serve_started(args: argparse.Namespace, server: GrpcServer, servicer: TokenizerServicer) -> None:
     start = time.perf_counter()
-    checkpoint = resolve_model(args.model)
+    checkpoint = resolve_model(args.model, TOKENIZER_FILES)  # a hub id: no weights
     try:
         core = await asyncio.to_thread(TokenizerCore.from_dir, checkpoint)
     except (TokenizerLoadError, jinja2.TemplateError) as e:  # a missing file, a template that does not compile

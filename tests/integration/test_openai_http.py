@@ -59,6 +59,18 @@ def test_completion_stream_with_usage(client, gateway):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_completion_stream_with_continuous_usage_counts_every_chunk(client, gateway):
+    # vLLM's continuous_usage_stats (guidellm sends it): each chunk's usage is the tokens so far.
+    _, messages = grpc_generate(gateway, prompt=PROMPT, max_tokens=12, temperature=0, ignore_eos=True)
+    chunks = list(client.completions.create(
+        model="any", prompt=PROMPT, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counted = [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in chunks if c.choices]
+    prompt = messages[-1].usage.prompt_tokens
+    assert counted == [(prompt, k) for k in range(1, 13)]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
 def test_completion_without_max_tokens_stops_at_16(client):
     reply = client.completions.create(model="any", prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"

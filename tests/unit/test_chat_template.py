@@ -160,3 +160,45 @@ def test_encode_request_takes_tools_as_json(demo_tokenizer, hf_demo_tokenizer):
 def test_bad_tools_are_refused(demo_tokenizer, tools, message):
     with pytest.raises(InvalidArgument, match=re.escape(message)):
         demo_tokenizer.encode_request(messages=[ASK], tools=tools)
+
+
+@pytest.fixture(scope="module")
+def published_template():
+    from tests.published_template import published_qwen3_template
+
+    return published_qwen3_template()
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory, demo_tokenizer_dir, published_template):
+    """Our tokenizer core and transformers' tokenizer, both on the demo vocabulary with Qwen3's published template."""
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    from services.tokenizer.core import TokenizerCore
+
+    folder = tmp_path_factory.mktemp("published_template")
+    for f in demo_tokenizer_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = published_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), chat_template=published_template,
+                                        eos_token=config["eos_token"], pad_token=config["pad_token"])
+    return TokenizerCore.from_dir(folder), reference
+
+
+@pytest.mark.parametrize("enable_thinking", [None, False])
+@pytest.mark.parametrize("name", [*TOOL_CONVERSATIONS, *CONVERSATIONS])
+def test_render_on_the_published_qwen3_template_matches_transformers(published, published_template, name,
+                                                                     enable_thinking):
+    ours_core, reference = published
+    tools, messages = TOOL_CONVERSATIONS[name] if name in TOOL_CONVERSATIONS else (None, CONVERSATIONS[name])
+    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    ours = ours_core.render_chat(messages, True, enable_thinking, tools)
+    expected = reference.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **extra)
+    assert ours == expected
+    assert "<tool_call>" in published_template and "enable_thinking" in published_template  # Qwen3's, not another
+    if tools:
+        assert "<tools>\n{" in ours and all(f'"name": "{t["function"]["name"]}"' in ours for t in tools)

@@ -2,6 +2,8 @@
 on a tiny random Qwen3 with the real Qwen3 vocabulary (decoded independently by `tokenizers`)."""
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import pytest
@@ -101,6 +103,42 @@ def test_matcher_advances_and_completes(grammar, tokenizer):
     # A token the grammar cannot take is refused.
     fresh = grammar.matcher(StructuredOutput("choice", json.dumps(["yes", "no"])))
     assert not fresh.accept(tokenizer.encode("maybe").ids[0])
+
+
+class _SlowFills:
+    """The real matcher and pool, with fills that take their time and a record of any matcher call made between a
+    fill's submission and its end (llguidance refuses those with "Already mutably borrowed")."""
+
+    def __init__(self, state):
+        self._matcher, self._pool, self._filling, self.overlaps = state.matcher, state._pool, threading.Event(), []
+        state.matcher, state._pool = self, self
+
+    def submit(self, fn):
+        self._filling.set()
+        return self._pool.submit(fn)
+
+    def unsafe_compute_mask_ptr(self, *args):
+        try:
+            time.sleep(0.05)
+            return self._matcher.unsafe_compute_mask_ptr(*args)
+        finally:
+            self._filling.clear()
+
+    def __getattr__(self, name):
+        if self._filling.is_set():
+            self.overlaps.append(name)
+        return getattr(self._matcher, name)
+
+
+def test_the_matcher_is_never_touched_while_the_next_mask_fills(grammar, tokenizer):
+    state = grammar.matcher(StructuredOutput("json_object"))
+    state.mask()
+    slow = _SlowFills(state)
+    for t in tokenizer.encode('{"a":1}').ids:
+        assert state.accept(t)
+        state.is_complete  # the sequence asks right after each token, while the next fill runs
+        state.mask()
+    assert state.is_complete and slow.overlaps == []
 
 
 def test_whitespace_is_not_allowed_between_json_tokens(grammar, tokenizer):

@@ -94,8 +94,15 @@ def test_profiling_runs_the_largest_step_and_reports_what_it_measured(tmp_path, 
     steps = []
     forward = engine.model.forward
     monkeypatch.setattr(engine.model, "forward", lambda ids, *a: steps.append(ids.shape[0]) or forward(ids, *a))
+    rows, compute_logits = [], engine.model.compute_logits
+    monkeypatch.setattr(engine.model, "compute_logits", lambda h: rows.append(h.shape[0]) or compute_logits(h))
+    scored = []
+    monkeypatch.setattr(profile, "score_rows", lambda logits, targets, top: scored.append((logits.shape, top)))
     limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=200)
     memory = profile.profile_step_memory(engine.model, engine.sampler, engine.config, engine.device, torch.float32,
                                          16, limits)
     assert steps == [200]  # one forward of --max-num-batched-tokens tokens
+    # Prompt logprobs of a whole chunk (20 best each) beside the logits of --max-num-seqs sampled rows.
+    assert sorted(rows) == [4, 200]
+    assert scored == [((200, engine.config.vocab_size), [20] * 200)]
     assert memory == GpuMemory(total=80 * GIB, free=60 * GIB, weights=100 * MIB, peak_activations=47 * MIB)

@@ -39,3 +39,34 @@ def test_served_name_is_the_checkpoint_folder_name_or_the_hub_id(tmp_path, monke
     assert served_model_name("Qwen3-0.6B") == "Qwen3-0.6B"
     # Not a local folder: the hub id, which is also what clients look the model up by.
     assert served_model_name("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+
+
+# The files of the published Qwen/Qwen3-0.6B repository.
+QWEN3_HUB_FILES = [".gitattributes", "LICENSE", "README.md", "config.json", "generation_config.json", "merges.txt",
+                   "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.json"]
+
+
+def test_a_hub_id_fetches_for_the_tokenizer_everything_it_reads_but_the_weights(tmp_path, monkeypatch):
+    import fnmatch
+
+    import huggingface_hub
+
+    from checkpoint.path import CHECKPOINT_FILES, TOKENIZER_FILES
+
+    asked = []
+
+    def snapshot_download(repo_id, allow_patterns):  # the hub, which tests cannot reach
+        asked.append((repo_id, allow_patterns))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert resolve_model("Qwen/Qwen3-0.6B", TOKENIZER_FILES) == tmp_path
+    assert resolve_model("Qwen/Qwen3-0.6B") == tmp_path
+    assert asked == [("Qwen/Qwen3-0.6B", TOKENIZER_FILES), ("Qwen/Qwen3-0.6B", CHECKPOINT_FILES)]
+
+    def fetched(patterns):
+        return {name for name in QWEN3_HUB_FILES if any(fnmatch.fnmatch(name, p) for p in patterns)}
+
+    assert fetched(CHECKPOINT_FILES) - fetched(TOKENIZER_FILES) == {"model.safetensors"}
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"} <= fetched(
+        TOKENIZER_FILES)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 
 import pytest
@@ -154,6 +155,22 @@ def test_a_removed_worker_is_retired_by_a_task_the_fleet_holds_and_closes():
         await fleet.close()
         assert channels["a:1"].closed and channels["b:2"].closed  # b:2's stream never ended: closed with the fleet
         assert not asyncio.all_tasks() - {asyncio.current_task()}  # nothing left running
+    asyncio.run(scenario())
+
+
+def test_a_name_that_does_not_resolve_keeps_its_workers_and_is_reported_once(caplog):
+    """A headless Service with no ready pod has no address: the gateway keeps what it had and says so once,
+    not at every lookup."""
+    async def scenario():
+        target = "dns:///no-worker-is-ready.invalid:50053"  # .invalid never resolves (RFC 2606)
+        fleet = Fleet([target], open_channel=lambda address: None, interval=0.01, router=Router())
+        fleet.workers["10.0.0.7:50053"] = Worker("10.0.0.7:50053", _NoChannel(), 0.01)
+        with caplog.at_level(logging.WARNING, logger="gateway.fleet"):
+            for _ in range(3):
+                await fleet._resolve()
+        assert list(fleet.workers) == ["10.0.0.7:50053"]
+        assert [r.getMessage().split(" (")[0] for r in caplog.records] == [f"cannot resolve {target}"]
+        await fleet.close()
     asyncio.run(scenario())
 
 

@@ -10,7 +10,8 @@ from typing import Any
 from checkpoint.files import eos_token_ids, read_json
 from services.model_worker.config.quantization import QuantizationError, checkpoint_quantization
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
 
@@ -36,8 +37,21 @@ class Qwen3Config:
     torch_dtype: str = "bfloat16"
     attention_bias: bool = False
     architecture: str = "Qwen3ForCausalLM"
+    # Mixture of experts (Qwen3MoeForCausalLM); zero experts: every layer's MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+
     # config.json's quantization_config: None, or Qwen's FP8 format (config/quantization.py checks it).
     quantization_config: dict[str, Any] | None = None
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` has experts (the reference's rule) rather than a dense MLP."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
 
     def __post_init__(self) -> None:
         try:
@@ -71,12 +85,26 @@ class Qwen3Config:
                 self.rope_scaling = None
             elif not self.rope_scaling.get("factor"):
                 raise ConfigError("config.json: yarn rope scaling needs a positive 'factor'")
+        if self.architecture in MOE_ARCHITECTURES:
+            self._check_experts()
+
+    def _check_experts(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"config.json: {name} must be a positive integer for {self.architecture}, "
+                                  f"got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"config.json: num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                              f"({self.num_experts})")
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Qwen3Config":
         architectures = raw.get("architectures") or []
         architecture = architectures[0] if architectures else (
-            "Qwen3ForCausalLM" if raw.get("model_type") == "qwen3" else repr(raw.get("model_type")))
+            {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}.get(raw.get("model_type"))
+            or repr(raw.get("model_type")))
         if architecture not in SUPPORTED_ARCHITECTURES:
             # Fail here, before a missing Qwen3-only field hides the real problem.
             raise ConfigError(
@@ -112,6 +140,7 @@ class Qwen3Config:
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
             attention_bias=bool(raw.get("attention_bias", False)),
             architecture=architecture,
+            **(_expert_fields(raw) if architecture in MOE_ARCHITECTURES else {}),
             quantization_config=raw.get("quantization_config") or None,
         )
 
@@ -127,6 +156,16 @@ class Qwen3Config:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
         return cls.from_dict(raw)
+
+
+def _expert_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts keys; transformers 5 writes num_experts as num_local_experts."""
+    return dict(num_experts=raw.get("num_experts", raw.get("num_local_experts", 0)),
+                num_experts_per_tok=raw.get("num_experts_per_tok", 0),
+                moe_intermediate_size=raw.get("moe_intermediate_size", 0),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
+                decoder_sparse_step=raw.get("decoder_sparse_step", 1))
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Tensor parallelism inside the model: which rank holds which slice, and the two collectives a layer needs.
 
-Attention heads, KV heads and the MLP's intermediate dimension are split across ranks (column-
+Attention heads, KV heads and the MLP's intermediate dimension (each expert's, in a mixture of
+experts, whose router is whole on every rank) are split across ranks (column-
 parallel qkv_proj and gate_up_proj, row-parallel o_proj and down_proj, one all-reduce after each),
 and the vocabulary is split for the embedding and the LM head. The layers that hold the slices
 (model/layers/linear.py, embedding.py) read only their rank's part of each checkpoint tensor.
@@ -88,8 +89,8 @@ def check_divisible(config: Qwen3Config, size: int) -> None:
     if size < 1:
         raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
     uneven = [f"{name} ({getattr(config, name)})" for name in
-              ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
-              if getattr(config, name) % size]
+              ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+               "vocab_size") if getattr(config, name) % size]
     if uneven:
         raise ConfigError(f"tensor parallel size {size} must divide {', '.join(uneven)}: each rank holds an "
                           f"equal share of the heads, KV heads, MLP and vocabulary")
@@ -101,4 +102,5 @@ def local_config(config: Qwen3Config, size: int) -> Qwen3Config:
         return config
     return replace(config, num_attention_heads=config.num_attention_heads // size,
                    num_key_value_heads=config.num_key_value_heads // size,
-                   intermediate_size=config.intermediate_size // size, vocab_size=config.vocab_size // size)
+                   intermediate_size=config.intermediate_size // size, vocab_size=config.vocab_size // size,
+                   moe_intermediate_size=config.moe_intermediate_size // size)

@@ -122,6 +122,8 @@ class GrammarState:
         self.bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
         self._pool = pool
         self._pending: Future | None = None
+        # Read once after each token: the matcher may not be touched while a fill runs on the pool.
+        self._stopped = False
         # Until this token is generated (the end of the reasoning) nothing is masked or matched.
         self.waiting_for = start_after
         if self.active:
@@ -158,14 +160,15 @@ class GrammarState:
             self._pending.result()  # never change the matcher under a fill
             self._pending = None
         ok = self.matcher.consume_token(token_id)
-        if ok and not self.matcher.is_stopped():
+        self._stopped = self.matcher.is_stopped()
+        if ok and not self._stopped:
             self.prepare()
         return ok
 
     @property
     def is_complete(self) -> bool:
         """The grammar can take no more tokens (an EOS aside): the sequence ends here."""
-        return self.active and self.matcher.is_stopped()
+        return self.active and self._stopped
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> torch.Tensor:

@@ -2,9 +2,11 @@
 
 On a GPU the cache gets what is left of the allowed share of the GPU once the weights and the largest
 step's activations are counted:  utilization * total - weights - peak activations.  The peak is
-measured by a warm-up forward of --max-num-batched-tokens tokens plus a sampler pass over
---max-num-seqs rows (the largest step the scheduler can form), so a full step can never run the
-GPU out of memory after the cache has taken the rest.
+measured by a warm-up forward of --max-num-batched-tokens tokens, a sampler pass over --max-num-seqs
+rows, and the prompt-logprobs scoring of a chunk whose every row is a scored prompt position (logits
+for --max-num-batched-tokens rows: about 620 MB in bf16 at 2,048 rows of Qwen3's vocabulary): the
+largest step the scheduler can form, so a full step can never run the GPU out of memory after the
+cache has taken the rest.
 """
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import torch
 
 from services.model_worker.config.engine import SchedulerLimits
 from services.model_worker.config.model import ConfigError, Qwen3Config
-from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.config.sampling import MAX_LOGPROBS, SamplingParams
 from services.model_worker.executor.kv_cache import KVCache
 from services.model_worker.executor.model_runner import ModelRunner
+from services.model_worker.executor.prompt_logprobs import score_rows
 from services.model_worker.executor.sampler import Sampler
 from services.model_worker.executor.step_inputs import StepInputs
 from services.model_worker.model.layers.attention.dispatch import default_backend
@@ -75,9 +78,11 @@ def blocks_from_budget(budget_bytes: int, bytes_per_block: int, max_model_len: i
 @torch.inference_mode()
 def profile_step_memory(model, sampler: Sampler, config: Qwen3Config, device: torch.device, dtype: torch.dtype,
                         block_size: int, limits: SchedulerLimits) -> GpuMemory:
-    """A prefill of max_num_batched_tokens tokens, then logits and a top-p draw for max_num_seqs rows.
+    """A prefill of max_num_batched_tokens tokens, then logits and a top-p draw for max_num_seqs rows, then
+    prompt logprobs scored over all max_num_batched_tokens rows.
 
-    Top-p sorts the whole vocabulary per row: the sampler's most memory-hungry path.
+    Top-p sorts the whole vocabulary per row: the sampler's most memory-hungry path. The scored rows'
+    logits live beside the sampled rows' in a step that both prefills a scored prompt and samples.
     """
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -90,15 +95,18 @@ def profile_step_memory(model, sampler: Sampler, config: Qwen3Config, device: to
     runner = ModelRunner(model, cache, device, default_backend(device))
     host = StepInputs.build([[0] * tokens], [list(range(num_blocks))], [tokens], block_size)
     hidden = runner.forward(host)
-    logits = model.compute_logits(hidden.expand(limits.max_num_seqs, -1))
-    logits = logits.float() if logits is not None else None
+    # A step's logits are one tensor: the scored prompt rows stay alive while the sampler runs.
+    scored = model.compute_logits(hidden[:1].expand(tokens, -1))
+    logits = model.compute_logits(hidden[:1].expand(limits.max_num_seqs, -1))
     if logits is not None:  # None on tensor-parallel ranks other than 0, which never sample
-        params = [SamplingParams(temperature=1.0, top_p=0.9, logprobs=20)] * limits.max_num_seqs
+        score_rows(scored, [0] * tokens, [MAX_LOGPROBS] * tokens)
+        logits = logits.float()
+        params = [SamplingParams(temperature=1.0, top_p=0.9, logprobs=MAX_LOGPROBS)] * limits.max_num_seqs
         none = torch.empty(0, dtype=torch.long, device=device)
         sampler(logits, params, [none] * len(params), [none] * len(params), [None] * len(params))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - weights - cache_bytes
-    del cache, runner, hidden, logits
+    del cache, runner, hidden, logits, scored
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return GpuMemory(total=total, free=free, weights=weights, peak_activations=peak)

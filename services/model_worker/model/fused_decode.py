@@ -20,7 +20,7 @@ from services.model_worker.model.layers.attention.metadata import AttentionMetad
 from services.model_worker.model.layers.linear import SmallBatchLinearMethod
 from services.model_worker.model.layers.quant.eight_bit import SCALE, EightBitLinearMethod
 from services.model_worker.model.layers.norm import RMSNorm
-from services.model_worker.model.qwen3 import Qwen3Model
+from services.model_worker.model.qwen3 import Qwen3MLP, Qwen3Model
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ class FusedDecode:
     def build(cls, model: Qwen3Model) -> "FusedDecode | None":
         """The fused loop for this model, or None where its layers are not all on the C kernels it calls."""
         layers = list(model.layers)
+        if not all(isinstance(layer.mlp, Qwen3MLP) for layer in layers):
+            return None  # decoder.c runs dense MLPs only: experts go layer by layer (model/qwen3_moe.py)
         if not layers or model.embed_tokens.weight.dtype != torch.bfloat16 \
                 or model.embed_tokens.weight.device.type != "cpu":
             return None

@@ -19,8 +19,15 @@ from services.model_worker.host import hugepages
 from services.model_worker.model.layers.linear import LinearMethod, use_head_method
 from services.model_worker.model.layers.weights import WeightShapeError, read_whole
 from services.model_worker.model.qwen3 import Qwen3ForCausalLM
+from services.model_worker.model.qwen3_moe import Qwen3MoeForCausalLM
 
 log = logging.getLogger(__name__)
+
+# The model class for each architecture config.json may name (config/model.py admits the same ones).
+MODELS: dict[str, type[Qwen3ForCausalLM]] = {
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+}
 
 # Tensors some exporters add that carry nothing the model needs.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -53,6 +60,9 @@ def weight_files(checkpoint_dir: pathlib.Path) -> dict[str, list[str]]:
 def _target(model: Qwen3ForCausalLM, name: str) -> tuple[nn.Module, str, object] | None:
     """The module a checkpoint tensor fills, the parameter's name in it, and the shard of a fused
     parameter it is (None: all of it); None if the tensor has no place in the model."""
+    special = getattr(model, "checkpoint_target", None)  # names a model maps itself (experts)
+    if special is not None and (found := special(name)) is not None:
+        return found
     module_path, _, leaf = name.rpartition(".")
     parent, _, module_name = module_path.rpartition(".")
     shard = None
@@ -83,7 +93,11 @@ def expected_tensors(model: Qwen3ForCausalLM) -> set[str]:
     unfused = {fused: [part for part, (f, _) in model.packed_modules.items() if f == fused]
                for fused, _ in model.packed_modules.values()}
     names = set()
+    special = getattr(model, "checkpoint_names", lambda name: None)
     for name, _ in model.named_parameters():  # shared (tied) parameters are listed once
+        if (parts := special(name)) is not None:
+            names.update(parts)
+            continue
         module_path, _, leaf = name.rpartition(".")
         parent, _, module_name = module_path.rpartition(".")
         for part in unfused.get(module_name, [module_name]):
@@ -109,7 +123,7 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = Qwen3ForCausalLM(config, tp, linear)
+            model = MODELS[config.architecture](config, tp, linear)
             if head_linear is not None and head_linear is not linear:
                 use_head_method(model.lm_head, head_linear)
     finally:
@@ -125,6 +139,7 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
 
     expected = expected_tensors(model)
     seen: set[str] = set()
+    covered = getattr(model, "checkpoint_covers", lambda name: [name])
     unexpected: list[str] = []
     misshapen: list[str] = []
     total_bytes = sum((checkpoint_dir / f).stat().st_size for f in files)
@@ -140,7 +155,8 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
                         if name == "lm_head.weight" and config.tie_word_embeddings:
                             continue  # tied: the embedding is the head
                         target = _target(model, name)
-                        if target is None or name not in expected:
+                        covers = covered(name)
+                        if target is None or not expected.issuperset(covers):
                             unexpected.append(name)
                             continue
                         source = f.get_slice(name)
@@ -149,7 +165,7 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
                         except WeightShapeError as e:
                             misshapen.append(f"{name}: {e}")
                             continue
-                        seen.add(name)
+                        seen.update(covers)
                         progress.update(math.prod(source.get_shape()) * dtype_bytes(source.get_dtype()))
             except (SafetensorError, OSError) as e:
                 raise LoadError(f"cannot read {path}: {e} (the file may be truncated or corrupt)") from None
@@ -158,7 +174,7 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
     if missing:
         problems.append(f"missing tensors: {_some(missing)}")
     if unexpected:
-        problems.append(f"unexpected tensors (not part of Qwen3ForCausalLM): {_some(sorted(unexpected))}")
+        problems.append(f"unexpected tensors (not part of {config.architecture}): {_some(sorted(unexpected))}")
     if misshapen:
         problems.append(f"wrong shapes: {_some(misshapen)}")
     if problems:

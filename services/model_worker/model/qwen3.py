@@ -85,10 +85,12 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config, tp: TensorParallel, linear: LinearMethod | None = None):
+    def __init__(self, config: Qwen3Config, tp: TensorParallel, linear: LinearMethod | None = None,
+                 mlp: nn.Module | None = None):
+        """mlp: the feed-forward block in place of the dense one (a mixture of experts, model/qwen3_moe.py)."""
         super().__init__()
         self.self_attn = Qwen3Attention(config, tp, linear)
-        self.mlp = Qwen3MLP(config, tp, linear)
+        self.mlp = mlp if mlp is not None else Qwen3MLP(config, tp, linear)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -98,10 +100,13 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: Qwen3Config, tp: TensorParallel, linear: LinearMethod | None = None):
+    def __init__(self, config: Qwen3Config, tp: TensorParallel, linear: LinearMethod | None = None,
+                 make_mlp=None):
+        """make_mlp(index): layer index's feed-forward block, or None for the dense MLP."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, tp, linear) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, tp, linear, make_mlp(i) if make_mlp else None)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         # bf16 on CPU: every layer of a decode step in one C call where it applies (fused_decode.py).
@@ -127,12 +132,17 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp = tp or TensorParallel()
-        self.model = Qwen3Model(config, tp, linear)
+        self.model = Qwen3Model(config, tp, linear, self.make_mlp(config, tp, linear))
         # Split by vocabulary like the embedding, so a tied head shares this rank's slice of it; the
         # ranks' slices of the logits are gathered in compute_logits, not in the layer.
         self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, False, linear, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def make_mlp(config: Qwen3Config, tp: TensorParallel, linear: LinearMethod | None):
+        """The per-layer feed-forward factory for Qwen3Model; None: dense MLPs everywhere."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
