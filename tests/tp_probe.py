@@ -1,4 +1,4 @@
-"""python -m tests.tp_probe CHECKPOINT SIZE OUT: run one engine at a tensor-parallel size and write what it computed.
+"""python -m tests.tp_probe CHECKPOINT SIZE OUT [QUANTIZATION]: run one engine at a tensor-parallel size and write what it computed.
 
 A process of its own, because torch.distributed is initialised once per process; the tests run it
 at size 2 and compare with the same probe at size 1 and with transformers.
@@ -27,9 +27,10 @@ def prompt(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def probe(checkpoint: str, size: int) -> dict:
+def probe(checkpoint: str, size: int, quantization: str = "none") -> dict:
     engine = LLMEngine(checkpoint, EngineConfig(
         device="cpu", dtype="float32", num_blocks=96, block_size=BLOCK_SIZE, tensor_parallel_size=size,
+        quantization=quantization,
         limits=SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=MAX_BATCHED_TOKENS)))
     try:
         vocab = engine.config.vocab_size
@@ -64,6 +65,6 @@ def probe(checkpoint: str, size: int) -> dict:
 
 if __name__ == "__main__":
     checkpoint, size, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    result = probe(checkpoint, size)
+    result = probe(checkpoint, size, *sys.argv[4:5])
     with open(path, "w") as f:
         json.dump(result, f)

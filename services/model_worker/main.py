@@ -63,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--tensor-parallel-size", 1, "split the model across this many ranks, one process each: "
              "cuda:0..N-1 (NCCL) on a GPU host, N CPU ranks (gloo) on CPU; heads, KV heads, intermediate size "
              "and vocabulary must divide by it")
+    add_flag(parser, "--quantization", "none", "8-bit weights: none, fp8 (128x128 blocks) or int8 (a scale per "
+             "output row): a bf16 checkpoint's linear layers are quantized as they load; an fp8 checkpoint "
+             "(Qwen/Qwen3-*-FP8) is served as fp8 whatever this says", choices=["none", "fp8", "int8"])
+    add_flag(parser, "--quantize-lm-head", False, "with 8-bit weights, the vocab projection in 8 bits too (else bf16)")
     add_flag(parser, "--engine-cpus", "", "CPUs the engine core alone runs on, such as 1 or 2-15 (empty: all of "
              "the worker's); its threads are sized to them, and the worker's gRPC front moves to its other CPUs. "
              "Run the gateway and tokenizer off them too (taskset, compose cpuset): on a CPU host their CPU time "
@@ -102,7 +106,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device, dtype=args.dtype, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len or None,
         enable_prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
         limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting),
         speculative=SpeculativeConfig(
             method=args.speculative_method or None, num_speculative_tokens=args.num_speculative_tokens,

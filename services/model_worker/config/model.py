@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from checkpoint.files import eos_token_ids, read_json
+from services.model_worker.config.quantization import QuantizationError, checkpoint_quantization
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
@@ -44,12 +45,23 @@ class Qwen3Config:
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
 
+    # config.json's quantization_config: None, or Qwen's FP8 format (config/quantization.py checks it).
+    quantization_config: dict[str, Any] | None = None
+
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index` has experts (the reference's rule) rather than a dense MLP."""
         return (self.num_experts > 0 and index not in self.mlp_only_layers
                 and (index + 1) % self.decoder_sparse_step == 0)
 
     def __post_init__(self) -> None:
+        try:
+            checkpoint_quantization(self.quantization_config)
+        except QuantizationError as e:
+            raise ConfigError(str(e)) from None
+        if self.quantization_config and self.num_experts:
+            raise ConfigError("config.json: fp8 checkpoints of mixture-of-experts models are not supported: the "
+                              "experts are held in bf16; load the bf16 checkpoint (--quantization fp8 or int8 "
+                              "quantizes its attention and dense layers)")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"unsupported architecture {self.architecture!r}: this engine implements "
@@ -133,6 +145,7 @@ class Qwen3Config:
             attention_bias=bool(raw.get("attention_bias", False)),
             architecture=architecture,
             **(_expert_fields(raw) if architecture in MOE_ARCHITECTURES else {}),
+            quantization_config=raw.get("quantization_config") or None,
         )
 
     @classmethod

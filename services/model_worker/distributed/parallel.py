@@ -48,6 +48,16 @@ class TensorParallel:
                 raise
         return x
 
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' elementwise maximum, in place (a row-parallel weight's row amax, for its 8-bit scale)."""
+        if self.size > 1:
+            try:
+                dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.device_group)
+            except RuntimeError as e:
+                self.on_failure(e)
+                raise
+        return x
+
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
         """Rank 0 gets (rows, vocab) from every rank's (rows, vocab / size) slice; the others get None."""
         if self.size == 1:

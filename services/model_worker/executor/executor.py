@@ -17,7 +17,8 @@ from services.model_worker.executor.sampler import Sampler
 from services.model_worker.executor.step_channel import StepChannel
 from services.model_worker.kernels import cpu_argmax, cpu_norm
 from services.model_worker.model.fused_decode import use_fused_decode
-from services.model_worker.model.layers.linear import cpu_linear_method, linear_layers
+from services.model_worker.model.layers.linear import linear_layers
+from services.model_worker.model.layers.quant.select import linear_methods
 from services.model_worker.model.layers.norm import use_norm_kernel
 from services.model_worker.model.loader import load_model, resolve_device, resolve_dtype
 
@@ -51,8 +52,10 @@ class Executor:
         tp = self.group.tp if self.group else None
         self.device = device
         self.dtype = resolve_dtype(config.dtype, model_config, device)
-        linear = cpu_linear_method(device, self.dtype, config.small_batch_kernel, config.pack_weights)
-        self.model = load_model(checkpoint_dir, model_config, device, self.dtype, tp, config.huge_pages, linear)
+        linear = linear_methods(device, self.dtype, model_config.quantization_config, config.quantization,
+                                config.quantize_lm_head, config.small_batch_kernel, config.pack_weights)
+        self.model = load_model(checkpoint_dir, model_config, device, self.dtype, tp, config.huge_pages, linear.body,
+                                linear.head)
         log.info("%d linear layers with %s weights", len(linear_layers(self.model)), linear.name)
         # This rank's share of the heads: what its KV cache holds.
         self.rank_config = local_config(model_config, tp_size)

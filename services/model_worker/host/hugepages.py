@@ -60,5 +60,18 @@ def move_parameters(model: nn.Module) -> None:
         param.data = home
 
 
+def rehome_parameters(model: nn.Module) -> None:
+    """Copy every CPU parameter of a loaded model into one fresh huge-page mapping.
+
+    For a load whose layers replaced some parameters once they were in (8-bit weights quantized on
+    load): the mapping move_parameters made holds them all, so it stays resident, old weights and
+    all, while any one of its tensors lives; after this nothing refers to it and it is unmapped.
+    """
+    params = [p for p in model.parameters() if p.device.type == "cpu"]
+    for param, home in zip(params, tensors([(tuple(p.shape), p.dtype) for p in params])):
+        home.copy_(param.data)
+        param.data = home
+
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN

@@ -19,7 +19,9 @@ SOURCE = pathlib.Path(__file__).with_name("decoder.c")
 class Kernels(ctypes.Structure):
     _fields_ = [("small", ctypes.c_void_p), ("amx", ctypes.c_void_p), ("norm", ctypes.c_void_p),
                 ("norm_rope", ctypes.c_void_p), ("write_kv", ctypes.c_void_p), ("attention", ctypes.c_void_p),
-                ("small_max_rows", ctypes.c_int), ("amx_min_rows", ctypes.c_int), ("amx_max_rows", ctypes.c_int)]
+                ("small_max_rows", ctypes.c_int), ("amx_min_rows", ctypes.c_int), ("amx_max_rows", ctypes.c_int),
+                ("q8", ctypes.c_void_p), ("q8_amx", ctypes.c_void_p), ("q8_small_max_rows", ctypes.c_int),
+                ("q8_no_amx_max_rows", ctypes.c_int), ("max_rows", ctypes.c_int)]
 
 
 class Shape(ctypes.Structure):
@@ -31,7 +33,9 @@ class Shape(ctypes.Structure):
 class Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "qkv", "qk_norm", "o", "post_norm", "gate_up",
                                                      "down", "k_cache", "v_cache")] + \
-               [(name, ctypes.c_int) for name in ("qkv_amx", "o_amx", "gate_up_amx", "down_amx")]
+               [(name, ctypes.c_int) for name in ("qkv_amx", "o_amx", "gate_up_amx", "down_amx")] + \
+               [(name, ctypes.c_void_p) for name in ("qkv_scale", "o_scale", "gate_up_scale", "down_scale")] + \
+               [("fp8", ctypes.c_int)]
 
 
 class Step(ctypes.Structure):

@@ -22,6 +22,9 @@
 #endif
 
 typedef int (*linear_fn)(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k);
+/* q8_linear.c's: 8-bit weights (int8, or fp8 e4m3 with fp8 1) and their float32 scales per block of bk inputs. */
+typedef int (*q8_linear_fn)(const uint16_t *x, const uint8_t *w, const float *scales, uint16_t *out, int m, int64_t n,
+                            int64_t k, int64_t bk, int fp8);
 typedef void (*norm_fn)(const void *x, int64_t group_stride, int group_rows, const void *weight, int weight_rows,
                         void *out, int64_t rows, int dim, float eps, int is_bf16);
 typedef void (*norm_rope_fn)(const void *x, int64_t group_stride, int group_rows, const void *weight,
@@ -36,7 +39,10 @@ typedef int (*attention_fn)(const void *q, const void *k_cache, const void *v_ca
                             int max_blocks, int is_bf16, float scale);
 
 /* The kernels, and the row counts SmallBatchLinear routes to each: AMX from amx_min_rows to
- * amx_max_rows where a weight allows it, the AVX512-BF16 kernel up to small_max_rows. */
+ * amx_max_rows where a weight allows it, the AVX512-BF16 kernel up to small_max_rows. 8-bit weights
+ * (a layer with scales) as EightBitLinearMethod routes them: q8 up to q8_small_max_rows, q8_amx from
+ * there to amx_max_rows where a weight allows it, else q8 up to q8_no_amx_max_rows. max_rows: the
+ * most rows a step may have. */
 typedef struct {
     linear_fn small, amx;
     norm_fn norm;
@@ -44,6 +50,8 @@ typedef struct {
     write_kv_fn write_kv;
     attention_fn attention;
     int small_max_rows, amx_min_rows, amx_max_rows;
+    q8_linear_fn q8, q8_amx;
+    int q8_small_max_rows, q8_no_amx_max_rows, max_rows;
 } Kernels;
 
 typedef struct {
@@ -53,11 +61,14 @@ typedef struct {
 } Shape;
 
 /* One layer's weights (bf16, contiguous, as the checkpoint's tensors) and cache; *_amx: whether
- * that weight may take the AMX kernel (its output size a multiple of 32). */
+ * that weight may take the AMX kernel (its output size a multiple of 32). With 8-bit weights the four
+ * matmul weights are bytes, *_scale their scales (NULL for bf16) and fp8 says which format. */
 typedef struct {
     const uint16_t *input_norm, *qkv, *qk_norm, *o, *post_norm, *gate_up, *down;
     uint16_t *k_cache, *v_cache;
     int qkv_amx, o_amx, gate_up_amx, down_amx;
+    const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
+    int fp8;
 } Layer;
 
 /* One step: `rows` sequences with one new token each. cos, signed_sin: (rows, head_dim) rotary
@@ -69,8 +80,17 @@ typedef struct {
     const int32_t *context_lens, *block_tables;
 } Step;
 
-static int linear(const Kernels *kn, int amx_ok, const uint16_t *x, const uint16_t *w, uint16_t *out, int m,
-                  int64_t n, int64_t k) {
+static int linear(const Kernels *kn, int amx_ok, const uint16_t *x, const uint16_t *w, const float *scale, int fp8,
+                  uint16_t *out, int m, int64_t n, int64_t k) {
+    if (scale) {
+        const uint8_t *q = (const uint8_t *)w;
+        const int64_t bk = fp8 ? 128 : k; /* fp8: Qwen's 128-wide blocks; int8: one scale a row */
+        const int amx = amx_ok && kn->q8_amx;
+        if (m <= kn->q8_small_max_rows || (!amx && m <= kn->q8_no_amx_max_rows))
+            return kn->q8(x, q, scale, out, m, n, k, bk, fp8);
+        if (amx && m <= kn->amx_max_rows) return kn->q8_amx(x, q, scale, out, m, n, k, bk, fp8);
+        return -100;
+    }
     if (amx_ok && kn->amx && m >= kn->amx_min_rows && m <= kn->amx_max_rows) return kn->amx(x, w, out, m, n, k);
     if (m <= kn->small_max_rows) return kn->small(x, w, out, m, n, k);
     return -100; /* the caller checked the rows: unreachable */
@@ -158,7 +178,7 @@ int decode_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int n
     const int m = st->rows, H = sh->hidden, D = sh->head_dim, Hq = sh->heads, Hkv = sh->kv_heads;
     const int64_t qk_width = (int64_t)(Hq + Hkv) * D, qkv_width = qk_width + (int64_t)Hkv * D;
     const int64_t I = sh->intermediate;
-    if (m < 1 || (m > kn->small_max_rows && (!kn->amx || m > kn->amx_max_rows)) || I % 16) return -1;
+    if (m < 1 || m > kn->max_rows || I % 16) return -1;
     size_t elems = (size_t)m * (H + qkv_width + qk_width + 2 * (size_t)Hq * D + H + 2 * I + I + H);
     uint16_t *buf = malloc(elems * sizeof(uint16_t));
     if (!buf) return -2;
@@ -169,7 +189,7 @@ int decode_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int n
     for (int l = 0; l < num_layers && status == 0; l++) {
         const Layer *L = &layers[l];
         kn->norm(hidden, H, 1, L->input_norm, 1, normed, m, H, sh->eps, 1);
-        if ((status = linear(kn, L->qkv_amx, normed, L->qkv, qkv, m, qkv_width, H))) break;
+        if ((status = linear(kn, L->qkv_amx, normed, L->qkv, L->qkv_scale, L->fp8, qkv, m, qkv_width, H))) break;
         /* q and k heads normalised and rotated as one (rows, Hq + Hkv, D) block, as qwen3.py does. */
         kn->norm_rope(qkv, qkv_width, Hq + Hkv, L->qk_norm, Hq + Hkv, st->cos, st->signed_sin, qk,
                       (int64_t)m * (Hq + Hkv), D, sh->eps, 1);
@@ -181,12 +201,12 @@ int decode_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int n
         if ((status = kn->attention(q, L->k_cache, L->v_cache, attn, st->context_lens, st->block_tables,
                                     sh->num_slots, m, Hq, Hkv, D, sh->block_size, st->max_blocks, 1, sh->scale)))
             break;
-        if ((status = linear(kn, L->o_amx, attn, L->o, o, m, H, (int64_t)Hq * D))) break;
+        if ((status = linear(kn, L->o_amx, attn, L->o, L->o_scale, L->fp8, o, m, H, (int64_t)Hq * D))) break;
         add_rows(hidden, o, (int64_t)m * H);
         kn->norm(hidden, H, 1, L->post_norm, 1, normed, m, H, sh->eps, 1);
-        if ((status = linear(kn, L->gate_up_amx, normed, L->gate_up, gate_up, m, 2 * I, H))) break;
+        if ((status = linear(kn, L->gate_up_amx, normed, L->gate_up, L->gate_up_scale, L->fp8, gate_up, m, 2 * I, H))) break;
         if ((status = silu_and_mul(gate_up, act, m, I))) break;
-        if ((status = linear(kn, L->down_amx, act, L->down, down, m, H, I))) break;
+        if ((status = linear(kn, L->down_amx, act, L->down, L->down_scale, L->fp8, down, m, H, I))) break;
         add_rows(hidden, down, (int64_t)m * H);
     }
     free(buf);

@@ -18,6 +18,7 @@ from services.model_worker.kernels import cpu_decoder
 from services.model_worker.model.layers.attention.cpu_paged import CpuPagedAttention
 from services.model_worker.model.layers.attention.metadata import AttentionMetadata
 from services.model_worker.model.layers.linear import SmallBatchLinearMethod
+from services.model_worker.model.layers.quant.eight_bit import SCALE, EightBitLinearMethod
 from services.model_worker.model.layers.norm import RMSNorm
 from services.model_worker.model.qwen3 import Qwen3MLP, Qwen3Model
 
@@ -42,9 +43,16 @@ class FusedDecode:
         first = model.layers[0]
         attn, mlp = first.self_attn, first.mlp
         linears = _linears(model)
-        self.max_rows = SmallBatchLinearMethod.AMX_MAX_ROWS if all(m.amx is not None for m in linears) \
-            else SmallBatchLinearMethod.MAX_ROWS
-        self.small_library, self.amx_library = linears[0].kernel, linears[0].method.amx
+        # 8-bit layers (EightBitLinearMethod on its C kernels) or bf16 ones (SmallBatchLinearMethod).
+        self.q8 = linears[0].q8 if isinstance(linears[0].method, EightBitLinearMethod) else None
+        if self.q8 is not None:
+            amx = all(m.q8_amx for m in linears)
+            self.max_rows = EightBitLinearMethod.AMX_MAX_ROWS if amx else EightBitLinearMethod.NO_AMX_MAX_ROWS
+            self.small_library = self.amx_library = None
+        else:
+            self.max_rows = SmallBatchLinearMethod.AMX_MAX_ROWS if all(m.amx is not None for m in linears) \
+                else SmallBatchLinearMethod.MAX_ROWS
+            self.small_library, self.amx_library = linears[0].kernel, linears[0].method.amx
         self.norm_library = first.input_layernorm.kernel
         self.shape = dict(hidden=first.input_layernorm.weight.shape[0], heads=attn.num_heads,
                           kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=mlp.intermediate_size,
@@ -64,8 +72,9 @@ class FusedDecode:
         linears = _linears(model)
         norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
         method = linears[0].method
-        if not all(isinstance(m.method, SmallBatchLinearMethod) and m.method is method and m.bias is None
-                   and m.kernel is not None for m in linears):
+        bf16 = all(isinstance(m.method, SmallBatchLinearMethod) and m.kernel is not None for m in linears)
+        eight_bit = all(isinstance(m.method, EightBitLinearMethod) and m.q8 is not None for m in linears)
+        if not ((bf16 or eight_bit) and all(m.method is method and m.bias is None for m in linears)):
             return None
         if any(m.tp.size != 1 for m in linears):
             return None
@@ -92,11 +101,16 @@ class FusedDecode:
         if self._kernels is None or self._kernels[0] is not attention_library:
             address = cpu_decoder.address
             amx = address(self.amx_library, "amx_linear") if self.amx_library is not None else None
+            small = address(self.small_library, "small_batch_linear") if self.small_library is not None else None
+            q8 = address(self.q8.library, "q8_linear") if self.q8 is not None else None
+            q8_amx = address(self.q8.library, "q8_linear_amx") if self.q8 is not None and self.q8.amx else None
             table = cpu_decoder.Kernels(
-                address(self.small_library, "small_batch_linear"), amx, address(self.norm_library, "rms_norm"),
+                small, amx, address(self.norm_library, "rms_norm"),
                 address(self.norm_library, "rms_norm_rope"), address(attention_library, "write_kv"),
                 address(attention_library, "paged_decode_attention"), SmallBatchLinearMethod.MAX_ROWS,
-                SmallBatchLinearMethod.AMX_MIN_ROWS, SmallBatchLinearMethod.AMX_MAX_ROWS)
+                SmallBatchLinearMethod.AMX_MIN_ROWS,
+                EightBitLinearMethod.AMX_MAX_ROWS if self.q8 is not None else SmallBatchLinearMethod.AMX_MAX_ROWS,
+                q8, q8_amx, EightBitLinearMethod.GEMV_MAX_ROWS, EightBitLinearMethod.NO_AMX_MAX_ROWS, self.max_rows)
             self._kernels = (attention_library, table)
         return self._kernels[1]
 
@@ -112,12 +126,22 @@ class FusedDecode:
                 tensors = (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qk_norm_weight(),
                            attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
                            mlp.down_proj.weight)
-                if not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in tensors):
-                    raise ValueError("the fused decode loop needs contiguous bf16 weights")
+                linears = _layer_linears(layer)
+                byte_weights = {id(m.weight) for m in linears} if self.q8 is not None else set()
+                if not all(t.is_contiguous() and (t.dtype == torch.bfloat16 or id(t) in byte_weights)
+                           for t in tensors):
+                    raise ValueError("the fused decode loop needs contiguous bf16 (or 8-bit matmul) weights")
                 kept.extend(tensors)
-                flags = [int(m.amx is not None) for m in _layer_linears(layer)]
+                if self.q8 is not None:
+                    scales = [getattr(m, SCALE) for m in linears]
+                    kept.extend(scales)
+                    flags = [int(m.q8_amx) for m in linears]
+                    extra = [s.data_ptr() for s in scales] + [int(linears[0].weight.dtype == torch.float8_e4m3fn)]
+                else:
+                    flags = [int(m.amx is not None) for m in linears]
+                    extra = [None] * 4 + [0]
                 array[i] = cpu_decoder.Layer(*(t.data_ptr() for t in tensors), k_cache.data_ptr(), v_cache.data_ptr(),
-                                             *flags)
+                                             *flags, *extra)
             num_slots = kv_caches[0][0].shape[1]
             shape = cpu_decoder.Shape(num_slots=num_slots, block_size=block_size, **self.shape)
             self._layers = (key, (array, shape), kept)

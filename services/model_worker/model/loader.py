@@ -16,7 +16,7 @@ from tqdm import tqdm
 from services.model_worker.config.model import Qwen3Config
 from services.model_worker.distributed.parallel import TensorParallel
 from services.model_worker.host import hugepages
-from services.model_worker.model.layers.linear import LinearMethod
+from services.model_worker.model.layers.linear import LinearMethod, use_head_method
 from services.model_worker.model.layers.weights import WeightShapeError, read_whole
 from services.model_worker.model.qwen3 import Qwen3ForCausalLM
 from services.model_worker.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -107,11 +107,12 @@ def expected_tensors(model: Qwen3ForCausalLM) -> set[str]:
 
 def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: torch.device,
                dtype: torch.dtype, tp: TensorParallel | None = None, huge_pages: bool = True,
-               linear: LinearMethod | None = None) -> Qwen3ForCausalLM:
+               linear: LinearMethod | None = None, head_linear: LinearMethod | None = None) -> Qwen3ForCausalLM:
     """The model, or this rank's shard of it: each rank reads only its slices of the tensors.
 
     huge_pages: on CPU, the weights go to memory advised for 2 MiB pages (host/hugepages.py).
     linear: the linear layers' weight format (default: plain), applied once the weights are in.
+    head_linear: the vocab projection's, where it differs (8-bit layers with a bf16 head).
     """
     checkpoint_dir = pathlib.Path(checkpoint_dir)
     tp = tp or TensorParallel()
@@ -123,6 +124,8 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
     try:
         with torch.device("meta"):
             model = MODELS[config.architecture](config, tp, linear)
+            if head_linear is not None and head_linear is not linear:
+                use_head_method(model.lm_head, head_linear)
     finally:
         torch.set_default_dtype(previous_dtype)
     model.to_empty(device=device)
@@ -177,9 +180,12 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
     if problems:
         raise LoadError(f"checkpoint {checkpoint_dir} does not match its config.json: " + "; ".join(problems))
     model.eval().requires_grad_(False)
+    loaded = {p.data_ptr() for p in model.parameters()}
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()  # the layer's weight format (model/layers/linear.py)
+    if huge_pages and device.type == "cpu" and any(p.data_ptr() not in loaded for p in model.parameters()):
+        hugepages.rehome_parameters(model)  # weights replaced after loading (quantized): free the loaded ones
     log.info("loaded %d tensors (%.2f GB) from %s to %s as %s in %.1f s", len(seen), total_bytes / 1e9,
              checkpoint_dir, device, str(dtype).removeprefix("torch."), time.perf_counter() - start)
     return model

@@ -11,6 +11,7 @@ Methods today, all exact for bf16 (fp32 packing differs in summation order only)
 - PlainLinearMethod: F.linear on the weight as loaded; every device and dtype.
 - PackedLinearMethod: CPU, the weight reordered once into oneDNN's blocked layout.
 - SmallBatchLinearMethod: CPU bf16, decode-sized matmuls in C kernels on the plain weight.
+8-bit weights (fp8 blocks, int8 rows) are methods of their own in quant/.
 """
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ class LinearMethod:
         """The parameters the checkpoint fills: weight (out, in) and an optional bias (out,)."""
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         layer.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def checkpoint_tensor(self, layer: LinearBase, leaf: str, source: CheckpointTensor, rows: int) -> CheckpointTensor:
+        """The checkpoint tensor that fills `leaf`, as the layer's weight_loader reads it; rows: its first
+        dimension over all ranks. A format whose tensors are laid out per block (8-bit scales) maps them here."""
+        return source
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """Turn the loaded weights into this method's form (once, before the first forward)."""
@@ -146,6 +152,7 @@ class LinearBase(nn.Module):
     def weight_loader(self, leaf: str, source: CheckpointTensor, shard=None) -> None:
         """Fill parameter `leaf` (weight or bias) from a checkpoint tensor; raises WeightShapeError."""
         param = getattr(self, leaf)
+        source = self.method.checkpoint_tensor(self, leaf, source, param.shape[0])
         param.data.copy_(read_whole(source, param.data))
 
     def process_weights_after_loading(self) -> None:
@@ -178,6 +185,7 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, leaf, source, shard=None):
         param = getattr(self, leaf).data
         dest = param if shard is None else param[self.shard_slice(shard)]
+        source = self.method.checkpoint_tensor(self, leaf, source, dest.shape[0] * self.tp.size)
         dest.copy_(split_rows(source, dest, 0, self.tp))
 
 
@@ -227,6 +235,7 @@ class RowParallelLinear(LinearBase):
             loaded = read_whole(source, param)
             param.copy_(loaded if self.tp.rank == 0 else torch.zeros_like(param))
         else:
+            source = self.method.checkpoint_tensor(self, leaf, source, param.shape[0])
             param.copy_(split_rows(source, param, 1, self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -251,6 +260,14 @@ def use_linear_method(model: nn.Module, method: LinearMethod, include_lm_head: b
         layer.method = method
         method.process_weights_after_loading(layer)
     return len(layers)
+
+
+def use_head_method(head: LinearBase, method: LinearMethod) -> None:
+    """Give a layer not yet loaded (built on the meta device) another method: the vocab projection kept
+    in bf16 while the decoder's layers are 8-bit, or the reverse. A tied head is re-tied after loading."""
+    head.method = method
+    head._parameters.clear()  # the other method's parameters (8-bit scales, say) are not this one's
+    method.create_weights(head, head.in_features, head.out_features, head.bias is not None)
 
 
 def cpu_linear_method(device: torch.device, dtype: torch.dtype, small_batch_kernel: bool | None,

@@ -1,0 +1,83 @@
+/* AMX tile helpers shared by the CPU matmul kernels (amx_linear.c, q8_linear.c): the tile
+ * configuration, the activations packed as B tiles, and a result tile written back as bf16 rows. */
+#ifndef VLLM_V0_AMX_TILES_H
+#define VLLM_V0_AMX_TILES_H
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "transpose.h"
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) tile_config;
+
+/* Tiles 0-3: results (two 16-column stretches of the output by two groups of input rows);
+ * 4-5: the two weight tiles; 6-7: the two activation groups. */
+static void configure(int rows0, int rows1) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    const int group_rows[2] = {rows0, rows1};
+    for (int n = 0; n < 2; n++) {
+        for (int g = 0; g < 2; g++) {
+            cfg.rows[n * 2 + g] = 16;
+            cfg.colsb[n * 2 + g] = (uint16_t)(group_rows[g] * 4);
+        }
+        cfg.rows[4 + n] = 16;
+        cfg.colsb[4 + n] = 64;
+    }
+    for (int g = 0; g < 2; g++) {
+        cfg.rows[6 + g] = 16;
+        cfg.colsb[6 + g] = (uint16_t)(group_rows[g] * 4);
+    }
+    /* GCC does not count ldtilecfg as a read of cfg: without this barrier it dropped the row and
+     * column stores above as dead, and the first tile instruction faulted. */
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+}
+
+/* Input rows [m0, m0 + rows) of x (M, K) as B tiles: for each 32-wide step along K, 16 pairs by
+ * 16 rows, a pair being two consecutive K values of one row (one 32-bit word); rows past `rows`
+ * are zeros. A step is one 16 x 16 transpose of 32-bit words: written element by element, the
+ * packing put each store on a new cache line and cost 20-75 us a call, more than a small
+ * matmul's arithmetic. */
+static void pack_rows(const uint16_t *x, uint32_t *packed, int m0, int rows, int64_t k) {
+    const int64_t steps = k / 32;
+    for (int64_t s = 0; s < steps; s++) {
+        __m512i v[16];
+        for (int j = 0; j < 16; j++)
+            v[j] = j < rows ? _mm512_loadu_si512(x + (int64_t)(m0 + j) * k + s * 32) : _mm512_setzero_si512();
+        transpose16(v);
+        for (int p = 0; p < 16; p++) _mm512_store_si512(packed + (s * 16 + p) * 16, v[p]);
+    }
+}
+
+/* A result tile c (16 output columns by `rows` input rows) into out's rows m0.., columns n0..n0+15:
+ * a column of c is gathered into one vector, rounded to bf16 (nearest even) and stored as a row. */
+static void write_out(const float *c, uint16_t *out, int rows, int64_t n0, int64_t n, int m0) {
+    const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    for (int j = 0; j < rows; j++) {
+        const __m512 column = _mm512_i32gather_ps(across, c + j, 4);
+        _mm256_storeu_si256((__m256i *)(out + (int64_t)(m0 + j) * n + n0), (__m256i)_mm512_cvtneps_pbh(column));
+    }
+}
+
+/* Rows of x from m0 in a group of 16: 16, fewer in the last group, 0 in the padding group. */
+static int group_rows(int64_t m, int64_t m0) {
+    return m - m0 >= 16 ? 16 : (m > m0 ? (int)(m - m0) : 0);
+}
+
+#endif
+
+#endif

@@ -1,0 +1,69 @@
+"""The 8-bit-weight matmul C kernels (q8_linear.c), called through ctypes: int8 or fp8 e4m3 weights
+with float32 scales per (row, block of inputs), bf16 activations and outputs."""
+from __future__ import annotations
+
+import ctypes
+import pathlib
+
+import torch
+
+from services.model_worker.kernels import build
+
+SOURCE = pathlib.Path(__file__).with_name("q8_linear.c")
+_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+
+
+class Q8Kernels:
+    """The loaded library: gemv (few rows, AVX-512), amx (more rows; None without AMX), dequantize."""
+
+    def __init__(self, library: ctypes.CDLL, amx: bool):
+        self.library = library
+        self.amx = amx
+
+
+def load() -> Q8Kernels | None:
+    """The compiled kernels; None where they cannot be built or the CPU has no AVX-512."""
+    library = build.load(SOURCE, "8-bit linear")
+    if library is None or not library.q8_linear_supported():
+        return None
+    for name in ("q8_linear", "q8_linear_amx"):
+        getattr(library, name).argtypes = _ARGS
+        getattr(library, name).restype = ctypes.c_int
+    library.q8_dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    library.q8_dequantize.restype = ctypes.c_int
+    return Q8Kernels(library, bool(library.q8_amx_supported()))
+
+
+def supports(weight: torch.Tensor, block_k: int) -> bool:
+    return (weight.device.type == "cpu" and weight.element_size() == 1 and weight.is_contiguous()
+            and weight.shape[1] % 32 == 0 and block_k % 16 == 0)
+
+
+def _is_fp8(weight: torch.Tensor) -> int:
+    return int(weight.dtype == torch.float8_e4m3fn)
+
+
+def linear(kernels: Q8Kernels, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_k: int,
+           amx: bool) -> torch.Tensor:
+    """x: (..., K) bf16; weight: (N, K) int8 or float8_e4m3fn; scales: (N, ceil(K / block_k)) float32.
+    Returns x @ (weight * scales).T, (..., N) bf16; amx: on AMX tiles (N a multiple of 32)."""
+    flat = x.dim() == 2 and x.is_contiguous()
+    rows = x if flat else x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.bfloat16)
+    kernel = kernels.library.q8_linear_amx if amx else kernels.library.q8_linear
+    status = kernel(rows.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(), rows.shape[0],
+                    weight.shape[0], weight.shape[1], block_k, _is_fp8(weight))
+    if status != 0:
+        raise RuntimeError(f"{kernel.__name__} failed with status {status} for {tuple(rows.shape)} x "
+                           f"{tuple(weight.shape)}")
+    return out if flat else out.view(*x.shape[:-1], weight.shape[0])
+
+
+def dequantize(kernels: Q8Kernels, weight: torch.Tensor, scales: torch.Tensor, block_k: int) -> torch.Tensor:
+    """The weight as bf16(q * scale), (N, K): for prompts long enough that oneDNN's GEMM wins."""
+    out = torch.empty(weight.shape, dtype=torch.bfloat16)
+    status = kernels.library.q8_dequantize(weight.data_ptr(), scales.data_ptr(), out.data_ptr(), weight.shape[0],
+                                           weight.shape[1], block_k, _is_fp8(weight))
+    if status != 0:
+        raise RuntimeError(f"q8_dequantize failed with status {status} for {tuple(weight.shape)}")
+    return out
