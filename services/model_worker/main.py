@@ -13,7 +13,8 @@ from rpcserver.config import (SERVER_FLAG_RANGES, ServerConfig, add_flag, add_se
                               parse_size)
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
-from services.model_worker.config.engine import EngineConfig, SchedulerLimits
+from services.model_worker.config.engine import (CPU_STEP_TOKENS, GPU_STEP_TOKENS, EngineConfig, SchedulerLimits,
+                                                 default_step_tokens)
 from services.model_worker.config.model import ConfigError
 from services.model_worker.core.client import EngineClient
 from services.model_worker.core.process import CoreStartError
@@ -55,7 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
              "the largest step's activations (measured at start) and the KV cache, which gets the rest")
     add_flag(parser, "--max-model-len", 0, "cap on prompt + completion tokens (0: the model's own limit)")
     add_flag(parser, "--max-num-seqs", 64, "most sequences decoded together in one step")
-    add_flag(parser, "--max-num-batched-tokens", 2048, "most tokens computed in one step (prefill chunk size)")
+    add_flag(parser, "--max-num-batched-tokens", 0, "most tokens computed in one step (prefill chunk size; 0: "
+             f"{CPU_STEP_TOKENS} on CPU, where a shorter step gives queued prompts their first tokens sooner, "
+             f"{GPU_STEP_TOKENS} on a GPU)")
     add_flag(parser, "--max-waiting", 256, "most queued requests; beyond it requests get RESOURCE_EXHAUSTED")
     add_flag(parser, "--prefix-caching", True, "reuse cached KV blocks of shared prompt prefixes")
     add_flag(parser, "--enforce-eager", False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs "
@@ -91,7 +94,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len or None,
         enable_prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
-        limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting))
+        limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens
+                               or max(default_step_tokens(args.device), args.max_num_seqs), args.max_waiting))
 
 
 async def serve(args: argparse.Namespace) -> None:
