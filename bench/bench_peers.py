@@ -34,6 +34,7 @@ import logging
 import os
 import pathlib
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -141,6 +142,34 @@ class Served:
         self.startup_s = time.perf_counter() - launched
 
 
+    def pids(self) -> list[int]:
+        raise NotImplementedError
+
+    def pause(self) -> None:
+        """SIGSTOP every process of the system while another one is measured.
+
+        An idle vLLM busy-polls: its engine core spins on the engine's CPU, so a system measured
+        beside a running one would get half that CPU. Stopped, it takes none.
+        """
+        for pid in self.pids():
+            os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for pid in self.pids():
+            os.kill(pid, signal.SIGCONT)
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (from /proc)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in pathlib.Path(f"/proc/{p}/task").glob("*/children"):
+            todo.extend(int(c) for c in task.read_text().split())
+    return out
+
+
 class Ours(Served):
     def start(self) -> None:
         from tests.integration.stack import free_port, make_stack
@@ -163,6 +192,9 @@ class Ours(Served):
         for service in self.stack.services:
             if service.process.poll() is not None:
                 raise RuntimeError(f"{service.name} exited:\n{service.log()[-3000:]}")
+
+    def pids(self) -> list[int]:
+        return [p for service in self.stack.services for p in process_tree(service.process.pid)]
 
     def stop(self) -> None:
         self.stack.stop()
@@ -199,6 +231,9 @@ class VLLM(Served):
     def check_alive(self) -> None:
         if self.process.poll() is not None:
             raise RuntimeError(f"vLLM exited with {self.process.returncode}: see {self.log_dir / 'vllm.log'}")
+
+    def pids(self) -> list[int]:
+        return process_tree(self.process.pid)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -239,7 +274,16 @@ def serve_rounds(systems: dict[str, Served], args) -> dict:
             requests = make_requests(random.Random(f"{args.seed}-{r}-{w}"), spec["count"], spec["prompt"],
                                      spec["output"])
             for name in (names if r % 2 == 0 else names[::-1]):
-                res = run(systems[name].port, systems[name].model, requests)
+                others = [s for n, s in systems.items() if n != name]
+                for other in others:
+                    other.pause()
+                try:
+                    # One short untimed request first: a system just resumed reconnects its own channels.
+                    stream_completion(systems[name].port, [VOCAB_LOW] * 8, 2, systems[name].model)
+                    res = run(systems[name].port, systems[name].model, requests)
+                finally:
+                    for other in others:
+                        other.resume()
                 figures[name][w].append(res)
                 print(f"round {r} {w:8s} {name:5s} " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
     return figures
@@ -263,11 +307,16 @@ class LlamaPeer:
     def measure(self, prompt: list[int], decode_tokens: int, prefill: list[int]) -> dict:
         self.proc.stdin.write(json.dumps({"prompt": prompt, "decode": decode_tokens, "prefill": prefill}) + "\n")
         self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
+        line = self.proc.stdout.readline()
+        if not line:  # e.g. SIGILL: a build whose Q8_0 path uses AMX instructions this machine refuses
+            raise RuntimeError(f"llama.cpp exited with {self.proc.wait()}")
+        return json.loads(line)
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(60)
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(60)
+
 
 
 def ours_in_process(checkpoint: pathlib.Path, threads: int):
@@ -301,6 +350,7 @@ def llama_rounds(checkpoint: pathlib.Path, args) -> dict:
              for kind in peer_install.GGUF_TYPES}
     systems = {"ours": ours, **{f"llama-{k}": p.measure for k, p in peers.items()}}
     figures: dict[str, list[dict]] = {name: [] for name in systems}
+    failed: set[str] = set()
     rng = random.Random(args.seed)
     ours(make_requests(rng, 1, (32, 32), (1, 1))[0][0], 4, [VOCAB_LOW] * 64)  # warm-up
     for r in range(args.rounds):
@@ -308,14 +358,21 @@ def llama_rounds(checkpoint: pathlib.Path, args) -> dict:
         prefill = make_requests(rng, 1, (args.prefill_tokens,) * 2, (1, 1))[0][0]
         names = list(systems) if r % 2 == 0 else list(systems)[::-1]
         for name in names:
-            res = systems[name](prompt, args.single_output, prefill)
+            if name in failed:
+                continue
+            try:
+                res = systems[name](prompt, args.single_output, prefill)
+            except RuntimeError as e:
+                print(f"round {r} in-process {name}: FAILED ({e}); left out from here on", flush=True)
+                failed.add(name)
+                continue
             figures[name].append(res)
             print(f"round {r} in-process {name:10s} decode {res['decode_tok_s']:.1f} tok/s, "
                   f"prefill({args.prefill_tokens}) {res['prefill_tok_s']:.0f} tok/s", flush=True)
     for peer in peers.values():
         peer.close()
     engine.close()
-    return figures
+    return {name: runs for name, runs in figures.items() if name not in failed and runs}
 
 
 # -- summary ------------------------------------------------------------------------------------------
@@ -397,7 +454,13 @@ def main(argv=None) -> None:
             systems["vllm"] = VLLM("vllm", checkpoint, args, pathlib.Path(tmp))
         try:
             for system in systems.values():
+                for other in systems.values():  # the ones started so far wait, stopped
+                    if other is not system and other.startup_s is not None:
+                        other.pause()
                 system.start()
+                for other in systems.values():
+                    if other is not system and other.startup_s is not None:
+                        other.resume()
                 print(f"{system.name}: start to first completion {system.startup_s:.1f} s", flush=True)
             if args.workloads:
                 served = serve_rounds(systems, args)
