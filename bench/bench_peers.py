@@ -312,6 +312,13 @@ class LlamaPeer:
             raise RuntimeError(f"llama.cpp exited with {self.proc.wait()}")
         return json.loads(line)
 
+    def pause(self) -> None:
+        """Stopped while another system is measured: its threads would otherwise spin on the same CPUs."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.close()
@@ -360,12 +367,19 @@ def llama_rounds(checkpoint: pathlib.Path, args) -> dict:
         for name in names:
             if name in failed:
                 continue
+            for kind, peer in peers.items():
+                if f"llama-{kind}" != name and peer.proc.poll() is None:
+                    peer.pause()
             try:
                 res = systems[name](prompt, args.single_output, prefill)
             except RuntimeError as e:
                 print(f"round {r} in-process {name}: FAILED ({e}); left out from here on", flush=True)
                 failed.add(name)
                 continue
+            finally:
+                for peer in peers.values():
+                    if peer.proc.poll() is None:
+                        peer.resume()
             figures[name].append(res)
             print(f"round {r} in-process {name:10s} decode {res['decode_tok_s']:.1f} tok/s, "
                   f"prefill({args.prefill_tokens}) {res['prefill_tok_s']:.0f} tok/s", flush=True)
