@@ -13,11 +13,11 @@ from rpcserver.config import (SERVER_FLAG_RANGES, ServerConfig, add_flag, add_se
                               parse_size)
 from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
-from services.model_worker.config.engine import (CPU_STEP_TOKENS, GPU_STEP_TOKENS, EngineConfig, SchedulerLimits,
-                                                 default_step_tokens)
+from services.model_worker.config.engine import EngineConfig, SchedulerLimits
 from services.model_worker.config.model import ConfigError
 from services.model_worker.core.client import EngineClient
 from services.model_worker.core.process import CoreStartError
+from services.model_worker.config.engine import CPU_STEP_TOKENS, GPU_STEP_TOKENS, default_step_tokens
 from services.model_worker.host import cpu_affinity
 from services.model_worker.server.metrics import EngineCollector, observe_step
 from services.model_worker.server.servicer import ModelWorkerServicer
@@ -81,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--stats-interval", 0, None), ("--step-timeout", 0, None)))
     if args.max_model_len < 0:
         parser.error(f"--max-model-len must be >= 0 (0: the model's own limit), got {args.max_model_len}")
+    if args.max_num_batched_tokens == 0:  # by device, never below the sequences a step may hold
+        args.max_num_batched_tokens = max(default_step_tokens(args.device), args.max_num_seqs)
     try:
         engine_config(args)  # EngineConfig and the scheduler limits check their own ranges
     except ValueError as e:
@@ -94,8 +96,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len or None,
         enable_prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
-        limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens
-                               or max(default_step_tokens(args.device), args.max_num_seqs), args.max_waiting))
+        limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting))
 
 
 async def serve(args: argparse.Namespace) -> None:
