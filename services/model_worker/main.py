@@ -17,6 +17,7 @@ from services.model_worker.config.engine import EngineConfig, SchedulerLimits, S
 from services.model_worker.config.model import ConfigError
 from services.model_worker.core.client import EngineClient
 from services.model_worker.core.process import CoreStartError
+from services.model_worker.config.engine import CPU_STEP_TOKENS, GPU_STEP_TOKENS, default_step_tokens
 from services.model_worker.host import cpu_affinity
 from services.model_worker.server.metrics import EngineCollector, observe_step
 from services.model_worker.server.servicer import ModelWorkerServicer
@@ -55,7 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
              "the largest step's activations (measured at start) and the KV cache, which gets the rest")
     add_flag(parser, "--max-model-len", 0, "cap on prompt + completion tokens (0: the model's own limit)")
     add_flag(parser, "--max-num-seqs", 64, "most sequences decoded together in one step")
-    add_flag(parser, "--max-num-batched-tokens", 2048, "most tokens computed in one step (prefill chunk size)")
+    add_flag(parser, "--max-num-batched-tokens", 0, "most tokens computed in one step (prefill chunk size; 0: "
+             f"{CPU_STEP_TOKENS} on CPU, where a shorter step gives queued prompts their first tokens sooner, "
+             f"{GPU_STEP_TOKENS} on a GPU)")
     add_flag(parser, "--max-waiting", 256, "most queued requests; beyond it requests get RESOURCE_EXHAUSTED")
     add_flag(parser, "--prefix-caching", True, "reuse cached KV blocks of shared prompt prefixes")
     add_flag(parser, "--enforce-eager", False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs "
@@ -94,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--stats-interval", 0, None), ("--step-timeout", 0, None)))
     if args.max_model_len < 0:
         parser.error(f"--max-model-len must be >= 0 (0: the model's own limit), got {args.max_model_len}")
+    if args.max_num_batched_tokens == 0:  # by device, never below the sequences a step may hold
+        args.max_num_batched_tokens = max(default_step_tokens(args.device), args.max_num_seqs)
     try:
         engine_config(args)  # EngineConfig and the scheduler limits check their own ranges
     except ValueError as e:

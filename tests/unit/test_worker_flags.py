@@ -64,3 +64,12 @@ def test_engine_cpus_defaults_to_all_and_takes_available_cpus(monkeypatch):
     assert parse_args(["--engine-cpus", str(cpu)]).engine_cpus == {cpu}
     monkeypatch.setenv("VLLM_V0_ENGINE_CPUS", str(cpu))
     assert parse_args([]).engine_cpus == {cpu}
+
+
+@pytest.mark.parametrize("flags, tokens", [
+    (["--device", "cpu"], 512), (["--device", "cuda"], 2048), (["--device", "cuda:1"], 2048),
+    (["--device", "cpu", "--max-num-seqs", "1024"], 1024),  # never below the sequences a step may hold
+    (["--device", "cpu", "--max-num-batched-tokens", "4096"], 4096),
+])
+def test_the_step_token_budget_defaults_by_device(flags, tokens):
+    assert engine_config(parse_args(flags)).limits.max_num_batched_tokens == tokens

@@ -38,12 +38,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if meta.max_query_len == 1:  # a pure decode step, the common case
         return meta.backend.decode(q, k_cache, v_cache, meta.context_lens, meta.block_tables, meta.block_size, scale)
     layout = meta.prefill
-    if layout.single_start == 0 and layout.query_rows.shape[1] == q.shape[0]:  # the step is one prefill
+    if layout.single_start == 0 and layout.lens[0] == q.shape[0]:  # the step is one prefill
         return prefill_attention(q, k, v, k_cache, v_cache, layout, scale)
     out = torch.empty_like(q)
     if meta.decode_seqs.numel():
         out[meta.decode_rows] = meta.backend.decode(q[meta.decode_rows], k_cache, v_cache,
                                                     meta.context_lens[meta.decode_seqs],
                                                     meta.block_tables[meta.decode_seqs], meta.block_size, scale)
-    out[meta.prefill.rows] = prefill_attention(q, k, v, k_cache, v_cache, meta.prefill, scale)
-    return out
+    return prefill_attention(q, k, v, k_cache, v_cache, layout, scale, out)

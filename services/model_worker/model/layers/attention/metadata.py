@@ -55,48 +55,57 @@ class FlatLayout:
 
 @dataclass
 class PrefillLayout:
-    """The sequences with more than one new token, padded to (P, Lq) queries against (P, Lk) keys.
+    """The sequences with more than one new token, each attended over its own rows: no padding.
 
-    One SDPA call computes them all. Padding rows and keys are masked; padding query rows attend
-    to key 0 only, so they stay finite and are dropped from the output.
+    A step of several prompts used to be padded to its longest one, under a dense boolean mask:
+    every prompt cost as much as the longest, and the mask kept SDPA from skipping the blocks
+    above the diagonal. 16 prompts of 32-512 tokens spent about half their prefill time there.
+    Each prompt is now one SDPA call on its own rows (views of the flat batch, no copies): a
+    fresh prompt is plain causal attention, exactly the call it gets when it prefills alone, so
+    its result does not depend on its neighbours; one with cached tokens (a later chunk, a
+    prefix-cache hit) reads its keys from the cache under its own (Lq, Lk) causal mask. A
+    prompt's attention costs time in proportion to its tokens squared, so one call each costs
+    nothing next to it (decodes stay one kernel call a step).
     """
 
-    query_rows: torch.Tensor        # (P, Lq) row of q for each padded query (padding repeats a real row)
-    key_slots: torch.Tensor | None  # (P * Lk,) cache slot of each padded key; None: keys are this step's own
-    mask: torch.Tensor | None       # (P, 1, Lq, Lk) True where a query may attend; None: plain causal
-    out_rows: torch.Tensor          # (Tp,) padded query index (p * Lq + i) of each real prefill row, in batch order
-    rows: torch.Tensor              # (Tp,) their rows in the flat batch
-    # One sequence: the first of its rows, which run on unpadded through the batch. Its queries,
-    # keys and output are then views, not gathered copies (5% of a 128-token prefill's time).
-    single_start: int | None = None
+    starts: list[int]                      # each sequence's first row in the flat batch
+    lens: list[int]                        # its new tokens
+    key_slots: list[torch.Tensor | None]   # (Lk,) cache slots of its keys; None: fresh, the keys are its own rows
+    masks: list[torch.Tensor | None]       # (1, 1, Lq, Lk) True where a query may attend; None: plain causal
+    rows: torch.Tensor                     # (Tp,) int64: all their rows in the flat batch, in batch order
+
+    @property
+    def single_start(self) -> int | None:
+        """One prefilling sequence: its first row."""
+        return self.starts[0] if len(self.starts) == 1 else None
 
     @classmethod
     def build(cls, query_start: torch.Tensor, q_lens: torch.Tensor, context: torch.Tensor, table: torch.Tensor,
               block_size: int) -> "PrefillLayout | None":
-        seqs = torch.nonzero(q_lens > 1).flatten()
-        if seqs.numel() == 0:
+        seqs = torch.nonzero(q_lens > 1).flatten().tolist()
+        if not seqs:
             return None
-        q_lens, context, starts = q_lens[seqs], context[seqs], query_start[seqs]
-        max_q, max_k = int(q_lens.max()), int(context.max())
-        i = torch.arange(max_q)
-        valid = i[None, :] < q_lens[:, None]                                   # (P, Lq)
-        query_rows = starts[:, None] + torch.minimum(i[None, :], q_lens[:, None] - 1)
-        out_rows = torch.nonzero(valid.flatten()).flatten()
-        rows = query_rows.flatten()[out_rows]
-        fresh = bool((context == q_lens).all())  # nothing cached: the keys are this step's own tokens
-        single_start = int(starts[0]) if seqs.numel() == 1 else None
-        if fresh and seqs.numel() == 1:
-            return cls(query_rows, None, None, out_rows, rows, single_start)
-        j = torch.arange(max_k)
-        query_pos = (context - q_lens)[:, None] + i[None, :]                   # (P, Lq)
-        mask = (j[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]
-        mask[:, :, 0] = True  # padding queries see key 0: finite, and discarded
-        key_slots = None if fresh else cache_slots(table[seqs], max_k, block_size).flatten()
-        return cls(query_rows, key_slots, mask[:, None], out_rows, rows, single_start)
+        starts, lens, key_slots, masks, rows = [], [], [], [], []
+        for b in seqs:
+            start, n, total = int(query_start[b]), int(q_lens[b]), int(context[b])
+            starts.append(start)
+            lens.append(n)
+            rows.append(torch.arange(start, start + n))
+            if total == n:  # nothing cached: the keys are this step's own tokens
+                key_slots.append(None)
+                masks.append(None)
+                continue
+            key_slots.append(cache_slots(table[b:b + 1], total, block_size).flatten())
+            # Query i sits at position total - n + i and sees keys 0 .. that position.
+            query_pos = torch.arange(total - n, total)
+            masks.append((torch.arange(total)[None, :] <= query_pos[:, None])[None, None])
+        return cls(starts, lens, key_slots, masks, torch.cat(rows))
 
     def to(self, device: torch.device) -> "PrefillLayout":
-        return PrefillLayout(*(None if t is None else t.to(device, non_blocking=True) for t in (
-            self.query_rows, self.key_slots, self.mask, self.out_rows, self.rows)), self.single_start)
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+        return PrefillLayout(self.starts, self.lens, [move(t) for t in self.key_slots], [move(t) for t in self.masks],
+                             move(self.rows))
 
 
 @dataclass

@@ -30,25 +30,27 @@ class TorchAttention(AttentionBackend):
         return out.reshape(n, q.shape[1], q.shape[2])
 
 
-def prefill_attention(q, k, v, k_cache, v_cache, layout: PrefillLayout, scale: float) -> torch.Tensor:
-    """The prefill rows' attention, in batch order: one SDPA call over the padded layout."""
-    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
-    batch, max_q = layout.query_rows.shape
+def prefill_attention(q, k, v, k_cache, v_cache, layout: PrefillLayout, scale: float,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """The prefill rows' attention, one SDPA call per sequence on its own rows (see PrefillLayout).
 
-    def pick(t: torch.Tensor) -> torch.Tensor:
-        """t's prefill rows as (P, Lq, ...): a view for one sequence, else a padded copy."""
-        if layout.single_start is not None:
-            return t[layout.single_start:layout.single_start + max_q].unsqueeze(0)
-        return t[layout.query_rows]
-
-    queries = pick(q).transpose(1, 2)                                          # (P, H, Lq, D)
-    if layout.key_slots is None:
-        keys, values = pick(k).transpose(1, 2), pick(v).transpose(1, 2)        # (P, Hkv, Lq, D)
-    else:
-        keys = gather_cache(k_cache, layout.key_slots, batch)
-        values = gather_cache(v_cache, layout.key_slots, batch)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=layout.mask,
-                                         is_causal=layout.mask is None, scale=scale,
-                                         enable_gqa=num_kv_heads != num_heads)  # (P, H, Lq, D)
-    out = out.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)
-    return out if layout.single_start is not None else out[layout.out_rows]
+    out: (T, H, D) to write each sequence's rows into, at its rows of the flat batch; None: the
+    step is one sequence alone and its result is returned as (Lq, H, D).
+    """
+    gqa = k.shape[1] != q.shape[1]
+    for i, (start, n) in enumerate(zip(layout.starts, layout.lens)):
+        queries = q[start:start + n].transpose(0, 1).unsqueeze(0)              # (1, H, Lq, D), a view
+        slots = layout.key_slots[i]
+        if slots is None:
+            keys = k[start:start + n].transpose(0, 1).unsqueeze(0)             # (1, Hkv, Lq, D)
+            values = v[start:start + n].transpose(0, 1).unsqueeze(0)
+        else:
+            keys = k_cache.index_select(1, slots).unsqueeze(0)                  # (1, Hkv, Lk, D)
+            values = v_cache.index_select(1, slots).unsqueeze(0)
+        mask = layout.masks[i]
+        result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                scale=scale, enable_gqa=gqa)[0].transpose(0, 1)  # (Lq, H, D)
+        if out is None:
+            return result
+        out[start:start + n] = result
+    return out

@@ -1,0 +1,121 @@
+"""First tokens under load, in-process: N concurrent mixed-length streams against the engine alone, per step budget.
+
+All N requests arrive at once (fresh random token ids each round, so nothing is cached), and the
+engine steps until every one has its max_tokens. Per request: the time to its first token;
+overall: output tokens per second. Each round runs every step budget
+(`--max-num-batched-tokens`) asked for on the same engine, the order reversed every other round,
+so the machine's drift falls on all of them alike. Medians over rounds, each budget's ratio to
+the first one (median of per-round ratios), and one JSON line at the end.
+
+Run it from two checkouts, alternating, to compare code before and after a change:
+
+    taskset -c 1 python -m bench.bench_load_ttft --threads 1 --budgets 2048,512 --rounds 3
+    python -m bench.bench_load_ttft --quick    # a smoke check on a tiny checkpoint
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.bench_engine import ensure_checkpoint  # noqa: E402
+from services.model_worker.config.engine import EngineConfig  # noqa: E402
+from services.model_worker.config.sampling import SamplingParams  # noqa: E402
+from services.model_worker.engine.llm_engine import LLMEngine  # noqa: E402
+
+DEFAULT_CHECKPOINT = ROOT / ".cache" / "peers-qwen3-0.6b"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def one_run(engine: LLMEngine, rng: random.Random, args, budget: int) -> dict:
+    engine.scheduler.limits.max_num_batched_tokens = budget
+    vocab = engine.config.vocab_size
+    requests = {}
+    start = time.perf_counter()
+    for i in range(args.streams):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(*args.prompt_tokens))]
+        max_tokens = rng.randint(*args.output_tokens)
+        requests[f"r{i}-{rng.random()}"] = max_tokens
+        engine.add_request(list(requests)[-1], prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                       ignore_eos=True))
+    first: dict[str, float] = {}
+    tokens = steps = 0
+    while engine.has_work():
+        outputs = engine.step()
+        steps += 1
+        now = time.perf_counter() - start
+        for out in outputs:
+            first.setdefault(out.request_id, now)
+            tokens += 1
+    wall = time.perf_counter() - start
+    assert tokens == sum(requests.values()), (tokens, sum(requests.values()))
+    ttft = list(first.values())
+    return {"ttft_p50": statistics.median(ttft), "ttft_p90": percentile(ttft, 0.9), "all_first": max(ttft),
+            "tok_s": tokens / wall, "wall": wall, "steps": steps}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint-dir", type=pathlib.Path, default=DEFAULT_CHECKPOINT)
+    p.add_argument("--budgets", default="2048,512", help="step token budgets to compare; ratios are to the first")
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, nargs=2, default=(32, 512))
+    p.add_argument("--output-tokens", type=int, nargs=2, default=(32, 128))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a tiny checkpoint and short runs: checks the script works")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.quick:
+            args.streams, args.rounds, args.prompt_tokens, args.output_tokens = 4, 1, (8, 40), (2, 6)
+        checkpoint = ensure_checkpoint(pathlib.Path(tmp) / "tiny" if args.quick else args.checkpoint_dir,
+                                       "tiny" if args.quick else "qwen3-0.6b")
+        engine = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", enable_prefix_caching=False))
+        engine.generate([[1000] * 64], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
+        results: dict[int, list[dict]] = {b: [] for b in budgets}
+        for r in range(args.rounds):
+            order = budgets if r % 2 == 0 else budgets[::-1]
+            for budget in order:
+                # The same requests for every budget in a round: one seed per round.
+                res = one_run(engine, random.Random(args.seed * 1000 + r), args, budget)
+                results[budget].append(res)
+                print(f"round {r} budget {budget:5d}: TTFT p50 {res['ttft_p50']:.2f} s p90 {res['ttft_p90']:.2f} s, "
+                      f"{res['tok_s']:.1f} tok/s, {res['steps']} steps, {res['wall']:.1f} s", flush=True)
+        engine.close()
+    summary = {}
+    base = results[budgets[0]]
+    for budget in budgets:
+        runs = results[budget]
+        entry = {key: statistics.median(run[key] for run in runs) for key in ("ttft_p50", "ttft_p90", "tok_s")}
+        for key in ("ttft_p50", "ttft_p90", "tok_s"):
+            entry[f"{key}_ratio"] = statistics.median(run[key] / b[key] for run, b in zip(runs, base))
+        summary[budget] = entry
+        print(f"budget {budget:5d}: TTFT p50 {entry['ttft_p50']:.2f} s ({entry['ttft_p50_ratio']:.2f}x), "
+              f"p90 {entry['ttft_p90']:.2f} s ({entry['ttft_p90_ratio']:.2f}x), "
+              f"{entry['tok_s']:.1f} tok/s ({entry['tok_s_ratio']:.2f}x)")
+    print(json.dumps({"bench": "load_ttft", "streams": args.streams, "prompt_tokens": list(args.prompt_tokens),
+                      "output_tokens": list(args.output_tokens), "threads": torch.get_num_threads(),
+                      "rounds": args.rounds, "budgets": summary}))
+
+
+if __name__ == "__main__":
+    main()
