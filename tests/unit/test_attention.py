@@ -179,7 +179,9 @@ def test_a_sequence_gets_the_same_result_alone_and_in_any_batch(kernel):
 @pytest.mark.parametrize("kinds", [["prompt"], ["prompt", "chunk", "prefix_hit", "decode"]], ids=["prompts", "mixed"])
 def test_a_prefill_gets_the_same_bits_alone_and_in_any_batch(backend, kinds, dtype):
     """Prompts of different lengths in one step (packed, no padding) equal each one alone, bit for bit."""
-    cases = random_step(random.Random(f"alone-{kinds}"), 8, True, 6, kinds)
+    # Triton's interpreter runs each program in Python: fewer sequences keep it to seconds.
+    count = 3 if isinstance(backend, TritonPagedAttention) else 6
+    cases = random_step(random.Random(f"alone-{kinds}"), 8, True, count, kinds)
     unused = sorted(set(range(NUM_BLOCKS)) - {block for case in cases for block in case[0]})
     cases.append((unused[:10], 75, 75))  # a longer prompt than the rest
     together, *_ = run(backend, cases, 8, 8, 2, dtype)
