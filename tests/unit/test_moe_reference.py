@@ -11,6 +11,10 @@ from services.model_worker.model.layers.fused_moe import FusedMoE
 from services.model_worker.model.loader import LoadError, load_model
 from tests.moe_checkpoints import make_moe_checkpoint
 from tests.unit.test_engine_reference import forward, random_prompt, reference_logits
+# The dense model's reference tests, run here on this module's `pair` (each MoE shape and transformers):
+# logits within 1e-4, 32 greedy tokens equal to generate, batched rows equal to each alone.
+from tests.unit.test_engine_reference import (  # noqa: F401 - collected by pytest in this module
+    test_batched_sequences_match_each_alone, test_greedy_continuation_matches_generate, test_logits_match_reference)
 
 SHAPES = {
     "e8_top2_norm_tied": {},
@@ -35,33 +39,6 @@ def test_layers_are_sparse_where_the_config_says(pair):
     ours = [isinstance(getattr(layer.mlp, "experts", None), FusedMoE) for layer in engine.model.model.layers]
     theirs = [hasattr(layer.mlp, "experts") for layer in reference.model.layers]
     assert ours == theirs
-
-
-def test_logits_match_reference(pair):
-    reference, engine = pair
-    prompt = random_prompt(37, seed=1)
-    (ours,) = forward(engine, [prompt])
-    assert (ours - reference_logits(reference, prompt)).abs().max().item() <= 1e-4
-
-
-def test_greedy_continuation_matches_generate(pair):
-    reference, engine = pair
-    prompt = random_prompt(11, seed=2)
-    with torch.no_grad():
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    (ours,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    assert ours == expected
-    assert len(set(expected)) > 3  # a degenerate model would make this test meaningless
-
-
-def test_batched_sequences_match_each_alone(pair):
-    _, engine = pair
-    prompts = [random_prompt(n, seed=10 + n) for n in (5, 23, 1, 40)]
-    together = forward(engine, prompts)
-    for prompt, batched in zip(prompts, together):
-        (alone,) = forward(engine, [prompt])
-        assert (batched - alone).abs().max().item() <= 1e-4
 
 
 def test_several_sequences_generate_like_alone(pair):
