@@ -76,35 +76,8 @@ int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64
                 for (int64_t g = first; g < last; g += 2) {
                     const uint32_t *b0 = packed + g * steps * 256, *b1 = b0 + steps * 256;
                     const int m0 = (int)(g * 16), rows0 = group_rows(m, m0), rows1 = group_rows(m, m0 + 16);
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                    for (int64_t s = 0; s < steps; s++) {
-                        if (g == first && s + PREFETCH_STEPS < steps)
-                            for (int r = 0; r < 32; r++)
-                                _mm_prefetch((const char *)(w0 + r * k + (s + PREFETCH_STEPS) * 32), _MM_HINT_T0);
-                        _tile_loadd(4, w0 + s * 32, k * 2);
-                        _tile_loadd(5, w1 + s * 32, k * 2);
-                        _tile_loadd(6, b0 + s * 256, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(2, 5, 6);
-                        if (rows1) {
-                            _tile_loadd(7, b1 + s * 256, 64);
-                            _tile_dpbf16ps(1, 4, 7);
-                            _tile_dpbf16ps(3, 5, 7);
-                        }
-                    }
-                    _tile_stored(0, c[0], 64);
-                    _tile_stored(2, c[2], 64);
-                    write_out(c[0], out, rows0, n0, n, m0);
-                    write_out(c[2], out, rows0, n0 + 16, n, m0);
-                    if (rows1) {
-                        _tile_stored(1, c[1], 64);
-                        _tile_stored(3, c[3], 64);
-                        write_out(c[1], out, rows1, n0, n, m0 + 16);
-                        write_out(c[3], out, rows1, n0 + 16, n, m0 + 16);
-                    }
+                    tile_block(w0, w1, b0, b1, steps, k, rows0, rows1, g == first ? PREFETCH_STEPS : 0, c, out,
+                               n0, n, m0);
                 }
             }
         }

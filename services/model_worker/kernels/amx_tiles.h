@@ -78,6 +78,44 @@ static int group_rows(int64_t m, int64_t m0) {
     return m - m0 >= 16 ? 16 : (m > m0 ? (int)(m - m0) : 0);
 }
 
+/* One output block: 32 weight rows (w0, w1: 16 rows each, row stride k) against one or two groups of
+ * 16 packed input rows (b0, b1; b1 unused when rows1 is 0), accumulated over `steps` 32-column steps in
+ * tiles 0-3 and written to out at columns n0..n0+31, rows m0... `prefetch` > 0 pulls the weight rows that
+ * many steps ahead into cache (for weights streamed from memory rather than a cache-resident copy). */
+static inline void tile_block(const uint16_t *w0, const uint16_t *w1, const uint32_t *b0, const uint32_t *b1,
+                              int64_t steps, int64_t k, int rows0, int rows1, int prefetch, float c[4][256],
+                              uint16_t *out, int64_t n0, int64_t n, int m0) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; s++) {
+        if (prefetch && s + prefetch < steps)
+            for (int r = 0; r < 32; r++)
+                _mm_prefetch((const char *)(w0 + r * k + (s + prefetch) * 32), _MM_HINT_T0);
+        _tile_loadd(4, w0 + s * 32, k * 2);
+        _tile_loadd(5, w1 + s * 32, k * 2);
+        _tile_loadd(6, b0 + s * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if (rows1) {
+            _tile_loadd(7, b1 + s * 256, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(2, c[2], 64);
+    write_out(c[0], out, rows0, n0, n, m0);
+    write_out(c[2], out, rows0, n0 + 16, n, m0);
+    if (rows1) {
+        _tile_stored(1, c[1], 64);
+        _tile_stored(3, c[3], 64);
+        write_out(c[1], out, rows1, n0, n, m0 + 16);
+        write_out(c[3], out, rows1, n0 + 16, n, m0 + 16);
+    }
+}
+
 #endif
 
 #endif
