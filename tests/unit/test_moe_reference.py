@@ -12,9 +12,10 @@ from services.model_worker.model.loader import LoadError, load_model
 from tests.moe_checkpoints import make_moe_checkpoint
 from tests.unit.test_engine_reference import forward, random_prompt, reference_logits
 # The dense model's reference tests, run here on this module's `pair` (each MoE shape and transformers):
-# logits within 1e-4, 32 greedy tokens equal to generate, batched rows equal to each alone.
+# logits within 1e-4, 32 greedy tokens equal to generate, batched rows and sequences equal to each alone.
 from tests.unit.test_engine_reference import (  # noqa: F401 - collected by pytest in this module
-    test_batched_sequences_match_each_alone, test_greedy_continuation_matches_generate, test_logits_match_reference)
+    test_batched_sequences_match_each_alone, test_greedy_continuation_matches_generate, test_logits_match_reference,
+    test_several_sequences_generate_like_alone)
 
 SHAPES = {
     "e8_top2_norm_tied": {},
@@ -39,15 +40,6 @@ def test_layers_are_sparse_where_the_config_says(pair):
     ours = [isinstance(getattr(layer.mlp, "experts", None), FusedMoE) for layer in engine.model.model.layers]
     theirs = [hasattr(layer.mlp, "experts") for layer in reference.model.layers]
     assert ours == theirs
-
-
-def test_several_sequences_generate_like_alone(pair):
-    _, engine = pair
-    prompts = [random_prompt(n, seed=30 + n) for n in (3, 17, 9)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    together = engine.generate(prompts, params)
-    alone = [engine.generate([p], params)[0] for p in prompts]
-    assert together == alone
 
 
 def test_fused_3d_expert_tensors_load_like_per_expert_ones(tmp_path):
