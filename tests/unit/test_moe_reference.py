@@ -5,7 +5,6 @@ from safetensors.torch import load_file, save_file
 
 from services.model_worker.config.engine import EngineConfig
 from services.model_worker.config.model import ConfigError, Qwen3Config
-from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.engine.llm_engine import LLMEngine
 from services.model_worker.model.layers.fused_moe import FusedMoE
 from services.model_worker.model.loader import LoadError, load_model
