@@ -22,11 +22,13 @@ def shapes():
     hidden = torch.randn(5, 96, generator=gen) * 3
     qkv = torch.randn(4, 7 * 16, generator=gen)
     heads = qkv.split([5 * 16, 2 * 16], dim=-1)[0].view(4, 5, 16)  # 5 heads of 16, rows 7 * 16 apart
+    # Rows of a multiple of 16 values take the kernel's vector loops; 40 its scalar ones.
     return [(hidden, torch.randn(96, generator=gen)), (heads, torch.randn(5, 16, generator=gen)),
-            (torch.randn(1, 1024, generator=gen), torch.randn(1024, generator=gen))]
+            (torch.randn(1, 1024, generator=gen), torch.randn(1024, generator=gen)),
+            (torch.randn(3, 40, generator=gen) * 5, torch.randn(40, generator=gen))]
 
 
-@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("case", range(4))
 def test_bfloat16_is_bit_identical(library, case):
     x, weight = shapes()[case]
     x, weight = x.bfloat16(), weight.bfloat16()
@@ -34,7 +36,7 @@ def test_bfloat16_is_bit_identical(library, case):
     assert torch.equal(cpu_norm.rms_norm(library, x, weight, 1e-6), rms_norm(x, weight, 1e-6))
 
 
-@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("case", range(4))
 def test_float32_matches_to_rounding(library, case):
     x, weight = shapes()[case]
     expected = rms_norm(x.double(), weight.double(), 1e-6)
@@ -62,13 +64,13 @@ def test_engine_points_every_norm_at_the_kernel_on_cpu(tmp_path):
     assert all(m.kernel is None for m in off.model.modules() if isinstance(m, RMSNorm))
 
 
-def rope_case(dtype):
+def rope_case(dtype, dim=32):
     """q and k heads cut from a fused projection, their norm weights, and the rotary tables at scattered positions."""
     from services.model_worker.config.model import Qwen3Config
     from services.model_worker.model.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(1)
-    tokens, heads, kv_heads, dim = 6, 4, 2, 32
+    tokens, heads, kv_heads = 6, 4, 2
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 2
     x = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)[0].view(tokens, heads + kv_heads, dim)
     weight = torch.cat((torch.randn(dim, generator=gen).expand(heads, -1),
@@ -80,12 +82,14 @@ def rope_case(dtype):
     return x.to(dtype), weight.to(dtype), rope
 
 
+# Head sizes: 32 and 128 (Qwen3's) take the kernel's vector loops, 24 its scalar ones.
+@pytest.mark.parametrize("dim", [24, 32, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_norm_and_rotary_equal_the_torch_ops(library, dtype):
+def test_fused_norm_and_rotary_equal_the_torch_ops(library, dtype, dim):
     from services.model_worker.model.layers.norm import norm_and_rotate
     from services.model_worker.model.layers.rotary import apply_rotary
 
-    x, weight, rope = rope_case(dtype)
+    x, weight, rope = rope_case(dtype, dim)
     assert cpu_norm.supports_rope(x, weight, rope)
     fused = norm_and_rotate(x, weight, 1e-6, rope, library)
     if dtype == torch.bfloat16:  # every step rounded as the torch ops round it

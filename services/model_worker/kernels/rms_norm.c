@@ -11,6 +11,24 @@
 
 #include "bf16.h"
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* The vector loops below do the scalar loops' arithmetic, op for op and rounding for rounding, on 16
+ * values at a time (dim a multiple of 16). In a prefill of 128 tokens the scalar loops took about 7%
+ * of the step: a bf16 conversion with a NaN branch per value kept the compiler from vectorising them. */
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m512 rounded(__m512 x) { return _mm512_castsi512_ps(round_bf16x16(x)); }
+
+/* Values already bf16 (low halves zero) stored as bf16. */
+static inline void store_bf16x16(uint16_t *p, __m512 x) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+}
+#endif
+
 /* Rows split across threads from this many values: a decode step of 8 sequences (8 x 1024) and up;
  * one sequence's rows (1024 values, or 24 heads of 128) cost less than waking the other threads. */
 #define PARALLEL_VALUES 8192
@@ -51,6 +69,15 @@ static inline void norm_row(const void *x, int64_t base, const void *weight, int
     const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
     if (is_bf16) {
         const uint16_t *xr = (const uint16_t *)x + base, *wr = (const uint16_t *)weight + w_base;
+#ifdef __AVX512F__
+        if (dim % 16 == 0) {
+            const __m512 s = _mm512_set1_ps(scale);
+            for (int d = 0; d < dim; d += 16)
+                _mm512_storeu_ps(y + d, rounded(_mm512_mul_ps(load_bf16x16(wr + d),
+                                                              rounded(_mm512_mul_ps(load_bf16x16(xr + d), s)))));
+            return;
+        }
+#endif
         for (int d = 0; d < dim; d++)
             y[d] = bf16_to_f32(f32_to_bf16(bf16_to_f32(wr[d]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[d]) * scale))));
     } else {
@@ -83,6 +110,12 @@ static inline int norm_rows(const void *x, int64_t r0, int64_t rows, int64_t gro
 static inline void store_row(const float *y, void *out, int64_t r, int dim, int is_bf16) {
     if (is_bf16) {
         uint16_t *o = (uint16_t *)out + r * dim;
+#ifdef __AVX512F__
+        if (dim % 16 == 0) {
+            for (int d = 0; d < dim; d += 16) store_bf16x16(o + d, _mm512_loadu_ps(y + d));
+            return;
+        }
+#endif
         for (int d = 0; d < dim; d++) o[d] = f32_to_bf16(y[d]);
     } else {
         memcpy((float *)out + r * dim, y, sizeof(float) * dim);
@@ -98,6 +131,17 @@ static inline void rotate_row(const float *y, const void *cos, const void *signe
     if (is_bf16) {
         const uint16_t *c = (const uint16_t *)cos + t * dim, *s = (const uint16_t *)signed_sin + t * dim;
         uint16_t *o = (uint16_t *)out + r * dim;
+#ifdef __AVX512F__
+        if (half % 16 == 0) {
+            for (int d = 0; d < dim; d += 16) {
+                const int partner = d < half ? d + half : d - half;
+                const __m512 a = rounded(_mm512_mul_ps(_mm512_loadu_ps(y + d), load_bf16x16(c + d)));
+                const __m512 b = rounded(_mm512_mul_ps(_mm512_loadu_ps(y + partner), load_bf16x16(s + d)));
+                store_bf16x16(o + d, rounded(_mm512_add_ps(a, b)));
+            }
+            return;
+        }
+#endif
         for (int d = 0; d < dim; d++) {
             const int partner = d < half ? d + half : d - half;
             const float a = bf16_to_f32(f32_to_bf16(y[d] * bf16_to_f32(c[d])));
