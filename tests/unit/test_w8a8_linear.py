@@ -213,3 +213,18 @@ def test_an_int8_model_runs_through_the_kernels_as_the_reference_rounds(tmp_path
     reference_tokens, reference_logits = run(fused=False)
     assert tokens == reference_tokens
     assert len(logits) == len(reference_logits) and all(torch.equal(a, b) for a, b in zip(logits, reference_logits))
+
+
+def test_the_engine_flag_turns_the_int8_activations_off(tmp_path):
+    make_checkpoint(tmp_path, num_hidden_layers=1, hidden_size=128, intermediate_size=192, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32)
+
+    def linears(**flags) -> list:
+        engine = LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=16, block_size=8,
+                                                  quantization="int8", quantize_lm_head=True, **flags))
+        return [m for m in engine.model.modules() if hasattr(m, "w8a8_amx")]
+
+    off = linears(int8_activations=False)
+    assert off and not any(m.w8a8_amx or m.w8a8_vnni for m in off)
+    if "amx_int8" in features:
+        assert all(m.w8a8_amx for m in linears())
