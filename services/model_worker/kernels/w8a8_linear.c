@@ -193,7 +193,7 @@ static void write_sums(const int32_t *c, const float *w_scales, const float *x_s
 
 #define PREFETCH 8       /* steps (cache lines of each of 32 weight rows) ahead */
 #ifndef CHUNK_GROUPS
-#define CHUNK_GROUPS 32  /* groups of 16 input rows (an even number) */
+#define CHUNK_GROUPS 32  /* groups of 16 input rows (an even number): 512 rows */
 #endif
 
 /* One output block: weight rows n0..n0+31 against input rows m0.. (one or two groups of 16, packed in b0, b1)
@@ -262,21 +262,6 @@ int w8a8_linear_amx(const uint16_t *x, const uint8_t *w, const float *scales, ui
     int failed = 0;
 #pragma omp parallel
     {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < padded_rows; i++) {
-            if (i < m) x_scales[i] = quantize_row(x + i * k, xq + i * kp, k, kp);
-            else memset(xq + i * kp, 0, (size_t)kp), x_scales[i] = 0.0f;
-        }
-        /* Each step of a group: 16 rows of 16 words (4 inputs each), transposed so that a tile row holds
-         * one word of every input row, as the B operand of tdpbssd takes them. */
-#pragma omp for schedule(static) collapse(2)
-        for (int64_t g = 0; g < groups; g++)
-            for (int64_t s = 0; s < steps; s++) {
-                __m512i v[16];
-                for (int j = 0; j < 16; j++) v[j] = _mm512_load_si512(xq + (g * 16 + j) * kp + s * 64);
-                transpose16(v);
-                for (int p = 0; p < 16; p++) _mm512_store_si512(packed + (g * steps + s) * 256 + p * 16, v[p]);
-            }
         int8_t *tail = NULL;
         if (k % 64) {
             tail = aligned_alloc(64, 32 * 64);
@@ -285,13 +270,28 @@ int w8a8_linear_amx(const uint16_t *x, const uint8_t *w, const float *scales, ui
                 failed = 1;
             } else memset(tail, 0, 32 * 64);
         }
-#pragma omp barrier
+        /* A group's rows quantized, then each step of them (16 rows of 16 words, 4 inputs a word) transposed
+         * so that a tile row holds one word of every input row, as tdpbssd's B operand takes them. One loop
+         * for both, so that a call waits at one barrier here (its end) rather than two. */
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            for (int64_t i = g * 16; i < g * 16 + 16; i++) {
+                if (i < m) x_scales[i] = quantize_row(x + i * k, xq + i * kp, k, kp);
+                else memset(xq + i * kp, 0, (size_t)kp), x_scales[i] = 0.0f;
+            }
+            for (int64_t s = 0; s < steps; s++) {
+                __m512i v[16];
+                for (int j = 0; j < 16; j++) v[j] = _mm512_load_si512(xq + (g * 16 + j) * kp + s * 64);
+                transpose16(v);
+                for (int p = 0; p < 16; p++) _mm512_store_si512(packed + (g * steps + s) * 256 + p * 16, v[p]);
+            }
+        }
         if (!failed) {
             configure(tile_rows0, tile_rows1 ? tile_rows1 : 1);
             int32_t c[4][256] __attribute__((aligned(64)));
             const int8_t *wq = (const int8_t *)w;
-            /* Long prompts in chunks of CHUNK_GROUPS groups of rows, whose packed activations (up to 256 x K
-             * bytes) stay in each core's L2 while the weights stream past them once a chunk. */
+            /* Long prompts in chunks of CHUNK_GROUPS groups of rows (512), whose packed activations (512 x K
+             * bytes at most) stay in cache while the weights stream past them, once a chunk. */
             for (int64_t g0 = 0; g0 < groups; g0 += CHUNK_GROUPS) {
                 const int64_t g1 = g0 + CHUNK_GROUPS < groups ? g0 + CHUNK_GROUPS : groups;
 #pragma omp for schedule(static)
