@@ -243,6 +243,24 @@ static void int8_block(const int8_t *w, const int8_t *tail, const int32_t *b0, c
     }
 }
 
+/* Rows g * 16 .. g * 16 + 15 of x quantized into xq (rows past m zero, scale 0), then each step of them (16 rows
+ * of 16 words, 4 inputs a word) transposed into packed so that a tile row holds one word of every input row,
+ * as tdpbssd's B operand takes them. A group past m is never read (its rows count is 0): left as it is. */
+static void pack_group(const uint16_t *x, int8_t *xq, int32_t *packed, float *x_scales, int64_t g, int m, int64_t k,
+                       int64_t kp, int64_t steps) {
+    if (g * 16 >= m) return;
+    for (int64_t i = g * 16; i < g * 16 + 16; i++) {
+        if (i < m) x_scales[i] = quantize_row(x + i * k, xq + i * kp, k, kp);
+        else memset(xq + i * kp, 0, (size_t)kp), x_scales[i] = 0.0f;
+    }
+    for (int64_t s = 0; s < steps; s++) {
+        __m512i v[16];
+        for (int j = 0; j < 16; j++) v[j] = _mm512_load_si512(xq + (g * 16 + j) * kp + s * 64);
+        transpose16(v);
+        for (int p = 0; p < 16; p++) _mm512_store_si512(packed + (g * steps + s) * 256 + p * 16, v[p]);
+    }
+}
+
 /* x: (m, k) bf16; w: (n, k) int8; scales: (n, 1) float32 (bk == k); out: (m, n) bf16; n and k multiples of
  * 32. fp8 must be 0. Returns 0, or -1 (nothing written). */
 int w8a8_linear_amx(const uint16_t *x, const uint8_t *w, const float *scales, uint16_t *out, int m, int64_t n,
@@ -259,60 +277,43 @@ int w8a8_linear_amx(const uint16_t *x, const uint8_t *w, const float *scales, ui
     }
     const int tile_rows0 = m <= 32 ? group_rows(m, 0) : 16;
     const int tile_rows1 = m <= 32 ? group_rows(m, 16) : 16;
-    int failed = 0;
+    /* Up to 32 rows (decode) the calling thread packs them before the threads start: microseconds of work, and
+     * the threads then meet once a call, at the end, as the other matmul kernels' do. */
+    if (m <= 32)
+        for (int64_t g = 0; g < groups; g++) pack_group(x, xq, packed, x_scales, g, m, k, kp, steps);
 #pragma omp parallel
     {
-        int8_t *tail = NULL;
-        if (k % 64) {
-            tail = aligned_alloc(64, 32 * 64);
-            if (!tail) {
-#pragma omp atomic write
-                failed = 1;
-            } else memset(tail, 0, 32 * 64);
-        }
-        /* A group's rows quantized, then each step of them (16 rows of 16 words, 4 inputs a word) transposed
-         * so that a tile row holds one word of every input row, as tdpbssd's B operand takes them. One loop
-         * for both, so that a call waits at one barrier here (its end) rather than two. */
+        if (m > 32) {
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            for (int64_t i = g * 16; i < g * 16 + 16; i++) {
-                if (i < m) x_scales[i] = quantize_row(x + i * k, xq + i * kp, k, kp);
-                else memset(xq + i * kp, 0, (size_t)kp), x_scales[i] = 0.0f;
-            }
-            for (int64_t s = 0; s < steps; s++) {
-                __m512i v[16];
-                for (int j = 0; j < 16; j++) v[j] = _mm512_load_si512(xq + (g * 16 + j) * kp + s * 64);
-                transpose16(v);
-                for (int p = 0; p < 16; p++) _mm512_store_si512(packed + (g * steps + s) * 256 + p * 16, v[p]);
-            }
+            for (int64_t g = 0; g < groups; g++) pack_group(x, xq, packed, x_scales, g, m, k, kp, steps);
         }
-        if (!failed) {
-            configure(tile_rows0, tile_rows1 ? tile_rows1 : 1);
-            int32_t c[4][256] __attribute__((aligned(64)));
-            const int8_t *wq = (const int8_t *)w;
-            /* Long prompts in chunks of CHUNK_GROUPS groups of rows (512), whose packed activations (512 x K
-             * bytes at most) stay in cache while the weights stream past them, once a chunk. */
-            for (int64_t g0 = 0; g0 < groups; g0 += CHUNK_GROUPS) {
-                const int64_t g1 = g0 + CHUNK_GROUPS < groups ? g0 + CHUNK_GROUPS : groups;
-#pragma omp for schedule(static)
-                for (int64_t n0 = 0; n0 < n; n0 += 32) {
-                    const int8_t *block = wq + n0 * k;
-                    if (tail)
-                        for (int r = 0; r < 32; r++) memcpy(tail + r * 64, block + r * k + (steps - 1) * 64, 32);
-                    for (int64_t g = g0; g < g1; g += 2) {
-                        const int32_t *b0 = packed + g * steps * 256, *b1 = b0 + steps * 256;
-                        const int m0 = (int)(g * 16), rows0 = group_rows(m, m0), rows1 = group_rows(m, m0 + 16);
-                        int8_block(block, tail, b0, b1, steps, k, rows0, rows1, scales, x_scales, c, out, n0, n, m0,
-                                   g == g0);
-                    }
+        int8_t tail[32 * 64] __attribute__((aligned(64)));
+        if (k % 64) memset(tail, 0, sizeof tail);
+        configure(tile_rows0, tile_rows1 ? tile_rows1 : 1);
+        int32_t c[4][256] __attribute__((aligned(64)));
+        const int8_t *wq = (const int8_t *)w;
+        /* Long prompts in chunks of CHUNK_GROUPS groups of rows (512), whose packed activations (512 x K bytes
+         * at most) stay in cache while the weights stream past them, once a chunk. The chunks write apart and
+         * read only the packed rows: no thread waits for another between them. */
+        for (int64_t g0 = 0; g0 < groups; g0 += CHUNK_GROUPS) {
+            const int64_t g1 = g0 + CHUNK_GROUPS < groups ? g0 + CHUNK_GROUPS : groups;
+#pragma omp for schedule(static) nowait
+            for (int64_t n0 = 0; n0 < n; n0 += 32) {
+                const int8_t *block = wq + n0 * k;
+                if (k % 64)
+                    for (int r = 0; r < 32; r++) memcpy(tail + r * 64, block + r * k + (steps - 1) * 64, 32);
+                for (int64_t g = g0; g < g1; g += 2) {
+                    const int32_t *b0 = packed + g * steps * 256, *b1 = b0 + steps * 256;
+                    const int m0 = (int)(g * 16), rows0 = group_rows(m, m0), rows1 = group_rows(m, m0 + 16);
+                    int8_block(block, k % 64 ? tail : NULL, b0, b1, steps, k, rows0, rows1, scales, x_scales, c,
+                               out, n0, n, m0, g == g0);
                 }
             }
-            _tile_release();
         }
-        free(tail);
+        _tile_release();
     }
     free(xq), free(packed), free(x_scales);
-    return failed ? -1 : 0;
+    return 0;
 }
 
 #else
