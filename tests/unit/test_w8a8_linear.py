@@ -228,3 +228,39 @@ def test_the_engine_flag_turns_the_int8_activations_off(tmp_path):
     assert off and not any(m.w8a8_amx or m.w8a8_vnni for m in off)
     if "amx_int8" in features:
         assert all(m.w8a8_amx for m in linears())
+
+
+@needs_vnni
+@pytest.mark.parametrize("batch", [2, 6])
+def test_without_amx_int8_fused_decode_takes_vnni_steps_and_equals_the_layers(tmp_path, monkeypatch, batch):
+    """Where only VNNI is there, the fused loop takes steps of up to 4 rows (VNNI) and leaves larger ones (bf16
+    activations above 4 rows) to the layers; either way the hidden states are the layer-by-layer ones, bit for bit."""
+    from services.model_worker.kernels import cpu_decoder
+    from tests.unit.test_fused_decode import hidden_states
+
+    real_load = cpu_q8_linear.load
+
+    def load_without_amx_int8():
+        kernels = real_load()
+        kernels.w8a8_amx = False
+        return kernels
+
+    monkeypatch.setattr(cpu_q8_linear, "load", load_without_amx_int8)
+    make_checkpoint(tmp_path, eos_token_id=(), num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=32, hidden_size=128, intermediate_size=192)
+
+    def engine(fused: bool) -> LLMEngine:
+        return LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=64, block_size=8,
+                                                fused_decode=fused, quantization="int8"))
+
+    prompts = [random_prompt(3 + 4 * i, seed=40 + i) for i in range(batch)]
+    plain = hidden_states(engine(False), prompts, 4)
+    calls = []
+    real = cpu_decoder.decode_layers
+    monkeypatch.setattr(cpu_decoder, "decode_layers", lambda *args: (calls.append(args[4].shape[0]), real(*args))[1])
+    fused_engine = engine(True)
+    linear = fused_engine.model.model.layers[0].mlp.down_proj
+    assert linear.w8a8_vnni and not linear.w8a8_amx and fused_engine.model.model.fused_decode.max_rows == 4
+    fused = hidden_states(fused_engine, prompts, 4)
+    assert calls == ([batch] * 3 if batch <= 4 else [])
+    assert len(fused) == len(plain) and all(torch.equal(a, b) for a, b in zip(fused, plain))
