@@ -53,7 +53,13 @@ from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / ".cache" / "bench-qwen3-0.6b"
 FORMATS = {"bf16": [], "int8": ["--quantization", "int8", "--quantize-lm-head"],
+           "int8-a16": ["--quantization", "int8", "--quantize-lm-head", "--no-int8-activations"],
            "fp8": ["--quantization", "fp8", "--quantize-lm-head"]}
+# The same as EngineConfig fields, for the agreement run in process. int8: activations quantized to int8
+# per row (the default); int8-a16: bf16 activations.
+ENGINE_FLAGS = {"bf16": {}, "int8": dict(quantization="int8", quantize_lm_head=True),
+                "int8-a16": dict(quantization="int8", quantize_lm_head=True, int8_activations=False),
+                "fp8": dict(quantization="fp8", quantize_lm_head=True)}
 TARGETS = {"decode": 1.5, "streams_16": 1.2, "prefill_time": 1.1}  # prefill: at most 1.1x bf16's time
 
 
@@ -103,16 +109,15 @@ def weight_bytes(config: Qwen3Config, fmt: str) -> int:
     if fmt == "bf16":
         head_shared = config.vocab_size * h * 2 if config.tie_word_embeddings else 0
         return embedding + sum(n * k * 2 for n, k in linears) - head_shared
-    scales = sum(n * (1 if fmt == "int8" else -(-k // 128)) * 4 for n, k in linears)
+    scales = sum(n * (1 if fmt.startswith("int8") else -(-k // 128)) * 4 for n, k in linears)
     return embedding + sum(n * k for n, k in linears) + scales
 
 
-def agreement(checkpoint: pathlib.Path, prompts: list[list[int]], new_tokens: int) -> dict:
+def agreement(checkpoint: pathlib.Path, prompts: list[list[int]], new_tokens: int, formats: list[str]) -> dict:
     """Each 8-bit model against the bf16 one, in process: first greedy divergence and mean KL along bf16's text."""
     def engine(fmt: str) -> LLMEngine:
-        flags = dict(quantization=fmt, quantize_lm_head=True) if fmt != "bf16" else {}
         return LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=16 * len(prompts) + 64,
-                                                  **flags))
+                                                  **ENGINE_FLAGS[fmt]))
 
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     base = engine("bf16")
@@ -121,7 +126,7 @@ def agreement(checkpoint: pathlib.Path, prompts: list[list[int]], new_tokens: in
     base.close()
     del base
     out = {}
-    for fmt in ("int8", "fp8"):
+    for fmt in formats:
         ours = engine(fmt)
         divergence, kls = [], []
         for prompt, text, want in zip(prompts, texts, base_logits):
@@ -137,6 +142,13 @@ def agreement(checkpoint: pathlib.Path, prompts: list[list[int]], new_tokens: in
     return out
 
 
+def print_agreement(agree: dict, new_tokens: int) -> None:
+    for fmt, a in agree.items():
+        print(f"  {fmt} vs bf16 on the {len(PROMPTS)} soak prompts, {new_tokens} greedy tokens: first "
+              f"divergence at {a['first_divergence']} (None: the same text), mean KL {a['mean_kl']:.4g} "
+              f"(worst prompt {a['max_prompt_kl']:.4g})", flush=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", type=pathlib.Path, default=DEFAULT_CHECKPOINT)
@@ -145,6 +157,7 @@ def main(argv=None) -> None:
     p.add_argument("--kv-cache-bytes", default="512MiB", help="each worker's KV cache")
     p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated: bf16 first, then 8-bit ones")
     p.add_argument("--skip-agreement", action="store_true")
+    p.add_argument("--agreement-only", action="store_true", help="only the agreement with bf16, no workers")
     p.add_argument("--quick", action="store_true", help="a tiny checkpoint, short prompts, one round")
     args = p.parse_args(argv)
     started, load_before = time.perf_counter(), os.getloadavg()
@@ -156,6 +169,15 @@ def main(argv=None) -> None:
     if args.quick:
         args.repeats, args.new_tokens = 1, 8
     formats = args.formats.split(",")
+    if formats[0] != "bf16" or not set(formats) <= set(FORMATS):
+        p.error(f"--formats: bf16 first, then any of {', '.join(FORMATS)}")
+    if args.agreement_only:
+        tokenizer = TokenizerCore.from_dir(checkpoint)
+        agree = agreement(checkpoint, [tokenizer.encode(t) for t in PROMPTS], args.new_tokens, formats[1:])
+        print_agreement(agree, args.new_tokens)
+        print(json.dumps({"benchmark": "bench_quantization", "agreement": agree, "formats": formats,
+                          "load_average_before": load_before, "load_average_after": os.getloadavg()}))
+        return
     rng = random.Random(0)
 
     def ids(n: int) -> list[int]:  # fresh random tokens: no prefix-cache hit between formats or rounds
@@ -199,14 +221,14 @@ def main(argv=None) -> None:
     def paired(fmt: str, key: str) -> list[float]:
         return [a / b for a, b in zip(results[fmt][key], results["bf16"][key])]
 
-    print(f"\n{'':6s}{'decode tok/s':>24s}{'16 streams tok/s':>24s}{'prefill 512 ms':>22s}{'weights GB':>12s}"
+    print(f"\n{'':9s}{'decode tok/s':>24s}{'16 streams tok/s':>24s}{'prefill 512 ms':>22s}{'weights GB':>12s}"
           f"{'core RSS GB':>13s}")
     for fmt, r in results.items():
         cells = []
         for key, scale in (("decode", 1), ("streams_16", 1), ("prefill_time", 1e3)):
             v = [x * scale for x in r[key]]
             cells.append(f"{statistics.median(v):9.1f} ({min(v):.1f}-{max(v):.1f})")
-        print(f"{fmt:6s}{cells[0]:>24s}{cells[1]:>24s}{cells[2]:>22s}{memory[fmt]['weights'] / 1e9:12.3f}"
+        print(f"{fmt:9s}{cells[0]:>24s}{cells[1]:>24s}{cells[2]:>22s}{memory[fmt]['weights'] / 1e9:12.3f}"
               f"{memory[fmt]['engine_core_rss'] / 1e9:13.3f}")
     ratios = {}
     for fmt in formats[1:]:
@@ -220,11 +242,8 @@ def main(argv=None) -> None:
     agree = None
     if not args.skip_agreement:
         tokenizer = TokenizerCore.from_dir(checkpoint)
-        agree = agreement(checkpoint, [tokenizer.encode(t) for t in PROMPTS], args.new_tokens)
-        for fmt, a in agree.items():
-            print(f"  {fmt} vs bf16 on the {len(PROMPTS)} soak prompts, {args.new_tokens} greedy tokens: first "
-                  f"divergence at {a['first_divergence']} (None: the same text), mean KL {a['mean_kl']:.4g} "
-                  f"(worst prompt {a['max_prompt_kl']:.4g})")
+        agree = agreement(checkpoint, [tokenizer.encode(t) for t in PROMPTS], args.new_tokens, formats[1:])
+        print_agreement(agree, args.new_tokens)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(json.dumps({"benchmark": "bench_quantization", "machine": {
         "cpu": cpu_name(), "cpus": os.cpu_count(), "torch": torch.__version__, "load_average_before": load_before,

@@ -67,8 +67,9 @@ def test_layer_routes_every_row_count_to_a_correct_path(kernels, fmt):
     layer = ReplicatedLinear(256, 96, bias=True).bfloat16()
     for p in layer.parameters():
         p.data.normal_()
-    use_linear_method(layer, EightBitLinearMethod(fmt, False, kernels))
-    assert layer.weight.element_size() == 1 and layer.q8 is kernels
+    # int8 with bf16 activations (the int8 x int8 kernels are test_w8a8_linear.py's)
+    use_linear_method(layer, EightBitLinearMethod(fmt, False, kernels, int8_activations=False))
+    assert layer.weight.element_size() == 1 and layer.q8 is kernels and not layer.w8a8_amx and not layer.w8a8_vnni
     reference_weight = dequantize(layer.weight, layer.weight_scale_inv, layer.block_k, torch.float64)
     for rows in (1, 4, 9, 100, 200):  # AVX-512, AVX-512, AMX (or AVX-512), AMX, oneDNN on a dequantized copy
         x = torch.randn(rows, 256).bfloat16()
@@ -81,9 +82,12 @@ def test_layer_routes_every_row_count_to_a_correct_path(kernels, fmt):
 
 
 @needs_avx512
-@pytest.mark.parametrize("fmt,batch", [("fp8", 1), ("int8", 3), ("fp8", 6)])  # AVX-512 at 1-4 rows, AMX at 6
-def test_fused_decode_steps_equal_the_layer_by_layer_forward_bit_for_bit(tmp_path, fmt, batch, monkeypatch):
-    """The fused decode loop (kernels/decoder.c) calls the same 8-bit kernels with the same routing."""
+@pytest.mark.parametrize("fmt,batch,int8_activations", [("fp8", 1, True), ("int8", 3, False), ("fp8", 6, True),
+                                                         ("int8", 2, True), ("int8", 6, True)])
+def test_fused_decode_steps_equal_the_layer_by_layer_forward_bit_for_bit(tmp_path, fmt, batch, int8_activations,
+                                                                         monkeypatch):
+    """The fused decode loop (kernels/decoder.c) calls the same 8-bit kernels with the same routing: AVX-512 at
+    1-4 rows, AMX at 6; int8 with int8 activations the int8 x int8 kernels (w8a8_linear.c) at every row count."""
     from services.model_worker.config.engine import EngineConfig
     from services.model_worker.engine.llm_engine import LLMEngine
     from tests.checkpoints import make_checkpoint
@@ -95,7 +99,8 @@ def test_fused_decode_steps_equal_the_layer_by_layer_forward_bit_for_bit(tmp_pat
 
     def make_engine(fused: bool) -> LLMEngine:
         return LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=256, block_size=8,
-                                                fused_decode=fused, quantization=fmt))
+                                                fused_decode=fused, quantization=fmt,
+                                                int8_activations=int8_activations))
 
     prompts = [random_prompt(3 + 4 * i, seed=batch * 10 + i) for i in range(batch)]
     plain = hidden_states(make_engine(False), prompts, 5)

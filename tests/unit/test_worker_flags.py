@@ -73,3 +73,10 @@ def test_engine_cpus_defaults_to_all_and_takes_available_cpus(monkeypatch):
 ])
 def test_the_step_token_budget_defaults_by_device(flags, tokens):
     assert engine_config(parse_args(flags)).limits.max_num_batched_tokens == tokens
+
+
+def test_int8_activations_is_on_unless_turned_off_by_flag_or_environment(monkeypatch):
+    assert engine_config(parse_args([])).int8_activations is True
+    assert engine_config(parse_args(["--no-int8-activations"])).int8_activations is False
+    monkeypatch.setenv("VLLM_V0_INT8_ACTIVATIONS", "0")
+    assert engine_config(parse_args([])).int8_activations is False

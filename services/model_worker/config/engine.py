@@ -114,6 +114,9 @@ class EngineConfig:
     quantization: str = "none"
     # The vocab projection in 8 bits too (a quarter of a 0.6B model's weight bytes); else it stays bf16.
     quantize_lm_head: bool = False
+    # int8 weights on CPU in bf16: each matmul's input rows quantized to int8 too (one scale per row) and
+    # multiplied in integers (AMX-INT8, or VNNI at a few rows); False keeps bf16 activations (q8_linear.c).
+    int8_activations: bool = True
     limits: SchedulerLimits = None  # type: ignore[assignment]
     speculative: SpeculativeConfig = None  # type: ignore[assignment]
 

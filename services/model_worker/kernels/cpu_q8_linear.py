@@ -1,5 +1,6 @@
-"""The 8-bit-weight matmul C kernels (q8_linear.c), called through ctypes: int8 or fp8 e4m3 weights
-with float32 scales per (row, block of inputs), bf16 activations and outputs."""
+"""The 8-bit-weight matmul C kernels, called through ctypes: q8_linear.c (int8 or fp8 e4m3 weights with
+float32 scales per (row, block of inputs), bf16 activations and outputs) and w8a8_linear.c (int8 weights
+with a scale per row, the bf16 activations quantized to int8 per row in the call)."""
 from __future__ import annotations
 
 import ctypes
@@ -10,15 +11,21 @@ import torch
 from services.model_worker.kernels import build
 
 SOURCE = pathlib.Path(__file__).with_name("q8_linear.c")
+W8A8_SOURCE = pathlib.Path(__file__).with_name("w8a8_linear.c")
 _ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
 
 
 class Q8Kernels:
-    """The loaded library: gemv (few rows, AVX-512), amx (more rows; None without AMX), dequantize."""
+    """The loaded libraries: q8_linear.c's gemv (few rows, AVX-512), amx (more rows; False without AMX) and
+    dequantize; w8a8: w8a8_linear.c (None where it does not build), with w8a8_amx (AMX-INT8) and w8a8_vnni
+    (AVX512-VNNI) saying which of its kernels this CPU runs."""
 
-    def __init__(self, library: ctypes.CDLL, amx: bool):
+    def __init__(self, library: ctypes.CDLL, amx: bool, w8a8: ctypes.CDLL | None = None):
         self.library = library
         self.amx = amx
+        self.w8a8 = w8a8
+        self.w8a8_amx = w8a8 is not None and bool(w8a8.w8a8_amx_supported())
+        self.w8a8_vnni = w8a8 is not None and bool(w8a8.w8a8_vnni_supported())
 
 
 def load() -> Q8Kernels | None:
@@ -31,7 +38,12 @@ def load() -> Q8Kernels | None:
         getattr(library, name).restype = ctypes.c_int
     library.q8_dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     library.q8_dequantize.restype = ctypes.c_int
-    return Q8Kernels(library, bool(library.q8_amx_supported()))
+    w8a8 = build.load(W8A8_SOURCE, "int8 x int8 linear")
+    if w8a8 is not None:
+        for name in ("w8a8_linear", "w8a8_linear_amx"):
+            getattr(w8a8, name).argtypes = _ARGS
+            getattr(w8a8, name).restype = ctypes.c_int
+    return Q8Kernels(library, bool(library.q8_amx_supported()), w8a8)
 
 
 def supports(weight: torch.Tensor, block_k: int) -> bool:
@@ -47,10 +59,23 @@ def linear(kernels: Q8Kernels, x: torch.Tensor, weight: torch.Tensor, scales: to
            amx: bool) -> torch.Tensor:
     """x: (..., K) bf16; weight: (N, K) int8 or float8_e4m3fn; scales: (N, ceil(K / block_k)) float32.
     Returns x @ (weight * scales).T, (..., N) bf16; amx: on AMX tiles (N a multiple of 32)."""
+    kernel = kernels.library.q8_linear_amx if amx else kernels.library.q8_linear
+    return _call(kernel, x, weight, scales, block_k)
+
+
+def w8a8_linear(kernels: Q8Kernels, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                amx: bool) -> torch.Tensor:
+    """x: (..., K) bf16; weight: (N, K) int8; scales: (N, 1) float32. x's rows quantized to int8 (scale
+    max|row| / 127, rounded half to even) times weight, in int32, then scaled: (..., N) bf16. amx: on AMX-INT8
+    tiles (N a multiple of 32), else AVX512-VNNI (1-4 rows)."""
+    kernel = kernels.w8a8.w8a8_linear_amx if amx else kernels.w8a8.w8a8_linear
+    return _call(kernel, x, weight, scales, weight.shape[1])
+
+
+def _call(kernel, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_k: int) -> torch.Tensor:
     flat = x.dim() == 2 and x.is_contiguous()
     rows = x if flat else x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.bfloat16)
-    kernel = kernels.library.q8_linear_amx if amx else kernels.library.q8_linear
     status = kernel(rows.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(), rows.shape[0],
                     weight.shape[0], weight.shape[1], block_k, _is_fp8(weight))
     if status != 0:

@@ -45,9 +45,15 @@ class FusedDecode:
         linears = _linears(model)
         # 8-bit layers (EightBitLinearMethod on its C kernels) or bf16 ones (SmallBatchLinearMethod).
         self.q8 = linears[0].q8 if isinstance(linears[0].method, EightBitLinearMethod) else None
+        # int8 x int8 (w8a8_linear.c): on AMX-INT8 at every row count, or on VNNI up to GEMV_MAX_ROWS.
+        self.w8a8_amx = self.q8 is not None and linears[0].w8a8_amx
+        self.w8a8_vnni = self.q8 is not None and linears[0].w8a8_vnni
         if self.q8 is not None:
             amx = all(m.q8_amx for m in linears)
             self.max_rows = EightBitLinearMethod.AMX_MAX_ROWS if amx else EightBitLinearMethod.NO_AMX_MAX_ROWS
+            if self.w8a8_vnni:
+                # VNNI takes up to GEMV_MAX_ROWS, the widening kernels above: decoder.c routes one kernel there.
+                self.max_rows = EightBitLinearMethod.GEMV_MAX_ROWS
             self.small_library = self.amx_library = None
         else:
             self.max_rows = SmallBatchLinearMethod.AMX_MAX_ROWS if all(m.amx is not None for m in linears) \
@@ -76,6 +82,8 @@ class FusedDecode:
         eight_bit = all(isinstance(m.method, EightBitLinearMethod) and m.q8 is not None for m in linears)
         if not ((bf16 or eight_bit) and all(m.method is method and m.bias is None for m in linears)):
             return None
+        if eight_bit and len({(m.w8a8_amx, m.w8a8_vnni) for m in linears}) != 1:
+            return None  # some layers on the int8 x int8 kernels and some not: one routing table cannot say it
         if any(m.tp.size != 1 for m in linears):
             return None
         if not all(n.kernel is not None and n.kernel is norms[0].kernel and n.eps == norms[0].eps for n in norms):
@@ -104,6 +112,10 @@ class FusedDecode:
             small = address(self.small_library, "small_batch_linear") if self.small_library is not None else None
             q8 = address(self.q8.library, "q8_linear") if self.q8 is not None else None
             q8_amx = address(self.q8.library, "q8_linear_amx") if self.q8 is not None and self.q8.amx else None
+            if self.w8a8_amx:  # the AMX-INT8 kernel at every row count, as EightBitLinearMethod routes it
+                q8 = q8_amx = address(self.q8.w8a8, "w8a8_linear_amx")
+            elif self.w8a8_vnni:
+                q8 = address(self.q8.w8a8, "w8a8_linear")  # max_rows is GEMV_MAX_ROWS: never q8_amx
             table = cpu_decoder.Kernels(
                 small, amx, address(self.norm_library, "rms_norm"),
                 address(self.norm_library, "rms_norm_rope"), address(attention_library, "write_kv"),
@@ -135,7 +147,7 @@ class FusedDecode:
                 if self.q8 is not None:
                     scales = [getattr(m, SCALE) for m in linears]
                     kept.extend(scales)
-                    flags = [int(m.q8_amx) for m in linears]
+                    flags = [int(m.q8_amx or m.w8a8_amx) for m in linears]
                     extra = [s.data_ptr() for s in scales] + [int(linears[0].weight.dtype == torch.float8_e4m3fn)]
                 else:
                     flags = [int(m.amx is not None) for m in linears]

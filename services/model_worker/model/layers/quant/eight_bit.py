@@ -3,7 +3,11 @@ checkpoint quantized on load) and int8 with one scale per output row (quantized 
 
 Whatever the format, a loaded layer holds `weight` (N, K) in 8 bits and `weight_scale_inv` (N, ceil(K /
 block_k)) float32, the weight being weight * weight_scale_inv (quantize.py). How it is multiplied:
-- CPU, bf16 activations: the C kernels of kernels/q8_linear.c read the bytes and widen them in
+- CPU, bf16 activations, int8 weights (unless int8_activations is off): the activations are quantized to
+  int8 in the call, one scale per row, and multiplied in integers by kernels/w8a8_linear.c: AMX-INT8 tiles
+  at every row count where the CPU has them; without them, AVX512-VNNI up to GEMV_MAX_ROWS rows and the
+  paths below above that.
+- CPU, bf16 activations, otherwise: the C kernels of kernels/q8_linear.c read the bytes and widen them in
   registers: a few rows (decode) by AVX-512 fused multiply-adds, more rows on AMX tiles over 32 weight
   rows dequantized at a time in cache; long prompts (over AMX_MAX_ROWS rows, where oneDNN's GEMM is the
   fastest) multiply a bf16 dequantization of the one layer, made for that call and dropped after it.
@@ -29,18 +33,22 @@ SCALE = "weight_scale_inv"  # the checkpoint's name: the weight is q * weight_sc
 
 class EightBitLinearMethod(LinearMethod):
     """fmt "fp8" or "int8"; from_checkpoint: the checkpoint holds the 8-bit weights and their scales (fp8
-    only), else its bf16/float32 weights are quantized once loaded. kernels: the CPU kernels, or None."""
+    only), else its bf16/float32 weights are quantized once loaded. kernels: the CPU kernels, or None.
+    int8_activations: int8 weights on CPU in bf16 multiply activations quantized to int8 per row (the
+    w8a8 kernels, where the CPU has them); False keeps bf16 activations."""
 
     GEMV_MAX_ROWS = 4     # the AVX-512 kernel up to this many rows; AMX above, where the CPU has it
     NO_AMX_MAX_ROWS = 16  # without AMX, the AVX-512 kernel up to here
     AMX_MAX_ROWS = 128    # as SmallBatchLinearMethod's: above, oneDNN on a dequantized copy for the call
 
     def __init__(self, fmt: str, from_checkpoint: bool, kernels: cpu_q8_linear.Q8Kernels | None = None,
-                 triton: bool = False):
+                 triton: bool = False, int8_activations: bool = True):
         if fmt not in ("fp8", "int8") or (from_checkpoint and fmt != "fp8"):
             raise ValueError(f"no 8-bit format {fmt!r}{' in checkpoints' if from_checkpoint else ''}")
         self.fmt, self.from_checkpoint, self.kernels, self.triton = fmt, from_checkpoint, kernels, triton
-        self.name = f"{fmt}-{'checkpoint' if from_checkpoint else 'quantized-on-load'}"
+        self.int8_activations = int8_activations and fmt == "int8"
+        a8 = self.int8_activations and kernels is not None and (kernels.w8a8_amx or kernels.w8a8_vnni)
+        self.name = f"{fmt}-{'checkpoint' if from_checkpoint else 'quantized-on-load'}{'-a8' if a8 else ''}"
 
     def create_weights(self, layer, in_features, out_features, bias):
         if not self.from_checkpoint:
@@ -83,6 +91,10 @@ class EightBitLinearMethod(LinearMethod):
         on_cpu_kernel = self.kernels is not None and cpu_q8_linear.supports(weight, layer.block_k)
         layer.q8 = self.kernels if on_cpu_kernel else None
         layer.q8_amx = on_cpu_kernel and self.kernels.amx and weight.shape[0] % 32 == 0
+        # The int8 x int8 kernels: every row count on AMX-INT8 tiles, else up to GEMV_MAX_ROWS on VNNI.
+        a8 = on_cpu_kernel and self.int8_activations and weight.dtype == torch.int8
+        layer.w8a8_amx = a8 and self.kernels.w8a8_amx and weight.shape[0] % 32 == 0
+        layer.w8a8_vnni = a8 and not layer.w8a8_amx and self.kernels.w8a8_vnni
         layer.w8_triton = self.triton and weight.device.type == "cuda"
 
     def apply(self, layer, x):
@@ -93,6 +105,8 @@ class EightBitLinearMethod(LinearMethod):
         weight, scales = layer.weight, getattr(layer, SCALE)
         if layer.q8 is not None and x.dtype == torch.bfloat16:
             rows = x.numel() // x.shape[-1]
+            if layer.w8a8_amx or (layer.w8a8_vnni and rows <= self.GEMV_MAX_ROWS):
+                return cpu_q8_linear.w8a8_linear(layer.q8, x, weight, scales, amx=layer.w8a8_amx)
             if rows <= self.GEMV_MAX_ROWS or (not layer.q8_amx and rows <= self.NO_AMX_MAX_ROWS):
                 return cpu_q8_linear.linear(layer.q8, x, weight, scales, layer.block_k, amx=False)
             if layer.q8_amx and rows <= self.AMX_MAX_ROWS:

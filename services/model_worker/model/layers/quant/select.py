@@ -26,9 +26,10 @@ class LinearMethods:
 
 def linear_methods(device: torch.device, dtype: torch.dtype, quantization_config: dict | None, quantization: str,
                    quantize_lm_head: bool, small_batch_kernel: bool | None = None,
-                   pack_weights: bool | None = None) -> LinearMethods:
+                   pack_weights: bool | None = None, int8_activations: bool = True) -> LinearMethods:
     """The checkpoint's quantization_config (fp8 blocks) or --quantization decide the format of the decoder's
-    layers; the head keeps the exact method of the device (cpu_linear_method) unless --quantize-lm-head."""
+    layers; the head keeps the exact method of the device (cpu_linear_method) unless --quantize-lm-head.
+    int8_activations: int8 weights multiply activations quantized to int8 on CPU (--int8-activations)."""
     scheme: QuantScheme | None = resolve_scheme(checkpoint_quantization(quantization_config), quantization,
                                                 quantize_lm_head)
     exact = cpu_linear_method(device, dtype, small_batch_kernel, pack_weights)
@@ -39,6 +40,6 @@ def linear_methods(device: torch.device, dtype: torch.dtype, quantization_config
         log.warning("8-bit weights without the C kernels (no AVX-512 or no C compiler): every matmul dequantizes "
                     "its layer first, slower than bf16 weights")
     triton = device.type == "cuda"
-    body = EightBitLinearMethod(scheme.method, scheme.from_checkpoint, kernels, triton)
-    head = EightBitLinearMethod(scheme.method, False, kernels, triton) if scheme.lm_head else exact
+    body = EightBitLinearMethod(scheme.method, scheme.from_checkpoint, kernels, triton, int8_activations)
+    head = EightBitLinearMethod(scheme.method, False, kernels, triton, int8_activations) if scheme.lm_head else exact
     return LinearMethods(body, head)

@@ -1,0 +1,329 @@
+/* y = x W^T with int8 weights (one float32 scale per output row) and the activations quantized to int8 on
+ * the fly (one float32 scale per input row): integer dot products, the weights never widened.
+ *
+ * q8_linear.c widens the weight bytes to float32 (a few rows) or dequantizes blocks of them to bf16 for the
+ * AMX-BF16 tiles (more rows); at decode batches that dequantizing costs as much as the bytes save. Here
+ * the activations are made int8 instead, once a call (they are a few rows against thousands of weight
+ * rows), and the weights go from memory into integer units as they are:
+ * - w8a8_linear_amx (decode batches): AMX-INT8 tiles, the weights loaded straight from their (N, K)
+ *   row-major layout as A tiles (16 rows x 64 bytes), the activations packed as B tiles (groups of 4
+ *   consecutive K values of a row in one 32-bit word), int32 sums.
+ * - w8a8_linear (a few rows): AVX512-VNNI dpbusd, which multiplies unsigned by signed bytes: the
+ *   activations go in offset by 128 (x + 128, unsigned), and 128 x the weight row's sum, gathered by a
+ *   second dpbusd against ones, is taken off each sum.
+ *
+ * Activation row i: s_i = max|x_i| / 127 (float32); q = x / s rounded to nearest even (as torch.round),
+ * 0 for an all-zero row (s_i = 0). Result: bf16(float(sum_k q_ik w_nk) * w_scale_n * s_i), rounded once to
+ * nearest even. The int32 sums are exact (|sum| <= 127 * 127 * K). Where the compiler or CPU lacks the
+ * instructions the entry points return -1 and the *_supported functions 0.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "amx_tiles.h"
+#include "bf16.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+#define W8A8_AVX512 1
+#define AI static inline __attribute__((always_inline))
+
+/* Row x (k bf16 values) as int8 into q (k bytes, then zeros up to kp); returns its scale. Division, not a
+ * multiply by 127 / max: x / s is then the float32 quotient torch computes, rounded the same way. */
+static float quantize_row(const uint16_t *x, int8_t *q, int64_t k, int64_t kp) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += 16) {
+        const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + j))), 16);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_castsi512_ps(bits)));
+    }
+    const float scale = _mm512_reduce_max_ps(amax) / 127.0f;
+    if (scale == 0.0f) {
+        memset(q, 0, (size_t)kp);
+        return 0.0f;
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t j = 0; j < k; j += 16) {
+        const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + j))), 16);
+        const __m512 v = _mm512_div_ps(_mm512_castsi512_ps(bits), s);
+        const __m512i r = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(q + j), _mm512_cvtsepi32_epi8(r));
+    }
+    if (kp > k) memset(q + k, 0, (size_t)(kp - k));
+    return scale;
+}
+
+/* 16 int32 sums (16 output rows n0.. of input row i) as bf16(sum * w_scale * x_scale) into out. */
+AI void store_row(__m512i sums, const float *w_scales, float x_scale, uint16_t *out) {
+    const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_loadu_ps(w_scales)),
+                                   _mm512_set1_ps(x_scale));
+    _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16x16(v), 16)));
+}
+#endif
+
+#if defined(W8A8_AVX512) && defined(__AVX512VNNI__)
+
+/* Output rows n0..n0+R-1 for input rows 0..MB-1 (xu: the rows quantized and offset by 128, stride kp).
+ * R and MB are constants at every call, so the accumulators stay in registers. */
+AI void vnni_block(const uint8_t *xu, const int8_t *w, const float *w_scales, const float *x_scales, uint16_t *out,
+                   int64_t n, int64_t n0, int64_t k, int64_t kp, int prefetch, const int R, const int MB) {
+    __m512i acc[8][4], wsum[8];
+    const __m512i ones = _mm512_set1_epi8(1);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        wsum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int i = 0; i < MB; i++) acc[r][i] = _mm512_setzero_si512();
+    }
+    int64_t j = 0;
+    for (; j + 64 <= k; j += 64) {
+        __m512i xv[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < MB; i++) xv[i] = _mm512_loadu_si512(xu + i * kp + j);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const int8_t *p = w + (n0 + r) * k + j;
+            if (prefetch) _mm_prefetch((const char *)(p + R * k), _MM_HINT_T0);
+            const __m512i wv = _mm512_loadu_si512(p);
+            wsum[r] = _mm512_dpbusd_epi32(wsum[r], ones, wv);
+#pragma GCC unroll 4
+            for (int i = 0; i < MB; i++) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], xv[i], wv);
+        }
+    }
+    if (j < k) { /* k % 64 == 32: the last 32 bytes of each row, the upper half of the vectors zero */
+        __m512i xv[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < MB; i++) xv[i] = _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xu + i * kp + j);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m512i wv = _mm512_maskz_loadu_epi8(0xFFFFFFFFull, w + (n0 + r) * k + j);
+            wsum[r] = _mm512_dpbusd_epi32(wsum[r], ones, wv);
+#pragma GCC unroll 4
+            for (int i = 0; i < MB; i++) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], xv[i], wv);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        const int32_t correction = 128 * _mm512_reduce_add_epi32(wsum[r]);
+        const float ws = w_scales[n0 + r];
+#pragma GCC unroll 4
+        for (int i = 0; i < MB; i++) {
+            const int32_t dot = _mm512_reduce_add_epi32(acc[r][i]) - correction;
+            out[(int64_t)i * n + n0 + r] = f32_to_bf16((float)dot * ws * x_scales[i]);
+        }
+    }
+}
+
+/* All output rows for MB input rows: blocks of R, then one at a time at the end. */
+#define DEFINE_VNNI(NAME, R, MB)                                                                                \
+    static void NAME(const uint8_t *xu, const int8_t *w, const float *ws, const float *xs, uint16_t *out,       \
+                     int64_t n, int64_t k, int64_t kp) {                                                        \
+        _Pragma("omp parallel for schedule(static)")                                                           \
+        for (int64_t n0 = 0; n0 < n; n0 += R) {                                                                 \
+            if (n - n0 >= R) vnni_block(xu, w, ws, xs, out, n, n0, k, kp, 1, R, MB);                             \
+            else                                                                                                \
+                for (int64_t r = n0; r < n; r++) vnni_block(xu, w, ws, xs, out, n, r, k, kp, 0, 1, MB);          \
+        }                                                                                                       \
+    }
+DEFINE_VNNI(vnni_rows1, 8, 1)
+DEFINE_VNNI(vnni_rows2, 4, 2)
+DEFINE_VNNI(vnni_rows3, 4, 3)
+DEFINE_VNNI(vnni_rows4, 4, 4)
+
+int w8a8_vnni_supported(void) { return 1; }
+
+/* x: (m, k) bf16, m 1..4; w: (n, k) int8; scales: (n, 1) float32 (bk == k); out: (m, n) bf16; k a multiple
+ * of 32. fp8 must be 0. Returns 0, or -1 (nothing written). */
+int w8a8_linear(const uint16_t *x, const uint8_t *w, const float *scales, uint16_t *out, int m, int64_t n,
+                int64_t k, int64_t bk, int fp8) {
+    if (fp8 || m < 1 || m > 4 || k % 32 || bk != k) return -1;
+    const int64_t kp = (k + 63) / 64 * 64;
+    uint8_t *xu = aligned_alloc(64, (size_t)(4 * kp));
+    if (!xu) return -1;
+    float xs[4];
+    for (int i = 0; i < m; i++) {
+        xs[i] = quantize_row(x + (int64_t)i * k, (int8_t *)xu + i * kp, k, kp);
+        for (int64_t j = 0; j < kp; j += 64)  /* q + 128 as an unsigned byte: flip the top bit */
+            _mm512_storeu_si512(xu + i * kp + j, _mm512_xor_si512(_mm512_loadu_si512(xu + i * kp + j),
+                                                                  _mm512_set1_epi8((char)0x80)));
+    }
+    const int8_t *wq = (const int8_t *)w;
+    switch (m) {
+        case 1: vnni_rows1(xu, wq, scales, xs, out, n, k, kp); break;
+        case 2: vnni_rows2(xu, wq, scales, xs, out, n, k, kp); break;
+        case 3: vnni_rows3(xu, wq, scales, xs, out, n, k, kp); break;
+        default: vnni_rows4(xu, wq, scales, xs, out, n, k, kp); break;
+    }
+    free(xu);
+    return 0;
+}
+
+#else
+
+int w8a8_vnni_supported(void) { return 0; }
+
+int w8a8_linear(const uint16_t *x, const uint8_t *w, const float *scales, uint16_t *out, int m, int64_t n,
+                int64_t k, int64_t bk, int fp8) {
+    (void)x, (void)w, (void)scales, (void)out, (void)m, (void)n, (void)k, (void)bk, (void)fp8;
+    return -1;
+}
+
+#endif
+
+#if defined(W8A8_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && \
+    defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+int w8a8_amx_supported(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* A result tile c (16 output rows n0.. by `rows` input rows m0..) into out: a column of c (one input row)
+ * is gathered into one vector of 16 sums and stored as bf16. */
+static void write_sums(const int32_t *c, const float *w_scales, const float *x_scales, uint16_t *out, int rows,
+                       int64_t n0, int64_t n, int m0) {
+    const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    for (int j = 0; j < rows; j++)
+        store_row(_mm512_i32gather_epi32(across, c + j, 4), w_scales + n0, x_scales[m0 + j],
+                  out + (int64_t)(m0 + j) * n + n0);
+}
+
+#define PREFETCH 8       /* steps (cache lines of each of 32 weight rows) ahead */
+#ifndef CHUNK_GROUPS
+#define CHUNK_GROUPS 32  /* groups of 16 input rows (an even number): 512 rows */
+#endif
+
+/* One output block: weight rows n0..n0+31 against input rows m0.. (one or two groups of 16, packed in b0, b1)
+ * over `steps` steps of 64 inputs. The last step of a k that is not a multiple of 64 reads the weights
+ * from tail (32 rows of 64 bytes, zero-padded): a tile load there would read past the last row. */
+static void int8_block(const int8_t *w, const int8_t *tail, const int32_t *b0, const int32_t *b1, int64_t steps,
+                       int64_t k, int rows0, int rows1, const float *w_scales, const float *x_scales,
+                       int32_t c[4][256], uint16_t *out, int64_t n0, int64_t n, int m0, int prefetch) {
+    const int more = n0 + 32 < n;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t whole = tail ? steps - 1 : steps;
+    for (int64_t s = 0; s < steps; s++) {
+        if (prefetch) { /* the weights stream from memory: ahead into this block's rows, then the next block's */
+            const int64_t t = s + PREFETCH;
+            const int8_t *ahead = t < whole ? w + t * 64 : (t - steps < whole && more ? w + 32 * k + (t - steps) * 64 : NULL);
+            if (ahead)
+                for (int r = 0; r < 32; r++) _mm_prefetch((const char *)(ahead + r * k), _MM_HINT_T0);
+        }
+        if (s < whole) {
+            _tile_loadd(4, w + s * 64, k);
+            _tile_loadd(5, w + 16 * k + s * 64, k);
+        } else {
+            _tile_loadd(4, tail, 64);
+            _tile_loadd(5, tail + 16 * 64, 64);
+        }
+        _tile_loadd(6, b0 + s * 256, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(2, 5, 6);
+        if (rows1) {
+            _tile_loadd(7, b1 + s * 256, 64);
+            _tile_dpbssd(1, 4, 7);
+            _tile_dpbssd(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(2, c[2], 64);
+    write_sums(c[0], w_scales, x_scales, out, rows0, n0, n, m0);
+    write_sums(c[2], w_scales, x_scales, out, rows0, n0 + 16, n, m0);
+    if (rows1) {
+        _tile_stored(1, c[1], 64);
+        _tile_stored(3, c[3], 64);
+        write_sums(c[1], w_scales, x_scales, out, rows1, n0, n, m0 + 16);
+        write_sums(c[3], w_scales, x_scales, out, rows1, n0 + 16, n, m0 + 16);
+    }
+}
+
+/* Rows g * 16 .. g * 16 + 15 of x quantized into xq (rows past m zero, scale 0), then each step of them (16 rows
+ * of 16 words, 4 inputs a word) transposed into packed so that a tile row holds one word of every input row,
+ * as tdpbssd's B operand takes them. A group past m is never read (its rows count is 0): left as it is. */
+static void pack_group(const uint16_t *x, int8_t *xq, int32_t *packed, float *x_scales, int64_t g, int m, int64_t k,
+                       int64_t kp, int64_t steps) {
+    if (g * 16 >= m) return;
+    for (int64_t i = g * 16; i < g * 16 + 16; i++) {
+        if (i < m) x_scales[i] = quantize_row(x + i * k, xq + i * kp, k, kp);
+        else memset(xq + i * kp, 0, (size_t)kp), x_scales[i] = 0.0f;
+    }
+    for (int64_t s = 0; s < steps; s++) {
+        __m512i v[16];
+        for (int j = 0; j < 16; j++) v[j] = _mm512_load_si512(xq + (g * 16 + j) * kp + s * 64);
+        transpose16(v);
+        for (int p = 0; p < 16; p++) _mm512_store_si512(packed + (g * steps + s) * 256 + p * 16, v[p]);
+    }
+}
+
+/* x: (m, k) bf16; w: (n, k) int8; scales: (n, 1) float32 (bk == k); out: (m, n) bf16; n and k multiples of
+ * 32. fp8 must be 0. Returns 0, or -1 (nothing written). */
+int w8a8_linear_amx(const uint16_t *x, const uint8_t *w, const float *scales, uint16_t *out, int m, int64_t n,
+                    int64_t k, int64_t bk, int fp8) {
+    if (fp8 || m < 1 || n % 32 || k % 32 || bk != k) return -1;
+    const int64_t kp = (k + 63) / 64 * 64, steps = kp / 64;
+    const int64_t groups = ((m + 31) / 32) * 2, padded_rows = groups * 16;
+    int8_t *xq = aligned_alloc(64, (size_t)(padded_rows * kp));
+    int32_t *packed = aligned_alloc(64, (size_t)groups * steps * 256 * sizeof(int32_t));
+    float *x_scales = malloc(sizeof(float) * (size_t)padded_rows);
+    if (!xq || !packed || !x_scales) {
+        free(xq), free(packed), free(x_scales);
+        return -1;
+    }
+    const int tile_rows0 = m <= 32 ? group_rows(m, 0) : 16;
+    const int tile_rows1 = m <= 32 ? group_rows(m, 16) : 16;
+    /* Up to 32 rows (decode) the calling thread packs them before the threads start: microseconds of work, and
+     * the threads then meet once a call, at the end, as the other matmul kernels' do. */
+    if (m <= 32)
+        for (int64_t g = 0; g < groups; g++) pack_group(x, xq, packed, x_scales, g, m, k, kp, steps);
+#pragma omp parallel
+    {
+        if (m > 32) {
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; g++) pack_group(x, xq, packed, x_scales, g, m, k, kp, steps);
+        }
+        int8_t tail[32 * 64] __attribute__((aligned(64)));
+        if (k % 64) memset(tail, 0, sizeof tail);
+        configure(tile_rows0, tile_rows1 ? tile_rows1 : 1);
+        int32_t c[4][256] __attribute__((aligned(64)));
+        const int8_t *wq = (const int8_t *)w;
+        /* Long prompts in chunks of CHUNK_GROUPS groups of rows (512), whose packed activations (512 x K bytes
+         * at most) stay in cache while the weights stream past them, once a chunk. The chunks write apart and
+         * read only the packed rows: no thread waits for another between them. */
+        for (int64_t g0 = 0; g0 < groups; g0 += CHUNK_GROUPS) {
+            const int64_t g1 = g0 + CHUNK_GROUPS < groups ? g0 + CHUNK_GROUPS : groups;
+#pragma omp for schedule(static) nowait
+            for (int64_t n0 = 0; n0 < n; n0 += 32) {
+                const int8_t *block = wq + n0 * k;
+                if (k % 64)
+                    for (int r = 0; r < 32; r++) memcpy(tail + r * 64, block + r * k + (steps - 1) * 64, 32);
+                for (int64_t g = g0; g < g1; g += 2) {
+                    const int32_t *b0 = packed + g * steps * 256, *b1 = b0 + steps * 256;
+                    const int m0 = (int)(g * 16), rows0 = group_rows(m, m0), rows1 = group_rows(m, m0 + 16);
+                    int8_block(block, k % 64 ? tail : NULL, b0, b1, steps, k, rows0, rows1, scales, x_scales, c,
+                               out, n0, n, m0, g == g0);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xq), free(packed), free(x_scales);
+    return 0;
+}
+
+#else
+
+int w8a8_amx_supported(void) { return 0; }
+
+int w8a8_linear_amx(const uint16_t *x, const uint8_t *w, const float *scales, uint16_t *out, int m, int64_t n,
+                    int64_t k, int64_t bk, int fp8) {
+    (void)x, (void)w, (void)scales, (void)out, (void)m, (void)n, (void)k, (void)bk, (void)fp8;
+    return -1;
+}
+
+#endif
