@@ -1,0 +1,68 @@
+"""The bf16 matmuls of a prefill chunk on the CPU: oneDNN (F.linear on the plain weights), the AMX
+kernel reading the weights in place, and the AMX kernel on weight blocks copied tile by tile, over
+the 28 layers of Qwen3-0.6B's shapes (random weights, streamed from memory as in a step).
+
+Interleaved rounds in one process; prints the best time of each per row count, its GFLOP/s and
+ratios to oneDNN's. Run it pinned to one CPU for the engine's one-CPU placement:
+    taskset -c 1 python -m bench.bench_prefill_matmul --threads 1 --rows 64,128,256,384,512
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from services.model_worker.kernels import cpu_linear
+
+# (out, in) of qkv, o, gate_up and down in Qwen3-0.6B.
+SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
+LAYERS = 28
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rows", default="64,128,256,384,512")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    amx = cpu_linear.load_amx()
+    if amx is None:
+        raise SystemExit("the AMX kernel does not run here (needs AMX-BF16 and a C compiler)")
+    gen = torch.Generator().manual_seed(0)
+    weights = [[(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in SHAPES] for _ in range(LAYERS)]
+    paths = {
+        "onednn": lambda x, w: F.linear(x, w),
+        "amx": lambda x, w: cpu_linear.amx_linear(amx, x, w),
+        "amx_packed": lambda x, w: cpu_linear.amx_linear_packed(amx, x, w),
+    }
+    results = {}
+    for rows in [int(r) for r in args.rows.split(",")]:
+        xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for _, k in SHAPES}
+        reference = F.linear(xs[1024], weights[0][0])
+        for name in ("amx", "amx_packed"):  # same products, summed alike: the kernels agree to rounding
+            got = paths[name](xs[1024], weights[0][0])
+            assert (got.float() - reference.float()).abs().max() <= 0.02 * reference.float().abs().max(), name
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for r in range(args.rounds):
+            for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
+                start = time.perf_counter()
+                for layer in weights:
+                    for w in layer:
+                        paths[name](xs[w.shape[1]], w)
+                times[name].append(time.perf_counter() - start)
+        flops = 2 * rows * sum(n * k for n, k in SHAPES) * LAYERS
+        best = {name: min(t) for name, t in times.items()}
+        results[rows] = {name: {"ms": best[name] * 1e3, "gflops": flops / best[name] / 1e9,
+                                "vs_onednn": best[name] / best["onednn"]} for name in paths}
+        print(f"{rows:4d} rows: " + "  ".join(
+            f"{name} {best[name] * 1e3:7.1f} ms ({flops / best[name] / 1e9:4.0f} GFLOP/s, "
+            f"{best[name] / best['onednn']:.2f}x oneDNN's time)" for name in paths), flush=True)
+    print(json.dumps({"bench": "prefill_matmul", "threads": args.threads, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
