@@ -5,6 +5,7 @@ at size 2 and compare with the same probe at size 1 and with transformers.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -55,9 +56,17 @@ def probe(checkpoint: str, size: int, quantization: str = "none") -> dict:
         seed = prompt(6, 5, vocab)
         looped = seed + engine.generate([seed], greedy(24))[0]
         out["plain_after_loop"] = engine.generate([looped, prompt(9, 6, vocab)], greedy(16))
+        engine_plain = engine.generate([prompt(9, 6, vocab), prompt(14, 7, vocab)], greedy(16))
         engine.speculator = Speculator(SpeculativeConfig("ngram", ngram_min=1))
         out["speculative"] = engine.generate([looped, prompt(9, 6, vocab)], greedy(16))
         out["spec_counts"] = [engine.speculator.num_proposed, engine.speculator.num_accepted]
+        # A draft model (here the checkpoint itself, so every proposal is right) whole on rank 0.
+        drafting = dataclasses.replace(engine.engine_config, speculative=SpeculativeConfig(
+            "draft", draft_model=checkpoint, num_speculative_tokens=3, fixed_k=True))
+        engine.speculator = Speculator(drafting.speculative, engine._draft_proposer(drafting))
+        out["draft"] = engine.generate([prompt(9, 6, vocab), prompt(14, 7, vocab)], greedy(16))
+        out["plain_draft_prompts"] = engine_plain
+        out["draft_counts"] = [engine.speculator.num_proposed, engine.speculator.num_accepted]
         return out
     finally:
         engine.close()

@@ -75,6 +75,14 @@ def test_speculative_verification_steps_on_two_ranks_match_plain_decode(runs):
     assert two["spec_counts"][0] > 0 and two["spec_counts"] == one["spec_counts"]
 
 
+def test_a_draft_model_beside_two_ranks_proposes_and_leaves_the_output_unchanged(runs):
+    _, one, two = runs
+    assert two["draft"] == two["plain_draft_prompts"] == one["draft"]
+    # The draft is the model itself: it proposed, and every proposal was accepted.
+    assert two["draft_counts"][0] > 0 and two["draft_counts"][0] == two["draft_counts"][1]
+    assert two["draft_counts"] == one["draft_counts"]
+
+
 @pytest.mark.parametrize("shape", ["tied", "attention_bias"])
 def test_each_rank_holds_its_share_of_the_weights(tmp_path, shape):
     make_checkpoint(tmp_path, **SHAPES[shape])

@@ -70,7 +70,7 @@ class LLMEngine:
                            if config.speculative.enabled else None)
 
     def _draft_proposer(self, config: EngineConfig) -> DraftProposer | None:
-        """Method "draft": the draft checkpoint on the same device, its KV cache over the target's block ids."""
+        """Method "draft": the draft checkpoint on the same device (rank 0's), its KV cache over the target's block ids."""
         if config.speculative.method != "draft":
             return None
         draft_dir = pathlib.Path(config.speculative.draft_model)
@@ -78,15 +78,15 @@ class LLMEngine:
         if draft_config.vocab_size != self.config.vocab_size:
             raise ConfigError(f"the draft model's vocabulary ({draft_config.vocab_size}) differs from the model's "
                               f"({self.config.vocab_size}); a draft must share the tokenizer")
-        if config.tensor_parallel_size > 1:
-            raise ConfigError("speculative_method draft runs on one rank: it cannot be combined with "
-                              "tensor_parallel_size > 1 yet")
         if draft_config.max_position_embeddings < self.max_model_len:
             raise ConfigError(f"the draft model's context ({draft_config.max_position_embeddings}) is shorter "
                               f"than the model's ({self.max_model_len}); lower max_model_len")
+        # Under tensor parallelism the draft is whole on rank 0 (this process), beside that rank's share of
+        # the target, as vLLM's draft_tensor_parallel_size=1: a small model's steps gain little from being
+        # split, and its proposals are needed on rank 0 alone, which schedules the verification.
         self.draft_executor = Executor(draft_dir, dataclasses.replace(
             config, num_blocks=self.kv_cache.num_blocks, max_model_len=self.max_model_len, enforce_eager=True,
-            speculative=SpeculativeConfig()), draft_config)
+            tensor_parallel_size=1, speculative=SpeculativeConfig()), draft_config)
         return DraftProposer(self.draft_executor.runner, self.kv_cache.block_size)
 
     def close(self) -> None:
