@@ -326,7 +326,7 @@ class LlamaPeer:
 
 
 
-def ours_in_process(checkpoint: pathlib.Path, threads: int):
+def ours_in_process(checkpoint: pathlib.Path, threads: int, quantization: str = "none"):
     import torch
 
     from services.model_worker.config.engine import EngineConfig
@@ -334,7 +334,10 @@ def ours_in_process(checkpoint: pathlib.Path, threads: int):
     from services.model_worker.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(threads)
-    engine = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", enable_prefix_caching=False))
+    # 8-bit: every linear layer, the vocab projection included, as llama.cpp's Q8_0 file holds them.
+    engine = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", enable_prefix_caching=False,
+                                                quantization=quantization, quantize_lm_head=quantization != "none",
+                                                kv_cache_bytes=512 << 20))
 
     def measure(prompt: list[int], decode_tokens: int, prefill: list[int]) -> dict:
         params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
@@ -352,14 +355,19 @@ def ours_in_process(checkpoint: pathlib.Path, threads: int):
 
 
 def llama_rounds(checkpoint: pathlib.Path, args) -> dict:
-    engine, ours = ours_in_process(checkpoint, args.llama_threads)
+    engines, ours = [], {}
+    for quantization in args.ours_quantization.split(","):
+        engine, measure = ours_in_process(checkpoint, args.llama_threads, quantization)
+        engines.append(engine)
+        ours["ours" if quantization == "none" else f"ours-{quantization}"] = measure
     peers = {kind: LlamaPeer(peer_install.gguf_path(checkpoint, kind), args.llama_threads, args.llama_flash)
              for kind in peer_install.GGUF_TYPES}
-    systems = {"ours": ours, **{f"llama-{k}": p.measure for k, p in peers.items()}}
+    systems = {**ours, **{f"llama-{k}": p.measure for k, p in peers.items()}}
     figures: dict[str, list[dict]] = {name: [] for name in systems}
     failed: set[str] = set()
     rng = random.Random(args.seed)
-    ours(make_requests(rng, 1, (32, 32), (1, 1))[0][0], 4, [VOCAB_LOW] * 64)  # warm-up
+    for measure in ours.values():
+        measure(make_requests(rng, 1, (32, 32), (1, 1))[0][0], 4, [VOCAB_LOW] * 64)  # warm-up
     for r in range(args.rounds):
         prompt = make_requests(rng, 1, (args.single_prompt,) * 2, (1, 1))[0][0]
         prefill = make_requests(rng, 1, (args.prefill_tokens,) * 2, (1, 1))[0][0]
@@ -385,7 +393,8 @@ def llama_rounds(checkpoint: pathlib.Path, args) -> dict:
                   f"prefill({args.prefill_tokens}) {res['prefill_tok_s']:.0f} tok/s", flush=True)
     for peer in peers.values():
         peer.close()
-    engine.close()
+    for engine in engines:
+        engine.close()
     return {name: runs for name, runs in figures.items() if name not in failed and runs}
 
 
@@ -406,11 +415,11 @@ def summarize(served: dict, in_process: dict) -> dict:
                 for k in (runs[0] if runs else {}):
                     ratios[f"{w}.{k}.ours/{peer}"] = statistics.median(
                         a[k] / b[k] for a, b in zip(runs, served[peer][w]))
-    if "ours" in in_process:
-        for peer in (p for p in in_process if p != "ours"):
-            for k in in_process["ours"][0]:
-                ratios[f"in_process.{k}.ours/{peer}"] = statistics.median(
-                    a[k] / b[k] for a, b in zip(in_process["ours"], in_process[peer]))
+    for mine in (p for p in in_process if p.startswith("ours")):
+        for peer in (p for p in in_process if not p.startswith("ours")):
+            for k in in_process[mine][0]:
+                ratios[f"in_process.{k}.{mine}/{peer}"] = statistics.median(
+                    a[k] / b[k] for a, b in zip(in_process[mine], in_process[peer]))
     out["ratios"] = ratios
     return out
 
@@ -443,6 +452,8 @@ def main(argv=None) -> None:
     p.add_argument("--burst-output-tokens", type=int, nargs=2, default=(32, 128))
     p.add_argument("--llama-threads", type=int, default=2)
     p.add_argument("--llama-flash", action="store_true", help="llama.cpp with its flash attention")
+    p.add_argument("--ours-quantization", default="none",
+                   help="beside llama.cpp: our engine with these --quantization values, e.g. none,int8")
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="ours alone, tiny workloads: checks the script works")
