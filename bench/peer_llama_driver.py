@@ -3,8 +3,9 @@
 argv: GGUF path, threads, flash attention (0/1). Prints {"load_s": ...} once loaded, then for each
 JSON line on stdin ({"prompt": ids, "decode": n, "prefill": ids}) one JSON line: decode tok/s
 (greedy, the tokens after the first over their time) and prefill tok/s (the prefill ids evaluated
-from an empty context). Loaded with use_extra_bufts=False: llama.cpp's AMX buffers crash on Q8_0
-on Xeons with AMX (upstream issue 20824), and both types are run alike.
+from an empty context). llama.cpp's AMX matmul crashes on Q8_0 on Xeons with AMX (upstream issue
+20824), so the build leaves AMX out (bench/peer_install.py); use_extra_bufts=False keeps the extra
+buffer types out of a build that has them too. Both types are run alike.
 """
 import json
 import sys
