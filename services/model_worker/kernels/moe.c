@@ -9,6 +9,11 @@
  * no AVX-512 or AMX, only that the accumulators below map onto whatever vector registers there are.
  * Where the CPU has AVX512-BF16, bf16 rows are multiplied as bf16 pairs instead (products exact in
  * float32 either way), and silu(gate) * up is rounded to bf16 before the down projection.
+ *
+ * moe_experts_q8 takes 8-bit experts (int8, or fp8 e4m3 as Qwen's FP8 checkpoints hold them): only the
+ * chosen experts' bytes are read, widened to float32 in registers and multiplied by their scale (one
+ * float32 per weight row and block of inputs: fp8's 128-wide blocks, or the whole row for int8), so every
+ * product is with float32(q * scale), the weight a float32 dequantization holds. No bf16 copy is made.
  */
 #include <math.h>
 #include <stdint.h>
@@ -133,6 +138,108 @@ static void dots_bf16(const uint16_t *w, const uint16_t *const *xs, int n, int d
 #define HAVE_DPBF16 0
 #endif
 
+/* ---- 8-bit weights ---- */
+typedef int8_t vb __attribute__((vector_size(LANES)));
+typedef uint8_t vub __attribute__((vector_size(LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+
+/* LANES weights as their exact float32 value. int8 converts. An e4m3 byte s.eeee.mmm is rebuilt as a
+ * float32 in integer lanes (portable: no fp8 or float16 instructions): for eeee > 0 the value is
+ * 2^(eeee - 7) (1 + mmm / 8), which is the float32 with exponent field eeee + 120 and mantissa mmm << 20;
+ * for eeee = 0 it is mmm * 2^-9, built as 2^-6 (1 + mmm / 8) - 2^-6 so that no lane is ever a float32
+ * subnormal (which a flush-to-zero mode would zero). The sign bit is copied across. (e4m3fn's NaN bytes
+ * become finite numbers: no checkpoint has them.) */
+static inline __attribute__((always_inline)) vf widen_q8(const uint8_t *p, const int fp8) {
+    if (!fp8) {
+        vb b;
+        memcpy(&b, p, sizeof(b));
+        return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+    }
+    vub b;
+    memcpy(&b, p, sizeof(b));
+    const vu u = __builtin_convertvector(b, vu);
+    const vu mag = u & 0x7f, sign = (u & 0x80) << 24;
+    const vu sub = (vu)(mag < 8); /* all ones where the exponent field is zero */
+    const vu bits = ((mag << 20) + (120u << 23) + (sub & (1u << 23))) | sign;
+    const vu fix = sub & (0x3c800000u | sign); /* +-2^-6 where subnormal, 0 elsewhere */
+    vf f, g;
+    memcpy(&f, &bits, sizeof(f));
+    memcpy(&g, &fix, sizeof(g));
+    return f - g;
+}
+
+/* One byte's exact value, as widen_q8 gives it. */
+static inline float q8_value(uint8_t b, const int fp8) {
+    if (!fp8) return (float)(int8_t)b;
+    const int e = (b >> 3) & 15, m = b & 7;
+    const float v = e ? ldexpf((float)(8 + m), e - 10) : ldexpf((float)m, -9);
+    return b & 0x80 ? -v : v;
+}
+
+/* out[i] = dot(q * scale, xs[i]) over dim inputs for n (<= PAIR_BLOCK) rows: scales holds the row's one
+ * scale per block of bk inputs (the last block may be partial). Each widened vector is multiplied by its
+ * block's scale before it meets the inputs, so the products are with float32(q * scale). */
+static inline __attribute__((always_inline)) void dots_q8_n(const uint8_t *w, const float *scales, int bk,
+                                                            const int fp8, const float *const *xs, const int n,
+                                                            int dim, float *out) {
+    vf acc[PAIR_BLOCK][2];
+    float tail[PAIR_BLOCK] = {0};
+    for (int i = 0; i < n; i++) acc[i][0] = acc[i][1] = (vf){0};
+    for (int k0 = 0, b = 0; k0 < dim; k0 += bk, b++) {
+        const int k1 = k0 + bk < dim ? k0 + bk : dim;
+        const float scale = scales[b];
+        int d = k0;
+        for (; d + 2 * LANES <= k1; d += 2 * LANES) {
+            const vf w0 = widen_q8(w + d, fp8) * scale, w1 = widen_q8(w + d + LANES, fp8) * scale;
+            for (int i = 0; i < n; i++) {
+                acc[i][0] += w0 * load_x(xs[i] + d);
+                acc[i][1] += w1 * load_x(xs[i] + d + LANES);
+            }
+        }
+        for (; d + LANES <= k1; d += LANES) {
+            const vf w0 = widen_q8(w + d, fp8) * scale;
+            for (int i = 0; i < n; i++) acc[i][0] += w0 * load_x(xs[i] + d);
+        }
+        for (; d < k1; d++) {
+            const float wd = q8_value(w[d], fp8) * scale;
+            for (int i = 0; i < n; i++) tail[i] += wd * xs[i][d];
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        const vf total = acc[i][0] + acc[i][1];
+        float sum = tail[i];
+        for (int l = 0; l < LANES; l++) sum += total[l];
+        out[i] = sum;
+    }
+}
+
+static void dots_q8(const uint8_t *w, const float *scales, int bk, int fp8, const float *const *xs, int n, int dim,
+                    float *out) {
+    if (fp8) {
+        switch (n) {
+        case 1: dots_q8_n(w, scales, bk, 1, xs, 1, dim, out); return;
+        case 2: dots_q8_n(w, scales, bk, 1, xs, 2, dim, out); return;
+        case 3: dots_q8_n(w, scales, bk, 1, xs, 3, dim, out); return;
+        default: dots_q8_n(w, scales, bk, 1, xs, 4, dim, out); return;
+        }
+    }
+    switch (n) {
+    case 1: dots_q8_n(w, scales, bk, 0, xs, 1, dim, out); return;
+    case 2: dots_q8_n(w, scales, bk, 0, xs, 2, dim, out); return;
+    case 3: dots_q8_n(w, scales, bk, 0, xs, 3, dim, out); return;
+    default: dots_q8_n(w, scales, bk, 0, xs, 4, dim, out); return;
+    }
+}
+
+/* The experts' weights as the kernel reads them: kind 0 float32, 1 bf16, 2 int8, 3 fp8 e4m3. 8-bit
+ * weights carry float32 scales s13 (E, 2I, ceil(H / bk13)) and s2 (E, H, ceil(I / bk2)). */
+typedef struct {
+    int kind;
+    const void *w13, *w2;
+    const float *s13, *s2;
+    int bk13, bk2;
+} Weights;
+
 typedef struct {
     int expert;
     int row; /* first weight row of this unit */
@@ -149,14 +256,18 @@ static int work_items(const int64_t *start, const int64_t *count, int num_expert
     return n;
 }
 
-/* x (T, H) and out (T, H) in the model dtype; ids (T, K) int64 and weights (T, K) float32;
- * w13 (E, 2I, H) and w2 (E, H, I) in the model dtype. scratch: float32, at least
- * T*K*(2H + I) values. dtype: 0 float32, 1 bf16. */
-void moe_experts(const void *x, const int64_t *ids, const float *weights, const void *w13, const void *w2,
-                 void *out, float *scratch, int64_t tokens, int top_k, int num_experts, int hidden,
-                 int intermediate, int dtype) {
+/* x (T, H) and out (T, H) in the model dtype; ids (T, K) int64 and weights (T, K) float32; the experts
+ * in W. scratch: float32, at least T*K*(2H + I) values. dtype: 0 float32, 1 bf16. */
+static void experts(const void *x, const int64_t *ids, const float *weights, const Weights *W, void *out,
+                    float *scratch, int64_t tokens, int top_k, int num_experts, int hidden, int intermediate,
+                    int dtype) {
     const int is_bf16 = dtype == 1;
-    const size_t el = is_bf16 ? 2 : 4;
+    const int q8 = W->kind >= 2, fp8 = W->kind == 3;
+    const void *w13 = W->w13, *w2 = W->w2;
+    const int w_bf16 = W->kind == 1; /* the weights' own dtype: bf16 weights and activations go together */
+    const size_t el = q8 ? 1 : is_bf16 ? 2 : 4;
+    const int blocks13 = q8 ? (hidden + W->bk13 - 1) / W->bk13 : 0;
+    const int blocks2 = q8 ? (intermediate + W->bk2 - 1) / W->bk2 : 0;
     const int64_t pairs = tokens * top_k;
     float *xf = scratch;                       /* (P, H): each sorted pair's input, widened */
     float *act = xf + pairs * hidden;          /* (P, I): silu(gate) * up */
@@ -190,7 +301,7 @@ void moe_experts(const void *x, const int64_t *ids, const float *weights, const 
                                          : ((const float *)x)[t * hidden + d];
     }
 
-    uint16_t *act_bf16 = HAVE_DPBF16 && is_bf16 ? malloc((size_t)pairs * intermediate * sizeof(uint16_t)) : NULL;
+    uint16_t *act_bf16 = HAVE_DPBF16 && w_bf16 ? malloc((size_t)pairs * intermediate * sizeof(uint16_t)) : NULL;
     const int most_rows = hidden > intermediate ? hidden : intermediate;
     Item *items = malloc(((size_t)num_experts * (most_rows / ROW_BLOCK + 1)) * sizeof(Item));
 
@@ -207,7 +318,13 @@ void moe_experts(const void *x, const int64_t *ids, const float *weights, const 
             for (int64_t p0 = start[e]; p0 < start[e] + count[e]; p0 += PAIR_BLOCK) {
                 const int m = (int)(start[e] + count[e] - p0 < PAIR_BLOCK ? start[e] + count[e] - p0 : PAIR_BLOCK);
                 float g[PAIR_BLOCK], u[PAIR_BLOCK];
-                if (HAVE_DPBF16 && is_bf16) {
+                if (q8) {
+                    const float *xs[PAIR_BLOCK];
+                    const float *scales = W->s13 + ((size_t)e * 2 * intermediate + r) * blocks13;
+                    for (int i = 0; i < m; i++) xs[i] = xf + (p0 + i) * hidden;
+                    dots_q8(gate_row, scales, W->bk13, fp8, xs, m, hidden, g);
+                    dots_q8(up_row, scales + (size_t)intermediate * blocks13, W->bk13, fp8, xs, m, hidden, u);
+                } else if (HAVE_DPBF16 && w_bf16) {
 #if HAVE_DPBF16
                     const uint16_t *xs[PAIR_BLOCK];
                     for (int i = 0; i < m; i++) xs[i] = (const uint16_t *)x + token_of[p0 + i] * hidden;
@@ -217,11 +334,13 @@ void moe_experts(const void *x, const int64_t *ids, const float *weights, const 
                 } else {
                     const float *xs[PAIR_BLOCK];
                     for (int i = 0; i < m; i++) xs[i] = xf + (p0 + i) * hidden;
-                    dots(gate_row, is_bf16, xs, m, hidden, g);
-                    dots(up_row, is_bf16, xs, m, hidden, u);
+                    dots(gate_row, w_bf16, xs, m, hidden, g);
+                    dots(up_row, w_bf16, xs, m, hidden, u);
                 }
                 for (int i = 0; i < m; i++) {
-                    const float a = g[i] / (1.0f + expf(-g[i])) * u[i];
+                    float a = g[i] / (1.0f + expf(-g[i])) * u[i];
+                    /* 8-bit weights in a bf16 model: rounded to bf16, as the 8-bit linear layers' outputs are */
+                    if (q8 && is_bf16) a = bf16_to_f32(f32_to_bf16(a));
                     act[(p0 + i) * intermediate + r] = a;
                     if (act_bf16) act_bf16[(p0 + i) * intermediate + r] = f32_to_bf16(a);
                 }
@@ -241,7 +360,11 @@ void moe_experts(const void *x, const int64_t *ids, const float *weights, const 
             for (int64_t p0 = start[e]; p0 < start[e] + count[e]; p0 += PAIR_BLOCK) {
                 const int m = (int)(start[e] + count[e] - p0 < PAIR_BLOCK ? start[e] + count[e] - p0 : PAIR_BLOCK);
                 float v[PAIR_BLOCK];
-                if (act_bf16) {
+                if (q8) {
+                    const float *as[PAIR_BLOCK];
+                    for (int i = 0; i < m; i++) as[i] = act + (p0 + i) * intermediate;
+                    dots_q8(row, W->s2 + ((size_t)e * hidden + r) * blocks2, W->bk2, fp8, as, m, intermediate, v);
+                } else if (act_bf16) {
 #if HAVE_DPBF16
                     /* silu(gate) * up rounded to bf16 first, as a bf16 model's activations are */
                     const uint16_t *as[PAIR_BLOCK];
@@ -251,7 +374,7 @@ void moe_experts(const void *x, const int64_t *ids, const float *weights, const 
                 } else {
                     const float *as[PAIR_BLOCK];
                     for (int i = 0; i < m; i++) as[i] = act + (p0 + i) * intermediate;
-                    dots(row, is_bf16, as, m, intermediate, v);
+                    dots(row, w_bf16, as, m, intermediate, v);
                 }
                 for (int i = 0; i < m; i++) y[(p0 + i) * hidden + r] = v[i] * pair_weight[p0 + i];
             }
@@ -275,4 +398,20 @@ void moe_experts(const void *x, const int64_t *ids, const float *weights, const 
     free(pair_weight);
     free(pos);
     free(count);
+}
+
+void moe_experts(const void *x, const int64_t *ids, const float *weights, const void *w13, const void *w2,
+                 void *out, float *scratch, int64_t tokens, int top_k, int num_experts, int hidden,
+                 int intermediate, int dtype) {
+    const Weights W = {dtype == 1 ? 1 : 0, w13, w2, NULL, NULL, 0, 0};
+    experts(x, ids, weights, &W, out, scratch, tokens, top_k, num_experts, hidden, intermediate, dtype);
+}
+
+/* As moe_experts with 8-bit experts: w13 (E, 2I, H) and w2 (E, H, I) int8 (fp8 0) or e4m3 bytes (fp8 1),
+ * s13 (E, 2I, ceil(H / bk13)) and s2 (E, H, ceil(I / bk2)) their float32 scales. x in float32 or bf16. */
+void moe_experts_q8(const void *x, const int64_t *ids, const float *weights, const uint8_t *w13, const float *s13,
+                    const uint8_t *w2, const float *s2, void *out, float *scratch, int64_t tokens, int top_k,
+                    int num_experts, int hidden, int intermediate, int dtype, int fp8, int bk13, int bk2) {
+    const Weights W = {fp8 ? 3 : 2, w13, w2, s13, s2, bk13, bk2};
+    experts(x, ids, weights, &W, out, scratch, tokens, top_k, num_experts, hidden, intermediate, dtype);
 }
