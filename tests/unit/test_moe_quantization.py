@@ -164,8 +164,11 @@ def triton_kernel(x, moe, weights, ids):
                                                                   moe.block2))
 
 
-KERNELS = {"c": c_kernel, "c_without_avx512": c_kernel, "triton": triton_kernel,
+# The C kernel widens bytes with AVX-512 or AVX2 + F16C instructions where there are some, and with portable
+# integer operations elsewhere: built for this CPU, for x86-64-v3 (AVX2, no AVX-512), and for plain x86-64.
+KERNELS = {"c": c_kernel, "c_without_avx512": c_kernel, "c_portable": c_kernel, "triton": triton_kernel,
            "dequantize_chosen": DequantizingExperts()}
+MARCH = {"c_without_avx512": "x86-64-v3", "c_portable": "x86-64"}
 
 
 def random_experts(fmt: str, values: str, num_experts: int, hidden: int, intermediate: int, seed: int):
@@ -200,9 +203,9 @@ def dequantized(moe) -> tuple[torch.Tensor, torch.Tensor]:
 def use_kernel(kernel: str, monkeypatch) -> None:
     if kernel == "triton" and not triton_moe.available():
         pytest.skip("triton is not installed")
-    if kernel == "c_without_avx512":
-        # The same source built for a CPU with AVX2 and no AVX-512 (x86-64-v3): the generic vectors must add up.
-        monkeypatch.setattr(build, "FLAGS", [f if f != "-march=native" else "-march=x86-64-v3" for f in build.FLAGS])
+    if kernel in MARCH:
+        monkeypatch.setattr(build, "FLAGS", [f if f != "-march=native" else f"-march={MARCH[kernel]}"
+                                             for f in build.FLAGS])
 
 
 FORMATS = [("fp8", "all"), ("fp8", "subnormal"), ("int8", "all")]

@@ -22,6 +22,10 @@
 
 #include "bf16.h"
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #define LANES 16      /* floats per vector below; GCC splits it onto whatever registers the CPU has */
 #define PAIR_BLOCK 4  /* pairs multiplied by one weight row at a time, while the row is in L1 */
 #define ROW_BLOCK 16  /* weight rows per unit of parallel work */
@@ -143,13 +147,49 @@ typedef int8_t vb __attribute__((vector_size(LANES)));
 typedef uint8_t vub __attribute__((vector_size(LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 
-/* LANES weights as their exact float32 value. int8 converts. An e4m3 byte s.eeee.mmm is rebuilt as a
- * float32 in integer lanes (portable: no fp8 or float16 instructions): for eeee > 0 the value is
- * 2^(eeee - 7) (1 + mmm / 8), which is the float32 with exponent field eeee + 120 and mantissa mmm << 20;
+#if LANES == 16 && (defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__)))
+#define X86_WIDEN 1
+#define WIDE_FP8_UNIT 256.0f /* widen_q8's fp8 lanes hold 2^-8 of the value: scales are taken times this */
+#else
+#define X86_WIDEN 0
+#define WIDE_FP8_UNIT 1.0f
+#endif
+
+/* LANES weights as their float32 value (fp8: 1 / WIDE_FP8_UNIT of it). int8 converts. Off x86, an e4m3
+ * byte s.eeee.mmm is rebuilt as a float32 in integer lanes (no fp8 or float16 instructions needed): for
+ * eeee > 0 the value is 2^(eeee - 7) (1 + mmm / 8), the float32 with exponent field eeee + 120 and
+ * mantissa mmm << 20;
  * for eeee = 0 it is mmm * 2^-9, built as 2^-6 (1 + mmm / 8) - 2^-6 so that no lane is ever a float32
  * subnormal (which a flush-to-zero mode would zero). The sign bit is copied across. (e4m3fn's NaN bytes
  * become finite numbers: no checkpoint has them.) */
 static inline __attribute__((always_inline)) vf widen_q8(const uint8_t *p, const int fp8) {
+#if X86_WIDEN
+    /* GCC turns the generic conversions below into one byte at a time: on x86 the same values come from the
+     * vector instructions. e4m3 sign-extended to 16 bits and shifted left 7 is the float16 of 2^-8 its value
+     * (0xBF80 clears the sign's copy in the exponent's top bit), subnormals included: the 2^8 goes into
+     * the scale (WIDE_FP8_UNIT), which is exact, so the product is still float32(q * scale). */
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    vf f;
+#if defined(__AVX512F__)
+    const __m512 v = fp8 ? _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                                            _mm256_set1_epi16((short)0xBF80)))
+                         : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    memcpy(&f, &v, sizeof(f));
+#else
+    __m256 v[2];
+    if (fp8) {
+        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                           _mm256_set1_epi16((short)0xBF80));
+        v[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        v[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    } else {
+        v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+    }
+    memcpy(&f, v, sizeof(f));
+#endif
+    return f;
+#else
     if (!fp8) {
         vb b;
         memcpy(&b, p, sizeof(b));
@@ -166,9 +206,10 @@ static inline __attribute__((always_inline)) vf widen_q8(const uint8_t *p, const
     memcpy(&f, &bits, sizeof(f));
     memcpy(&g, &fix, sizeof(g));
     return f - g;
+#endif
 }
 
-/* One byte's exact value, as widen_q8 gives it. */
+/* One byte's exact value. */
 static inline float q8_value(uint8_t b, const int fp8) {
     if (!fp8) return (float)(int8_t)b;
     const int e = (b >> 3) & 15, m = b & 7;
@@ -187,7 +228,7 @@ static inline __attribute__((always_inline)) void dots_q8_n(const uint8_t *w, co
     for (int i = 0; i < n; i++) acc[i][0] = acc[i][1] = (vf){0};
     for (int k0 = 0, b = 0; k0 < dim; k0 += bk, b++) {
         const int k1 = k0 + bk < dim ? k0 + bk : dim;
-        const float scale = scales[b];
+        const float scale = fp8 ? scales[b] * WIDE_FP8_UNIT : scales[b]; /* exact: a power of two */
         int d = k0;
         for (; d + 2 * LANES <= k1; d += 2 * LANES) {
             const vf w0 = widen_q8(w + d, fp8) * scale, w1 = widen_q8(w + d + LANES, fp8) * scale;
@@ -201,7 +242,7 @@ static inline __attribute__((always_inline)) void dots_q8_n(const uint8_t *w, co
             for (int i = 0; i < n; i++) acc[i][0] += w0 * load_x(xs[i] + d);
         }
         for (; d < k1; d++) {
-            const float wd = q8_value(w[d], fp8) * scale;
+            const float wd = q8_value(w[d], fp8) * scales[b];
             for (int i = 0; i < n; i++) tail[i] += wd * xs[i][d];
         }
     }
