@@ -217,59 +217,74 @@ static inline float q8_value(uint8_t b, const int fp8) {
     return b & 0x80 ? -v : v;
 }
 
-/* out[i] = dot(q * scale, xs[i]) over dim inputs for n (<= PAIR_BLOCK) rows: scales holds the row's one
- * scale per block of bk inputs (the last block may be partial). Each widened vector is multiplied by its
- * block's scale before it meets the inputs, so the products are with float32(q * scale). */
-static inline __attribute__((always_inline)) void dots_q8_n(const uint8_t *w, const float *scales, int bk,
-                                                            const int fp8, const float *const *xs, const int n,
-                                                            int dim, float *out) {
-    vf acc[PAIR_BLOCK][2];
-    float tail[PAIR_BLOCK] = {0};
-    for (int i = 0; i < n; i++) acc[i][0] = acc[i][1] = (vf){0};
+/* out[j * PAIR_BLOCK + i] = dot(q_j * scale_j, xs[i]) over dim inputs, for R (1 or 2) weight rows w[j] and n
+ * (<= PAIR_BLOCK) input rows: scales[j] holds row j's one scale per block of bk inputs (the last block may be
+ * partial). Each widened vector is multiplied by its block's scale before it meets the inputs, so the
+ * products are with float32(q * scale). Two weight rows at a time share the inputs' loads and give the
+ * multiply-adds independent chains to overlap. */
+static inline __attribute__((always_inline)) void dots_q8_n(const uint8_t *const *w, const float *const *scales,
+                                                            const int R, int bk, const int fp8,
+                                                            const float *const *xs, const int n, int dim,
+                                                            float *out) {
+    vf acc[2][PAIR_BLOCK][2];
+    float tail[2][PAIR_BLOCK] = {{0}};
+    for (int j = 0; j < R; j++)
+        for (int i = 0; i < n; i++) acc[j][i][0] = acc[j][i][1] = (vf){0};
     for (int k0 = 0, b = 0; k0 < dim; k0 += bk, b++) {
         const int k1 = k0 + bk < dim ? k0 + bk : dim;
-        const float scale = fp8 ? scales[b] * WIDE_FP8_UNIT : scales[b]; /* exact: a power of two */
+        float scale[2];
+        for (int j = 0; j < R; j++) scale[j] = fp8 ? scales[j][b] * WIDE_FP8_UNIT : scales[j][b]; /* exact */
         int d = k0;
         for (; d + 2 * LANES <= k1; d += 2 * LANES) {
-            const vf w0 = widen_q8(w + d, fp8) * scale, w1 = widen_q8(w + d + LANES, fp8) * scale;
+            vf w0[2], w1[2];
+            for (int j = 0; j < R; j++) {
+                w0[j] = widen_q8(w[j] + d, fp8) * scale[j];
+                w1[j] = widen_q8(w[j] + d + LANES, fp8) * scale[j];
+            }
             for (int i = 0; i < n; i++) {
-                acc[i][0] += w0 * load_x(xs[i] + d);
-                acc[i][1] += w1 * load_x(xs[i] + d + LANES);
+                const vf x0 = load_x(xs[i] + d), x1 = load_x(xs[i] + d + LANES);
+                for (int j = 0; j < R; j++) {
+                    acc[j][i][0] += w0[j] * x0;
+                    acc[j][i][1] += w1[j] * x1;
+                }
             }
         }
         for (; d + LANES <= k1; d += LANES) {
-            const vf w0 = widen_q8(w + d, fp8) * scale;
-            for (int i = 0; i < n; i++) acc[i][0] += w0 * load_x(xs[i] + d);
+            for (int j = 0; j < R; j++) {
+                const vf w0 = widen_q8(w[j] + d, fp8) * scale[j];
+                for (int i = 0; i < n; i++) acc[j][i][0] += w0 * load_x(xs[i] + d);
+            }
         }
-        for (; d < k1; d++) {
-            const float wd = q8_value(w[d], fp8) * scales[b];
-            for (int i = 0; i < n; i++) tail[i] += wd * xs[i][d];
+        for (; d < k1; d++)
+            for (int j = 0; j < R; j++) {
+                const float wd = q8_value(w[j][d], fp8) * scales[j][b];
+                for (int i = 0; i < n; i++) tail[j][i] += wd * xs[i][d];
+            }
+    }
+    for (int j = 0; j < R; j++)
+        for (int i = 0; i < n; i++) {
+            const vf total = acc[j][i][0] + acc[j][i][1];
+            float sum = tail[j][i];
+            for (int l = 0; l < LANES; l++) sum += total[l];
+            out[j * PAIR_BLOCK + i] = sum;
         }
-    }
-    for (int i = 0; i < n; i++) {
-        const vf total = acc[i][0] + acc[i][1];
-        float sum = tail[i];
-        for (int l = 0; l < LANES; l++) sum += total[l];
-        out[i] = sum;
-    }
 }
 
-static void dots_q8(const uint8_t *w, const float *scales, int bk, int fp8, const float *const *xs, int n, int dim,
-                    float *out) {
-    if (fp8) {
-        switch (n) {
-        case 1: dots_q8_n(w, scales, bk, 1, xs, 1, dim, out); return;
-        case 2: dots_q8_n(w, scales, bk, 1, xs, 2, dim, out); return;
-        case 3: dots_q8_n(w, scales, bk, 1, xs, 3, dim, out); return;
-        default: dots_q8_n(w, scales, bk, 1, xs, 4, dim, out); return;
-        }
+/* dots_q8_n with its shape arguments made constants, so the loops over them unroll into registers. */
+#define DOTS_Q8_N(FP8, R)                                                                           \
+    switch (n) {                                                                                    \
+    case 1: dots_q8_n(w, scales, R, bk, FP8, xs, 1, dim, out); return;                              \
+    case 2: dots_q8_n(w, scales, R, bk, FP8, xs, 2, dim, out); return;                              \
+    case 3: dots_q8_n(w, scales, R, bk, FP8, xs, 3, dim, out); return;                              \
+    default: dots_q8_n(w, scales, R, bk, FP8, xs, 4, dim, out); return;                             \
     }
-    switch (n) {
-    case 1: dots_q8_n(w, scales, bk, 0, xs, 1, dim, out); return;
-    case 2: dots_q8_n(w, scales, bk, 0, xs, 2, dim, out); return;
-    case 3: dots_q8_n(w, scales, bk, 0, xs, 3, dim, out); return;
-    default: dots_q8_n(w, scales, bk, 0, xs, 4, dim, out); return;
-    }
+
+static void dots_q8(const uint8_t *const *w, const float *const *scales, int rows, int bk, int fp8,
+                    const float *const *xs, int n, int dim, float *out) {
+    if (fp8 && rows == 2) DOTS_Q8_N(1, 2)
+    if (fp8) DOTS_Q8_N(1, 1)
+    if (rows == 2) DOTS_Q8_N(0, 2)
+    DOTS_Q8_N(0, 1)
 }
 
 /* The experts' weights as the kernel reads them: kind 0 float32, 1 bf16, 2 int8, 3 fp8 e4m3. 8-bit
@@ -360,11 +375,15 @@ static void experts(const void *x, const int64_t *ids, const float *weights, con
                 const int m = (int)(start[e] + count[e] - p0 < PAIR_BLOCK ? start[e] + count[e] - p0 : PAIR_BLOCK);
                 float g[PAIR_BLOCK], u[PAIR_BLOCK];
                 if (q8) {
+                    /* gate and up rows r together: one pass over the inputs */
                     const float *xs[PAIR_BLOCK];
                     const float *scales = W->s13 + ((size_t)e * 2 * intermediate + r) * blocks13;
+                    const uint8_t *rows2[2] = {gate_row, up_row};
+                    const float *scales2[2] = {scales, scales + (size_t)intermediate * blocks13};
+                    float gu[2 * PAIR_BLOCK];
                     for (int i = 0; i < m; i++) xs[i] = xf + (p0 + i) * hidden;
-                    dots_q8(gate_row, scales, W->bk13, fp8, xs, m, hidden, g);
-                    dots_q8(up_row, scales + (size_t)intermediate * blocks13, W->bk13, fp8, xs, m, hidden, u);
+                    dots_q8(rows2, scales2, 2, W->bk13, fp8, xs, m, hidden, gu);
+                    for (int i = 0; i < m; i++) g[i] = gu[i], u[i] = gu[PAIR_BLOCK + i];
                 } else if (HAVE_DPBF16 && w_bf16) {
 #if HAVE_DPBF16
                     const uint16_t *xs[PAIR_BLOCK];
@@ -398,13 +417,19 @@ static void experts(const void *x, const int64_t *ids, const float *weights, con
         const char *base = (const char *)w2 + (size_t)e * hidden * intermediate * el;
         for (int r = items[it].row; r < end; r++) {
             const void *row = base + (size_t)r * intermediate * el;
+            const int two = q8 && r + 1 < end; /* 8-bit: rows r and r + 1 in one pass over the activations */
             for (int64_t p0 = start[e]; p0 < start[e] + count[e]; p0 += PAIR_BLOCK) {
                 const int m = (int)(start[e] + count[e] - p0 < PAIR_BLOCK ? start[e] + count[e] - p0 : PAIR_BLOCK);
-                float v[PAIR_BLOCK];
+                float v[2 * PAIR_BLOCK];
                 if (q8) {
                     const float *as[PAIR_BLOCK];
+                    const float *scales = W->s2 + ((size_t)e * hidden + r) * blocks2;
+                    const uint8_t *rows2[2] = {row, (const uint8_t *)row + intermediate};
+                    const float *scales2[2] = {scales, scales + blocks2};
                     for (int i = 0; i < m; i++) as[i] = act + (p0 + i) * intermediate;
-                    dots_q8(row, W->s2 + ((size_t)e * hidden + r) * blocks2, W->bk2, fp8, as, m, intermediate, v);
+                    dots_q8(rows2, scales2, two ? 2 : 1, W->bk2, fp8, as, m, intermediate, v);
+                    if (two)
+                        for (int i = 0; i < m; i++) y[(p0 + i) * hidden + r + 1] = v[PAIR_BLOCK + i] * pair_weight[p0 + i];
                 } else if (act_bf16) {
 #if HAVE_DPBF16
                     /* silu(gate) * up rounded to bf16 first, as a bf16 model's activations are */
@@ -419,6 +444,7 @@ static void experts(const void *x, const int64_t *ids, const float *weights, con
                 }
                 for (int i = 0; i < m; i++) y[(p0 + i) * hidden + r] = v[i] * pair_weight[p0 + i];
             }
+            r += two;
         }
     }
 
