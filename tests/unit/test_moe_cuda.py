@@ -1,4 +1,5 @@
-"""Mixture of experts on a CUDA GPU: the Triton kernel, and the engine (decode in CUDA graphs) against transformers."""
+"""Mixture of experts on a CUDA GPU: the Triton kernel (bf16 and 8-bit experts), and the engine (decode in CUDA
+graphs) against transformers."""
 import pytest
 import torch
 
@@ -39,3 +40,19 @@ def test_float32_greedy_equals_transformers_with_decode_graphs(tmp_path):
     assert [engine.generate([p], params)[0] for p in prompts] == expected
     assert engine.generate(prompts, params) == expected
     assert all(len(set(e)) > 3 for e in expected)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_eight_bit_triton_experts_match_float64_loop_on_the_gpu(fmt):
+    """The Triton kernels on 8-bit experts (bytes widened in registers) against the float64 loop on their
+    dequantized weights, in bf16."""
+    from tests.unit.test_moe_quantization import dequantized, random_experts, triton_kernel
+
+    moe = random_experts(fmt, "all", 16, 256, 128, seed=11)
+    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    weights, ids = routing("random", 37, 16, 4, seed=13)
+    want = reference_experts(x, *dequantized(moe), weights, ids)
+    for name in ("w13", "w2", "w13_scale", "w2_scale"):
+        setattr(moe, name, getattr(moe, name).cuda())
+    got = triton_kernel(x.cuda(), moe, weights.to(torch.bfloat16).cuda(), ids.cuda()).cpu()
+    assert (got.double() - want).abs().max().item() <= 3e-2 * want.abs().max().item()

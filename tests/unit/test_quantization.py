@@ -127,13 +127,6 @@ def test_other_quantizations_are_refused_naming_what(changes, named):
     assert named in str(e.value)
 
 
-def test_an_fp8_mixture_of_experts_checkpoint_is_refused():
-    raw = fp8_config()
-    raw.update(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    with pytest.raises(ConfigError, match="mixture-of-experts"):
-        Qwen3Config.from_dict(raw)
-
-
 def test_qwen_fp8_config_with_the_head_left_out_is_accepted():
     config = Qwen3Config.from_dict(fp8_config(modules_to_not_convert=["lm_head"]))
     assert config.quantization_config["quant_method"] == "fp8"

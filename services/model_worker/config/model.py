@@ -58,10 +58,6 @@ class Qwen3Config:
             checkpoint_quantization(self.quantization_config)
         except QuantizationError as e:
             raise ConfigError(str(e)) from None
-        if self.quantization_config and self.num_experts:
-            raise ConfigError("config.json: fp8 checkpoints of mixture-of-experts models are not supported: the "
-                              "experts are held in bf16; load the bf16 checkpoint (--quantization fp8 or int8 "
-                              "quantizes its attention and dense layers)")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"unsupported architecture {self.architecture!r}: this engine implements "

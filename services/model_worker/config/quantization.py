@@ -48,10 +48,13 @@ def checkpoint_quantization(raw: dict[str, Any] | None) -> dict[str, Any] | None
     scheme = raw.get("activation_scheme", "dynamic")
     if scheme != "dynamic":
         raise QuantizationError(f"config.json: fp8 activation_scheme {scheme!r} is not supported; only 'dynamic'")
-    skipped = [m for m in raw.get("modules_to_not_convert") or raw.get("ignored_layers") or [] if m != "lm_head"]
+    # What may stay unconverted is what this engine keeps in bf16 anyway: the head, and a mixture-of-experts
+    # router (`model.layers.N.mlp.gate`, which Qwen's FP8 MoE checkpoints list layer by layer).
+    skipped = [m for m in raw.get("modules_to_not_convert") or raw.get("ignored_layers") or []
+               if m != "lm_head" and not m.endswith("mlp.gate")]
     if skipped:
         raise QuantizationError(f"config.json: fp8 modules_to_not_convert {skipped} is not supported: every "
-                                "linear layer but lm_head must be fp8")
+                                "linear layer but lm_head and the routers (mlp.gate) must be fp8")
     return dict(raw)
 
 

@@ -8,6 +8,9 @@ grouped matmul runs is an `ExpertsKernel`, chosen once for the device after load
 GPU (kernels/triton_moe.py), torch's grouped_mm otherwise. All of them read only the experts
 that some token chose.
 
+How the experts' weights are held is an `ExpertsMethod`, the experts' counterpart of a LinearMethod:
+in the model dtype (`ExpertsMethod` here), or in 8 bits with their scales (quant/experts.py).
+
 Tensor parallelism splits every expert's intermediate dimension across ranks (each rank holds
 rows [r * I / N, (r + 1) * I / N) of every gate and up projection and the matching columns of
 down), the router is whole on every rank, and the ranks' partial sums are all-reduced once.
@@ -159,41 +162,75 @@ def pick_experts_kernel(w13: torch.Tensor, w2: torch.Tensor) -> ExpertsKernel:
     return TorchGroupedExperts()
 
 
+class ExpertsMethod:
+    """How a FusedMoE holds and multiplies its experts: w13 and w2 in the model dtype, and the kernel
+    picked for their device once loaded. quant/experts.py holds them in 8 bits instead."""
+
+    name = "plain"
+
+    def create_weights(self, moe: FusedMoE, hidden_size: int) -> None:
+        """The parameters the checkpoint fills (w13 (E, 2I, H), w2 (E, H, I); I this rank's share)."""
+        local = moe.intermediate_size
+        moe.w13 = nn.Parameter(torch.empty(moe.num_experts, 2 * local, hidden_size), requires_grad=False)
+        moe.w2 = nn.Parameter(torch.empty(moe.num_experts, hidden_size, local), requires_grad=False)
+
+    def checkpoint_tensor(self, moe: FusedMoE, leaf: str, source: CheckpointTensor, rows: int) -> CheckpointTensor:
+        """The checkpoint tensor that fills `leaf` as the loader reads it (8-bit scales are mapped here)."""
+        return source
+
+    def process_weights_after_loading(self, moe: FusedMoE) -> None:
+        moe.kernel = pick_experts_kernel(moe.w13, moe.w2)
+
+    def apply(self, moe: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return moe.kernel(x, moe.w13, moe.w2, weights, ids)
+
+
 class FusedMoE(nn.Module):
-    """The experts of one layer: w13 (E, 2 * I / N, H) and w2 (E, H, I / N) on this rank of N."""
+    """The experts of one layer: w13 (E, 2 * I / N, H) and w2 (E, H, I / N) on this rank of N.
+
+    method: how they are held (default: in the model dtype); 8-bit methods add w13_scale and w2_scale,
+    one row of scales per weight row, as the 8-bit linear layers hold theirs."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, method: ExpertsMethod | None = None):
         super().__init__()
         self.tp = tp = tp or TensorParallel()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate_size = intermediate_size // tp.size  # this rank's share of every expert
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size), requires_grad=False)
-        self.kernel: ExpertsKernel = TorchGroupedExperts()
+        self.method = method or ExpertsMethod()
+        self.method.create_weights(self, hidden_size)
+        self.kernel = TorchGroupedExperts()
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x (T, H), router_logits (T, E) -> (T, H), summed over the ranks."""
         weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
-        return self.tp.all_reduce(self.kernel(x, self.w13, self.w2, weights, ids))
+        return self.tp.all_reduce(self.method.apply(self, x, weights, ids))
 
     def weight_loader(self, leaf: str, source: CheckpointTensor, shard) -> None:
-        """shard: (expert, part) for a published per-expert tensor; None for a whole 3-D tensor."""
-        local, rank = self.intermediate_size, self.tp.rank
+        """shard: (expert, part) for a published per-expert tensor; None for a whole 3-D tensor.
+
+        leaf: w13 or w2, or their 8-bit scales w13_scale and w2_scale (one row of scales per weight row, one
+        column per block of inputs): read like the weights, by rows for w13 and by columns for w2."""
+        local, rank, size = self.intermediate_size, self.tp.rank, self.tp.size
         rows = slice(rank * local, (rank + 1) * local)
-        shape = list(source.get_shape())
         if shard is not None:
             expert, part = shard
-            if leaf == "w13":
-                want = [local * self.tp.size, self.w13.shape[2]]
-                dest, index = self.w13.data[expert, part * local:(part + 1) * local], (rows, slice(None))
+            param = getattr(self, leaf).data
+            if leaf.startswith("w13"):
+                source = self.method.checkpoint_tensor(self, leaf, source, local * size)
+                want = [local * size, param.shape[2]]
+                dest, index = param[expert, part * local:(part + 1) * local], (rows, slice(None))
             else:
-                want = [self.w2.shape[1], local * self.tp.size]
-                dest, index = self.w2.data[expert], (slice(None), rows)
+                source = self.method.checkpoint_tensor(self, leaf, source, param.shape[1])
+                columns = param.shape[2]  # this rank's inputs, or its blocks of them (scales)
+                want = [param.shape[1], columns * size]
+                dest, index = param[expert], (slice(None), slice(rank * columns, (rank + 1) * columns))
+            shape = list(source.get_shape())
             if shape != want:
                 raise WeightShapeError(f"checkpoint {shape}, config expects {want}")
             dest.copy_(source[index])
             return
+        shape = list(source.get_shape())
         full = local * self.tp.size
         if leaf == "w13":
             want = [self.num_experts, 2 * full, self.w13.shape[2]]
@@ -208,9 +245,9 @@ class FusedMoE(nn.Module):
             self.w2.data.copy_(source[:, :, rows])
 
     def process_weights_after_loading(self) -> None:
-        """Pick the grouped-matmul kernel for the weights' device and dtype, once."""
-        self.kernel = pick_experts_kernel(self.w13, self.w2)
+        """The weights' final form (8-bit quantizing on load), and the kernel for their device, once."""
+        self.method.process_weights_after_loading(self)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, intermediate_size={self.intermediate_size}, "
-                f"renormalize={self.renormalize}, kernel={self.kernel.name}")
+                f"renormalize={self.renormalize}, method={self.method.name}, kernel={self.kernel.name}")
