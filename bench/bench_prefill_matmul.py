@@ -1,8 +1,7 @@
 """The bf16 matmuls of a prefill chunk on the CPU: oneDNN (F.linear on the plain weights), oneDNN on
 weights reordered once into its blocked layout (a second copy of every weight: what vLLM's CPU backend
-holds instead of the plain ones), the AMX kernel reading the weights in place, and the AMX kernel on
-weight blocks copied tile by tile, over the 28 layers of Qwen3-0.6B's shapes (random weights,
-streamed from memory as in a step).
+holds instead of the plain ones) and the AMX kernel reading the weights in place, over the 28 layers
+of Qwen3-0.6B's shapes (random weights, streamed from memory as in a step).
 
 Interleaved rounds in one process; prints the best time of each per row count, its GFLOP/s and
 ratios to oneDNN's. Run it pinned to one CPU for the engine's one-CPU placement:
@@ -41,13 +40,12 @@ def main() -> None:
         "onednn": lambda x, w: F.linear(x, w),
         "onednn_reordered": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, reordered[id(w)], None, "none", [], ""),
         "amx": lambda x, w: cpu_linear.amx_linear(amx, x, w),
-        "amx_packed": lambda x, w: cpu_linear.amx_linear_packed(amx, x, w),
     }
     results = {}
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for _, k in SHAPES}
         reference = F.linear(xs[1024], weights[0][0])
-        for name in ("onednn_reordered", "amx", "amx_packed"):  # the same products: they agree to rounding
+        for name in ("onednn_reordered", "amx"):  # the same products: they agree to rounding
             got = paths[name](xs[1024], weights[0][0])
             assert (got.float() - reference.float()).abs().max() <= 0.02 * reference.float().abs().max(), name
         times: dict[str, list[float]] = {name: [] for name in paths}

@@ -136,21 +136,18 @@ def amx():
 
 
 @needs_amx
-@pytest.mark.parametrize("packed", [False, True], ids=["in-place", "packed"])
-@pytest.mark.parametrize("rows", [1, 3, 15, 16, 17, 31, 32, 33, 47, 64, 70, 128, 300, 530])
+@pytest.mark.parametrize("rows", [1, 3, 15, 16, 17, 31, 32, 33, 47, 64, 70, 128, 300])
 @pytest.mark.parametrize("out_features,in_features", [(32, 32), (352, 1024), (96, 3072)])
-def test_amx_kernel_matches_float64(amx, rows, out_features, in_features, packed):
+def test_amx_kernel_matches_float64(amx, rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     w = torch.randn(out_features, in_features, generator=gen).bfloat16()
     reference = x.double() @ w.double().T
-    out = (cpu_linear.amx_linear_packed if packed else cpu_linear.amx_linear)(amx, x, w)
+    out = cpu_linear.amx_linear(amx, x, w)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     # Every row and column lands in its place (a transposed or shifted tile would be far off), each
     # the float32 sum rounded once, as F.linear's.
     assert (out.double() - reference).abs().max().item() <= (F.linear(x, w).double() - reference).abs().max() * 2
-    if packed:  # the same products summed in the same order: the copy changes where they are read, not the bits
-        assert torch.equal(out, cpu_linear.amx_linear(amx, x, w))
 
 
 @needs_amx

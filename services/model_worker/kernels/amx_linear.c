@@ -43,30 +43,14 @@ int amx_linear_supported(void) {
  * model's widest input) still sits in L2 beside the weight block it meets. */
 #define PASS_ROWS 256
 
-/* The 32 weight rows of a block (row stride k) copied in the order the tiles read them: for each
- * 32-column step, the first tile's 16 rows of 64 bytes together (1 KB), and the second tile's
- * steps * 512 elements on. A tile load from the weights in place takes 16 rows k * 2 bytes apart:
- * at the 0.6B model's widths (2, 4 and 6 KB) those rows fall in one or two sets of the 48 KB L1
- * cache, so a block read again by every group of input rows kept missing there. */
-static void pack_weight_block(const uint16_t *w, uint16_t *dst, int64_t k) {
-    const int64_t steps = k / 32;
-    for (int r = 0; r < 32; r++) {
-        const uint16_t *src = w + r * k;
-        uint16_t *d = dst + (r / 16) * steps * 512 + (r % 16) * 32;
-        for (int64_t s = 0; s < steps; s++) _mm512_store_si512(d + s * 512, _mm512_loadu_si512(src + s * 32));
-    }
-}
-
 /* x: (m, k) bf16; w: (n, k) bf16; out: (m, n) bf16. n and k multiples of 32. Returns 0, or -1.
  *
  * x is packed once, in pairs of 16-row groups (zero rows pad the last pair), and each thread takes
  * whole blocks of 32 weight rows. A block is fetched from memory by the first group pair that
- * meets it and read from L2 by the others; with pack_weights, from a copy laid out tile by tile
- * (pack_weight_block), which pays off once enough group pairs read it. Up to CHUNK rows (a decode
- * batch) there is one pair, and the tiles are sized to its rows so that 3 rows cost 3 rows'
- * arithmetic; more rows (a prefill) use whole tiles, and a pair's second group only when it holds rows. */
-static int amx_matmul(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k,
-                      int pack_weights) {
+ * meets it and read from L2 by the others. Up to CHUNK rows (a decode batch) there is one pair,
+ * and the tiles are sized to its rows so that 3 rows cost 3 rows' arithmetic; more rows (a short
+ * prefill) use whole tiles, and a pair's second group only when it holds rows. */
+int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
     if (n % 32 || k % 32) return -1;
     const int64_t steps = k / 32;
     const int64_t groups = ((m + 31) / 32) * 2;
@@ -74,7 +58,6 @@ static int amx_matmul(const uint16_t *x, const uint16_t *w, uint16_t *out, int m
     if (!packed) return -1;
     const int tile_rows0 = m <= CHUNK ? group_rows(m, 0) : 16;
     const int tile_rows1 = m <= CHUNK ? group_rows(m, 16) : 16;
-    int failed = 0;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
@@ -83,47 +66,25 @@ static int amx_matmul(const uint16_t *x, const uint16_t *w, uint16_t *out, int m
             if (rows) /* a group without rows pads a pair and is never loaded */
                 pack_rows(x, packed + g * steps * 256, (int)(g * 16), rows, k);
         }
-        uint16_t *block = pack_weights ? aligned_alloc(64, (size_t)32 * k * sizeof(uint16_t)) : NULL;
-        if (pack_weights && !block) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-            configure(tile_rows0, tile_rows1 ? tile_rows1 : 1);
-            float c[4][256] __attribute__((aligned(64)));
-            for (int64_t first = 0; first < groups; first += PASS_ROWS / 16) {
-                const int64_t last = first + PASS_ROWS / 16 < groups ? first + PASS_ROWS / 16 : groups;
+        configure(tile_rows0, tile_rows1 ? tile_rows1 : 1);
+        float c[4][256] __attribute__((aligned(64)));
+        for (int64_t first = 0; first < groups; first += PASS_ROWS / 16) {
+            const int64_t last = first + PASS_ROWS / 16 < groups ? first + PASS_ROWS / 16 : groups;
 #pragma omp for schedule(static)
-                for (int64_t n0 = 0; n0 < n; n0 += 32) {
-                    if (block) pack_weight_block(w + n0 * k, block, k);
-                    for (int64_t g = first; g < last; g += 2) {
-                        const uint32_t *b0 = packed + g * steps * 256, *b1 = b0 + steps * 256;
-                        const int m0 = (int)(g * 16), rows0 = group_rows(m, m0), rows1 = group_rows(m, m0 + 16);
-                        if (block)
-                            tile_block_strided(block, block + steps * 512, b0, b1, steps, 512, 64, k, rows0, rows1,
-                                               0, c, out, n0, n, m0);
-                        else
-                            tile_block(w + n0 * k, w + (n0 + 16) * k, b0, b1, steps, k, rows0, rows1,
-                                       g == first ? PREFETCH_STEPS : 0, c, out, n0, n, m0);
-                    }
+            for (int64_t n0 = 0; n0 < n; n0 += 32) {
+                const uint16_t *w0 = w + n0 * k, *w1 = w + (n0 + 16) * k;
+                for (int64_t g = first; g < last; g += 2) {
+                    const uint32_t *b0 = packed + g * steps * 256, *b1 = b0 + steps * 256;
+                    const int m0 = (int)(g * 16), rows0 = group_rows(m, m0), rows1 = group_rows(m, m0 + 16);
+                    tile_block(w0, w1, b0, b1, steps, k, rows0, rows1, g == first ? PREFETCH_STEPS : 0, c, out,
+                               n0, n, m0);
                 }
             }
-            _tile_release();
         }
-        free(block);
+        _tile_release();
     }
     free(packed);
-    return failed ? -1 : 0;
-}
-
-int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
-    return amx_matmul(x, w, out, m, n, k, 0);
-}
-
-/* As amx_linear, each block of weights first copied tile by tile (for prefills of a few hundred rows). */
-int amx_linear_packed(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
-    return amx_matmul(x, w, out, m, n, k, 1);
+    return 0;
 }
 
 #else
@@ -133,10 +94,6 @@ int amx_linear_supported(void) { return 0; }
 int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
     (void)x, (void)w, (void)out, (void)m, (void)n, (void)k;
     return -1;
-}
-
-int amx_linear_packed(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
-    return amx_linear(x, w, out, m, n, k);
 }
 
 #endif

@@ -78,16 +78,13 @@ static int group_rows(int64_t m, int64_t m0) {
     return m - m0 >= 16 ? 16 : (m > m0 ? (int)(m - m0) : 0);
 }
 
-/* One output block: 32 weight rows (w0, w1: 16 rows each) against one or two groups of 16 packed input
- * rows (b0, b1; b1 unused when rows1 is 0), accumulated over `steps` 32-column steps in tiles 0-3 and
- * written to out at columns n0..n0+31, rows m0... Step s of a weight tile starts s * w_step elements in,
- * its 16 rows w_stride bytes apart: 32 and k * 2 for the weights in place (row stride k), 512 and 64 for
- * a block packed as pack_weight_block lays it out. `prefetch` > 0 pulls the weight rows (in place) that
+/* One output block: 32 weight rows (w0, w1: 16 rows each, row stride k) against one or two groups of
+ * 16 packed input rows (b0, b1; b1 unused when rows1 is 0), accumulated over `steps` 32-column steps in
+ * tiles 0-3 and written to out at columns n0..n0+31, rows m0... `prefetch` > 0 pulls the weight rows that
  * many steps ahead into cache (for weights streamed from memory rather than a cache-resident copy). */
-static inline void tile_block_strided(const uint16_t *w0, const uint16_t *w1, const uint32_t *b0,
-                                      const uint32_t *b1, int64_t steps, int64_t w_step, int64_t w_stride, int64_t k,
-                                      int rows0, int rows1, int prefetch, float c[4][256], uint16_t *out, int64_t n0,
-                                      int64_t n, int m0) {
+static inline void tile_block(const uint16_t *w0, const uint16_t *w1, const uint32_t *b0, const uint32_t *b1,
+                              int64_t steps, int64_t k, int rows0, int rows1, int prefetch, float c[4][256],
+                              uint16_t *out, int64_t n0, int64_t n, int m0) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -96,8 +93,8 @@ static inline void tile_block_strided(const uint16_t *w0, const uint16_t *w1, co
         if (prefetch && s + prefetch < steps)
             for (int r = 0; r < 32; r++)
                 _mm_prefetch((const char *)(w0 + r * k + (s + prefetch) * 32), _MM_HINT_T0);
-        _tile_loadd(4, w0 + s * w_step, w_stride);
-        _tile_loadd(5, w1 + s * w_step, w_stride);
+        _tile_loadd(4, w0 + s * 32, k * 2);
+        _tile_loadd(5, w1 + s * 32, k * 2);
         _tile_loadd(6, b0 + s * 256, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(2, 5, 6);
@@ -117,13 +114,6 @@ static inline void tile_block_strided(const uint16_t *w0, const uint16_t *w1, co
         write_out(c[1], out, rows1, n0, n, m0 + 16);
         write_out(c[3], out, rows1, n0 + 16, n, m0 + 16);
     }
-}
-
-/* tile_block on weight rows in place (row stride k). */
-static inline void tile_block(const uint16_t *w0, const uint16_t *w1, const uint32_t *b0, const uint32_t *b1,
-                              int64_t steps, int64_t k, int rows0, int rows1, int prefetch, float c[4][256],
-                              uint16_t *out, int64_t n0, int64_t n, int m0) {
-    tile_block_strided(w0, w1, b0, b1, steps, 32, k * 2, k, rows0, rows1, prefetch, c, out, n0, n, m0);
 }
 
 #endif

@@ -1,5 +1,5 @@
-"""The bf16 matmul C kernels, called through ctypes: a few rows (small_batch_linear.c, AVX512-BF16),
-and from a few to a few hundred (amx_linear.c, AMX tiles): decode batches and prefill chunks."""
+"""The bf16 matmul C kernels for decode batches, called through ctypes: a few rows
+(small_batch_linear.c, AVX512-BF16) and up to a few dozen (amx_linear.c, AMX tiles)."""
 from __future__ import annotations
 
 import ctypes
@@ -28,9 +28,8 @@ def load_amx() -> ctypes.CDLL | None:
     library = build.load(AMX_SOURCE, "AMX linear")
     if library is None or not library.amx_linear_supported():
         return None
-    for name in ("amx_linear", "amx_linear_packed"):
-        getattr(library, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-        getattr(library, name).restype = ctypes.c_int
+    library.amx_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    library.amx_linear.restype = ctypes.c_int
     return library
 
 
@@ -46,12 +45,6 @@ def small_batch_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tens
 def amx_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """As small_batch_linear, on AMX tiles (N a multiple of 32 too)."""
     return _call(library.amx_linear, x, weight)
-
-
-def amx_linear_packed(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """As amx_linear, each block of 32 weight rows first copied in the order its tiles are read: for
-    prefills of a few hundred rows, which read each block once per 32 of their rows."""
-    return _call(library.amx_linear_packed, x, weight)
 
 
 def _call(kernel, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
