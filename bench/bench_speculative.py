@@ -102,7 +102,10 @@ def verification_cost(checkpoint: pathlib.Path, context: int, repeats: int) -> d
     engine.runner.run(StepInputs.build([ids[:context]], [table], [context], size))
 
     def step(k: int) -> float:
-        host = StepInputs.build([ids[context:context + k + 1]], [table], [context + k + 1], size, [0], (), [k])
+        # As the scheduler lays a verification out: k + 1 one-token rows, row j seeing the context up to itself.
+        new = ids[context:context + k + 1]
+        host = StepInputs.build([[t] for t in new], [table] * (k + 1), list(range(context + 1, context + k + 2)),
+                                size, [k], (), [k])
         start = time.perf_counter()
         engine.runner.run(host)
         return time.perf_counter() - start

@@ -25,17 +25,38 @@ class ScheduledBatch:
     def step_inputs(self, block_size: int) -> tuple[StepInputs, list[Sequence], list[tuple[Sequence, int, int]]]:
         """The step's flat inputs, the sequences that get a next token from it, and the prompt spans whose
         logprobs it computes: (sequence, first prompt position scored, count), their rows after the sampled ones."""
-        token_ids, context_lens, sampled, extra_rows, spans = [], [], [], [], []
+        token_ids, block_tables, context_lens, extra_rows, spans = [], [], [], [], []
+        sampled: list[int] = []  # entries of token_ids whose last row yields a next token
+        sampled_seqs: list[Sequence] = []
+        sampled_draft: list[int] = []
         num_draft = self.num_draft or [0] * len(self.seqs)
         row = 0
         for i, (seq, n) in enumerate(zip(self.seqs, self.num_tokens)):
             start = seq.num_cached_tokens
             own = n - num_draft[i]
-            token_ids.append(seq.token_ids[start:start + own] + seq.draft[:num_draft[i]])
+            if num_draft[i]:
+                # A verification (its one new token, then its proposals) goes in as that many one-token
+                # rows, row j seeing the context up to its own token: causal attention over the proposals,
+                # computed as decode rows are. The step stays a decode step wherever it has no prompt, so
+                # it runs the fused decode loop (and, on a GPU, a captured graph) instead of the layers
+                # one by one with prefill attention, which made a verification cost 1.5-1.7 decode steps.
+                ids = seq.token_ids[start:start + own] + seq.draft[:num_draft[i]]
+                token_ids.extend([t] for t in ids)
+                block_tables.extend([seq.block_table] * n)
+                context_lens.extend(range(start + 1, start + n + 1))
+                sampled.append(len(token_ids) - 1)  # its rows are then taken back from the last one
+                sampled_seqs.append(seq)
+                sampled_draft.append(num_draft[i])
+                row += n
+                continue
+            token_ids.append(seq.token_ids[start:start + own])
+            block_tables.append(seq.block_table)
             context_lens.append(start + n)
             # A prompt prefilled in chunks yields a token only after its last chunk.
             if start + own == len(seq):
-                sampled.append(i)
+                sampled.append(len(token_ids) - 1)
+                sampled_seqs.append(seq)
+                sampled_draft.append(0)
             if seq.wants_prompt_logprobs:
                 # Position p's logits score prompt token p + 1: this chunk scores tokens start+1 .. up to the last.
                 count = min(start + n, len(seq.prompt_ids) - 1) - start
@@ -43,9 +64,9 @@ class ScheduledBatch:
                     extra_rows.extend(range(row, row + count))
                     spans.append((seq, start + 1, count))
             row += n
-        host = StepInputs.build(token_ids, [s.block_table for s in self.seqs], context_lens, block_size, sampled,
-                                extra_rows, [num_draft[i] for i in sampled] if self.num_draft else None)
-        return host, [self.seqs[i] for i in sampled], spans
+        host = StepInputs.build(token_ids, block_tables, context_lens, block_size, sampled, extra_rows,
+                                sampled_draft if self.num_draft else None)
+        return host, sampled_seqs, spans
 
 
 class Scheduler:
