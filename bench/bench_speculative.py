@@ -139,8 +139,8 @@ def truncated_draft(checkpoint: pathlib.Path, layers: int, out: pathlib.Path) ->
 
 def draft_mechanics(checkpoint: pathlib.Path, draft: pathlib.Path, prompt_ids: list[int], new_tokens: int,
                     ks: list[int]) -> dict:
-    """In this process: greedy generation with the draft proposing a fixed k, for each k, beside plain decode on
-    the same engine; accepted length per verification and decode tok/s."""
+    """In this process: greedy generation with the draft proposing a fixed k, for each k, then adapting k as the
+    engine does by default, beside plain decode on the same engine; accepted length per verification and tok/s."""
     from services.model_worker.config.engine import EngineConfig, SpeculativeConfig
     from services.model_worker.config.sampling import SamplingParams
     from services.model_worker.engine.llm_engine import LLMEngine
@@ -164,8 +164,10 @@ def draft_mechanics(checkpoint: pathlib.Path, draft: pathlib.Path, prompt_ids: l
     timed(None)  # one-time costs
     plain_tps, _ = timed(None)
     results = {"plain_decode_tps": plain_tps, "by_k": {}}
-    for k in ks:
-        speculator.config.num_speculative_tokens = k
+    for k in [*ks, "adaptive"]:
+        # "adaptive": k up to 4, following acceptance, single refused proposals resting the sequence (the default).
+        speculator.config.fixed_k = k != "adaptive"
+        speculator.config.num_speculative_tokens = 4 if k == "adaptive" else k
         before = (speculator.num_proposed, speculator.num_accepted, speculator.num_verify_steps)
         tps, _ = timed(speculator)
         proposed, accepted, steps = (now - then for now, then in zip(

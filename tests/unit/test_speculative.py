@@ -290,3 +290,48 @@ def test_a_draft_with_another_vocabulary_is_refused(checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="vocabulary"):
         LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="float32", num_blocks=64, block_size=4,
                                            speculative=SpeculativeConfig("draft", draft_model=str(tmp_path))))
+
+
+def test_a_sequence_whose_single_draft_proposals_are_refused_rests_longer_each_time():
+    from services.model_worker.engine.sequence import Sequence
+    from services.model_worker.engine.speculator import MAX_REST_STEPS, Speculator
+
+    # The draft proposer itself is not called here: proposing only reserves room for its tokens.
+    speculator = Speculator(SpeculativeConfig("draft", draft_model="unused", num_speculative_tokens=4), object())
+    seq = Sequence("r", [5, 6, 7] * 8, SamplingParams(temperature=0.0), 1000, frozenset(), torch.device("cpu"))
+    seq.num_cached_tokens = len(seq) - 1  # decoding
+
+    def steps_until_a_proposal() -> int:
+        for waited in range(MAX_REST_STEPS + 2):
+            speculator.propose([seq])
+            if seq.draft:
+                return waited
+        raise AssertionError("no proposal after the longest rest")
+
+    assert steps_until_a_proposal() == 0
+    speculator.record(seq, 4, 2)  # one of four taken: no rest, one more than taken next time
+    assert seq.spec_k == 2 and steps_until_a_proposal() == 0
+    speculator.record(seq, 2, 1)  # none of two taken: k falls to 1, still no rest
+    assert seq.spec_k == 1 and steps_until_a_proposal() == 0
+    rests = []
+    for _ in range(8):  # a single proposal refused again and again
+        speculator.record(seq, 1, 1)
+        rests.append(steps_until_a_proposal())
+    assert rests == [1, 2, 4, 8, 16, 32, 32, 32]
+    speculator.record(seq, 1, 2)  # taken: the rests start over
+    assert steps_until_a_proposal() == 0
+    speculator.record(seq, 1, 1)
+    assert steps_until_a_proposal() == 1
+
+
+def test_prompt_lookup_never_rests():
+    from services.model_worker.engine.sequence import Sequence
+    from services.model_worker.engine.speculator import Speculator
+
+    speculator = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=4, ngram_min=1))
+    seq = Sequence("r", [5, 6, 7] * 8, SamplingParams(temperature=0.0), 1000, frozenset(), torch.device("cpu"))
+    seq.num_cached_tokens = len(seq) - 1
+    for _ in range(5):
+        speculator.propose([seq])
+        assert seq.draft  # the repeating prompt always has a continuation to propose
+        speculator.record(seq, len(seq.draft), 1)

@@ -55,6 +55,9 @@ class Sequence:
         # proposal length it adapts (set by the engine's speculator), and its own counts.
         self.draft: list[int] = []
         self.spec_k = 0
+        # Steps left without proposals after verifications that took nothing, and how long the next such rest is.
+        self.spec_rest = 0
+        self.spec_next_rest = 0
         self.num_proposed = 0
         self.num_accepted = 0
         self.num_verify_steps = 0  # steps that verified proposals for it
