@@ -67,7 +67,7 @@ def test_engine_cpus_defaults_to_all_and_takes_available_cpus(monkeypatch):
 
 
 @pytest.mark.parametrize("flags, tokens", [
-    (["--device", "cpu"], 512), (["--device", "cuda"], 2048), (["--device", "cuda:1"], 2048),
+    (["--device", "cpu"], 768), (["--device", "cuda"], 2048), (["--device", "cuda:1"], 2048),
     (["--device", "cpu", "--max-num-seqs", "1024"], 1024),  # never below the sequences a step may hold
     (["--device", "cpu", "--max-num-batched-tokens", "4096"], 4096),
 ])

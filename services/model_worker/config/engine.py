@@ -8,10 +8,13 @@ from dataclasses import dataclass
 # --max-num-batched-tokens when not given, by device. A step's prompt tokens all get their first
 # token only when the step ends, and every running stream waits for it. A CPU computes a 0.6B
 # model's prompts at ~1,000 tokens/s, so a 2,048-token step holds first tokens and decodes for
-# ~2 s; in 512-token steps the earlier prompts of a queue get theirs sooner, and a CPU's matmuls
-# run as fast per token at 512 rows as at 2,048 (bench/bench_load_ttft.py). A GPU's steps are
+# ~2 s; in shorter steps the earlier prompts of a queue get theirs sooner. Too short and the
+# queue's last prompts wait behind more steps, each of which also decodes every running stream:
+# 16 prompts of 32-512 tokens on one CPU, in process, got their first tokens at median / p90 ratios
+# of 0.87 / 0.87 (3 rounds) and 0.74 / 0.66 (2 rounds) in 768-token steps against 512-token ones,
+# with 1.08x the output throughput (bench/bench_load_ttft.py, docs/peers.md). A GPU's steps are
 # short either way and gain from the larger batch.
-CPU_STEP_TOKENS = 512
+CPU_STEP_TOKENS = 768
 GPU_STEP_TOKENS = 2048
 
 
