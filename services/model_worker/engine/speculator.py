@@ -2,8 +2,8 @@
 verified, and the counts (docs/speculative-decoding.md).
 
 A decoding sequence with proposals d_1..d_k runs k + 1 new tokens in one target forward (its last token,
-then the proposals: a query of k + 1 rows, through the same attention metadata as a prefill chunk), and
-all k + 1 rows are sampled. Row j's logits are the target's next-token logits after d_1..d_j, exactly
+then the proposals, laid out by the scheduler as k + 1 one-token rows, row j seeing the context up to its
+own token), and all k + 1 rows are sampled. Row j's logits are the target's next-token logits after d_1..d_j, exactly
 those a plain decode would have after emitting them, so:
   - greedy rows take the longest prefix of proposals equal to the argmax at each row, then the argmax of
     the first row that disagrees (or of the last row): token for token what plain decoding emits;
