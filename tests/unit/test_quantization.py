@@ -36,7 +36,9 @@ def reference_model(path):
     return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def assert_matches(ours: LLMEngine, reference) -> None:
+def assert_matches(ours: LLMEngine, reference, new_tokens: int = 24) -> list[int]:
+    """A 37-token prompt's logits within 1e-4 of the reference's, and the same greedy tokens after another
+    prompt; returns those tokens."""
     prompt = random_prompt(37, seed=1)
     (logits,) = forward(ours, [prompt])
     with torch.no_grad():
@@ -44,10 +46,11 @@ def assert_matches(ours: LLMEngine, reference) -> None:
     assert (logits - expected).abs().max().item() <= 1e-4
     prompt = random_prompt(11, seed=2)
     with torch.no_grad():
-        greedy = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)[0, len(prompt):].tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        greedy = reference.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     assert ours.generate([prompt], params)[0] == greedy
+    return greedy
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
