@@ -33,18 +33,22 @@ def supports(w13: torch.Tensor, w2: torch.Tensor) -> bool:
 def moe_experts(library: ctypes.CDLL, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                 ids: torch.Tensor) -> torch.Tensor:
     """x (T, H) in the weights' dtype; weights (T, K) and ids (T, K) from the router. Returns (T, H)."""
-    tokens, hidden = x.shape
-    top_k = ids.shape[1]
-    intermediate = w2.shape[2]
-    x = x.contiguous()
-    ids = ids.to(torch.int64).contiguous()
-    weights = weights.to(torch.float32).contiguous()
-    out = torch.empty_like(x)
-    scratch = torch.empty(tokens * top_k * (2 * hidden + intermediate), dtype=torch.float32)
+    x, ids, weights, out, scratch = _arguments(x, w2, weights, ids)
+    (tokens, hidden), top_k = x.shape, ids.shape[1]
     library.moe_experts(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), w13.data_ptr(), w2.data_ptr(),
-                        out.data_ptr(), scratch.data_ptr(), tokens, top_k, w13.shape[0], hidden, intermediate,
+                        out.data_ptr(), scratch.data_ptr(), tokens, top_k, w13.shape[0], hidden, w2.shape[2],
                         _DTYPES[x.dtype])
     return out
+
+
+def _arguments(x: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> tuple:
+    """What both kernels take besides the weights: x, ids (int64) and router weights (float32) contiguous, the
+    output (T, H), and the float32 scratch of every (token, expert) pair's gate, up and down rows."""
+    (tokens, hidden), top_k, intermediate = x.shape, ids.shape[1], w2.shape[2]
+    scratch = torch.empty(tokens * top_k * (2 * hidden + intermediate), dtype=torch.float32)
+    x = x.contiguous()
+    return (x, ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous(), torch.empty_like(x),
+            scratch)
 
 
 def supports_q8(w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -60,17 +64,11 @@ def moe_experts_q8(library: ctypes.CDLL, x: torch.Tensor, w13: torch.Tensor, s13
     scales s13 (E, 2I, ceil(H / block13)) and s2 (E, H, ceil(I / block2)). x (T, H) float32 or bf16."""
     if x.dtype not in _DTYPES:
         raise ValueError(f"moe_experts_q8: activations in {x.dtype}; float32 or bfloat16 only")
-    tokens, hidden = x.shape
-    top_k = ids.shape[1]
-    intermediate = w2.shape[2]
-    x = x.contiguous()
-    ids = ids.to(torch.int64).contiguous()
-    weights = weights.to(torch.float32).contiguous()
+    x, ids, weights, out, scratch = _arguments(x, w2, weights, ids)
+    (tokens, hidden), top_k = x.shape, ids.shape[1]
     s13, s2 = s13.contiguous(), s2.contiguous()
-    out = torch.empty_like(x)
-    scratch = torch.empty(tokens * top_k * (2 * hidden + intermediate), dtype=torch.float32)
     library.moe_experts_q8(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), w13.data_ptr(), s13.data_ptr(),
                            w2.data_ptr(), s2.data_ptr(), out.data_ptr(), scratch.data_ptr(), tokens, top_k,
-                           w13.shape[0], hidden, intermediate, _DTYPES[x.dtype], int(w13.dtype == torch.float8_e4m3fn),
+                           w13.shape[0], hidden, w2.shape[2], _DTYPES[x.dtype], int(w13.dtype == torch.float8_e4m3fn),
                            block13, block2)
     return out
