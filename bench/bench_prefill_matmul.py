@@ -3,14 +3,15 @@ weights reordered once into its blocked layout (a second copy of every weight: w
 holds instead of the plain ones) and the AMX kernel reading the weights in place, over the 28 layers
 of Qwen3-0.6B's shapes (random weights, streamed from memory as in a step).
 
-Interleaved rounds in one process; prints the best time of each per row count, its GFLOP/s and
-ratios to oneDNN's. Run it pinned to one CPU for the engine's one-CPU placement:
+Interleaved layer by layer in one process; prints the best round of each per row count, its GFLOP/s,
+and the median over rounds of its time over oneDNN's in the same round. Run it pinned to one CPU for the engine's one-CPU placement:
     taskset -c 1 python -m bench.bench_prefill_matmul --threads 1 --rows 64,128,256,384,512
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -27,7 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", default="64,128,256,384,512")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     amx = cpu_linear.load_amx()
@@ -48,21 +49,31 @@ def main() -> None:
         for name in ("onednn_reordered", "amx"):  # the same products: they agree to rounding
             got = paths[name](xs[1024], weights[0][0])
             assert (got.float() - reference.float()).abs().max() <= 0.02 * reference.float().abs().max(), name
+        # Layer by layer, each path in turn on a different layer (so each still streams its weights
+        # from memory): this machine's speed moves within a second, and a path timed over a whole
+        # round of 28 layers met a different machine from the next path's.
         times: dict[str, list[float]] = {name: [] for name in paths}
+        names = list(paths)
         for r in range(args.rounds):
-            for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
-                start = time.perf_counter()
-                for layer in weights:
+            spent = dict.fromkeys(names, 0.0)
+            for i in range(LAYERS):
+                for j in range(len(names)):
+                    v = (i + j + r) % len(names)
+                    layer = weights[(i + v * LAYERS // len(names)) % LAYERS]
+                    start = time.perf_counter()
                     for w in layer:
-                        paths[name](xs[w.shape[1]], w)
-                times[name].append(time.perf_counter() - start)
+                        paths[names[v]](xs[w.shape[1]], w)
+                    spent[names[v]] += time.perf_counter() - start
+            for name in names:
+                times[name].append(spent[name])
         flops = 2 * rows * sum(n * k for n, k in SHAPES) * LAYERS
         best = {name: min(t) for name, t in times.items()}
+        ratio = {name: statistics.median(a / b for a, b in zip(t, times["onednn"])) for name, t in times.items()}
         results[rows] = {name: {"ms": best[name] * 1e3, "gflops": flops / best[name] / 1e9,
-                                "vs_onednn": best[name] / best["onednn"]} for name in paths}
+                                "vs_onednn": ratio[name]} for name in paths}
         print(f"{rows:4d} rows: " + "  ".join(
             f"{name} {best[name] * 1e3:7.1f} ms ({flops / best[name] / 1e9:4.0f} GFLOP/s, "
-            f"{best[name] / best['onednn']:.2f}x oneDNN's time)" for name in paths), flush=True)
+            f"{ratio[name]:.2f}x oneDNN's time)" for name in paths), flush=True)
     print(json.dumps({"bench": "prefill_matmul", "threads": args.threads, "results": results}))
 
 

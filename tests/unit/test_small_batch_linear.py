@@ -161,7 +161,7 @@ def test_decode_batches_and_short_prefills_go_to_amx_and_long_prefills_to_oneDNN
         monkeypatch.setattr(cpu_linear, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
     for rows, path in [(1, "small_batch_linear"), (2, "small_batch_linear"), (3, "amx_linear"),
                        (16, "amx_linear"), (32, "amx_linear"), (33, "amx_linear"), (128, "amx_linear"),
-                       (129, None), (512, None)]:
+                       (256, "amx_linear"), (257, None), (512, None)]:
         calls.clear()
         x = torch.randn(rows, 64).bfloat16()
         out = module(x)

@@ -47,7 +47,7 @@ int amx_linear_supported(void) {
  *
  * x is packed once, in pairs of 16-row groups (zero rows pad the last pair), and each thread takes
  * whole blocks of 32 weight rows. A block is fetched from memory by the first group pair that
- * meets it and read from L2 by the others. Up to CHUNK rows (a decode batch) there is one pair,
+ * meets it, which also copies it in tile order, and the other pairs read that copy from L2. Up to CHUNK rows (a decode batch) there is one pair,
  * and the tiles are sized to its rows so that 3 rows cost 3 rows' arithmetic; more rows (a short
  * prefill) use whole tiles, and a pair's second group only when it holds rows. */
 int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
@@ -68,20 +68,33 @@ int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64
         }
         configure(tile_rows0, tile_rows1 ? tile_rows1 : 1);
         float c[4][256] __attribute__((aligned(64)));
+        /* the weight block in tile order, for a pass with more than one group pair */
+        uint16_t *pack = groups > 2 ? aligned_alloc(64, (size_t)steps * 2048) : NULL;
         for (int64_t first = 0; first < groups; first += PASS_ROWS / 16) {
             const int64_t last = first + PASS_ROWS / 16 < groups ? first + PASS_ROWS / 16 : groups;
 #pragma omp for schedule(static)
             for (int64_t n0 = 0; n0 < n; n0 += 32) {
                 const uint16_t *w0 = w + n0 * k, *w1 = w + (n0 + 16) * k;
+                const int repacked = pack && last - first > 2;
                 for (int64_t g = first; g < last; g += 2) {
                     const uint32_t *b0 = packed + g * steps * 256, *b1 = b0 + steps * 256;
                     const int m0 = (int)(g * 16), rows0 = group_rows(m, m0), rows1 = group_rows(m, m0 + 16);
-                    tile_block(w0, w1, b0, b1, steps, k, rows0, rows1, g == first ? PREFETCH_STEPS : 0, c, out,
-                               n0, n, m0);
+                    if (g == first && repacked)
+                        tile_block(w0, w1, k * 2, 32, pack, b0, b1, steps, rows0, rows1, PREFETCH_STEPS, c, out, n0,
+                                   n, m0);
+                    else if (g == first)
+                        tile_block(w0, w1, k * 2, 32, NULL, b0, b1, steps, rows0, rows1, PREFETCH_STEPS, c, out, n0,
+                                   n, m0);
+                    else if (repacked)
+                        tile_block(pack, pack + 512, 64, 1024, NULL, b0, b1, steps, rows0, rows1, 0, c, out, n0, n,
+                                   m0);
+                    else
+                        tile_block(w0, w1, k * 2, 32, NULL, b0, b1, steps, rows0, rows1, 0, c, out, n0, n, m0);
                 }
             }
         }
         _tile_release();
+        free(pack);
     }
     free(packed);
     return 0;

@@ -248,7 +248,7 @@ int q8_linear_amx(const uint16_t *x, const uint8_t *w, const float *scales, uint
                 for (int64_t g = 0; g < groups; g += 2) {
                     const uint32_t *b0 = packed + g * steps * 256, *b1 = b0 + steps * 256;
                     const int m0 = (int)(g * 16), rows0 = group_rows(m, m0), rows1 = group_rows(m, m0 + 16);
-                    tile_block(w0, w1, b0, b1, steps, k, rows0, rows1, 0, c, out, n0, n, m0);
+                    tile_block(w0, w1, k * 2, 32, NULL, b0, b1, steps, rows0, rows1, 0, c, out, n0, n, m0);
                 }
             }
             _tile_release();

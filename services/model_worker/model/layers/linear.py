@@ -104,16 +104,20 @@ class SmallBatchLinearMethod(LinearMethod):
     (kernels/small_batch_linear.c) does that at close to memory speed for one or two rows, the AMX
     kernel (kernels/amx_linear.c) from there to 32 rows, and oneDNN at about half that speed. Short
     prefills are compute-bound, and the AMX kernel still beats oneDNN on plain weights there, up to
-    AMX_MAX_ROWS; longer ones go to F.linear. The weight stays in its plain layout, shared with the
+    AMX_PREFILL_MAX_ROWS; longer ones go to F.linear. The weight stays in its plain layout, shared with the
     checkpoint's tensor: no second copy. A layer whose shape the kernels do not take runs F.linear.
     """
 
     name = "small-batch"
     MAX_ROWS = 4       # the AVX512-BF16 kernel: faster than oneDNN up to 4 rows here, slower from 8
     AMX_MIN_ROWS = 3   # measured: the AMX kernel beats the AVX512-BF16 one from 3 rows
-    # Measured on the 0.6B model's weights, 28 layers streamed: the AMX kernel took 0.58-0.71x
-    # oneDNN's time at 32 and 64 rows, 0.68-0.83x at 128, 0.92-1.14x at 256 and 1.14-1.44x at 512.
+    # The fused decode loop (model/fused_decode.py) takes decode batches up to this many rows.
     AMX_MAX_ROWS = 128
+    # Measured on the 0.6B model's weights, 28 layers streamed, layer by layer alternating with oneDNN
+    # (bench/bench_prefill_matmul.py): since the AMX kernel copies each weight block in tile order on
+    # its first pass, it takes 0.69-0.74x oneDNN's time at 64 rows, 0.77-0.82x at 128, 0.86-0.92x at
+    # 256 and 0.96-1.05x at 384.
+    AMX_PREFILL_MAX_ROWS = 256
 
     def __init__(self, library, amx=None):
         self.library = library
@@ -126,7 +130,7 @@ class SmallBatchLinearMethod(LinearMethod):
 
     def apply(self, layer, x):
         rows = x.numel() // x.shape[-1]
-        if layer.amx is not None and self.AMX_MIN_ROWS <= rows <= self.AMX_MAX_ROWS:
+        if layer.amx is not None and self.AMX_MIN_ROWS <= rows <= self.AMX_PREFILL_MAX_ROWS:
             out = cpu_linear.amx_linear(layer.amx, x, layer.weight)
         elif layer.kernel is not None and rows <= self.MAX_ROWS:
             out = cpu_linear.small_batch_linear(layer.kernel, x, layer.weight)
