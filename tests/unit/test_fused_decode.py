@@ -128,3 +128,30 @@ def test_the_c_loop_refuses_more_rows_than_its_matmul_kernels_take(library):
         cpu_decoder.decode_layers(library, kernels, shape, layers, torch.zeros(5, 64, dtype=torch.bfloat16), rope,
                                   torch.zeros(5, dtype=torch.int64), torch.ones(5, dtype=torch.int32),
                                   torch.zeros(5, 1, dtype=torch.int32))
+
+
+def test_the_layer_by_layer_mlp_takes_the_c_activation_and_matches_torch_bit_for_bit(library):
+    """Prefill rows go through Qwen3MLP.forward: with the C SiLU-and-product its output equals torch's ops'."""
+    from services.model_worker.config.model import Qwen3Config
+    from services.model_worker.distributed.parallel import TensorParallel
+    from services.model_worker.model.fused_decode import use_activation_kernel
+    from services.model_worker.model.qwen3 import Qwen3MLP
+
+    config = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32, vocab_size=128)
+    mlp = Qwen3MLP(config, TensorParallel()).bfloat16()
+    torch.manual_seed(0)
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.3)
+    x = torch.randn(37, 64).bfloat16()
+    want = mlp(x)
+    assert use_activation_kernel(mlp) == 1 and mlp.act_kernel is not None
+    calls = []
+    original = cpu_decoder.silu_and_mul
+    try:
+        cpu_decoder.silu_and_mul = lambda *a: calls.append(1) or original(*a)
+        got = mlp(x)
+    finally:
+        cpu_decoder.silu_and_mul = original
+    assert calls == [1]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

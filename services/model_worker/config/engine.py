@@ -101,7 +101,8 @@ class EngineConfig:
     # 3-32 where the CPU has AMX; the weights stay unpacked. Where it is used, packing is not. None: on where it
     # builds (a CPU with AVX512-BF16 and a C compiler).
     small_batch_kernel: bool | None = None
-    # RMSNorm in a C kernel on CPU (same arithmetic, one call instead of about ten ops). None: where it builds.
+    # RMSNorm in a C kernel on CPU (same arithmetic, one call instead of about ten ops), and with it the
+    # MLP's SiLU-and-product in one pass (decoder.c, bit for bit torch's). None: where they build.
     norm_kernel: bool | None = None
     # bf16 on CPU with both kernels above: every layer of a decode step in one C call
     # (fused_decode.py), the same arithmetic bit for bit. None: where it builds; False: layer by layer.

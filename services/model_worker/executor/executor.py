@@ -16,7 +16,7 @@ from services.model_worker.executor.model_runner import ModelRunner
 from services.model_worker.executor.sampler import Sampler
 from services.model_worker.executor.step_channel import StepChannel
 from services.model_worker.kernels import cpu_argmax, cpu_norm
-from services.model_worker.model.fused_decode import use_fused_decode
+from services.model_worker.model.fused_decode import use_activation_kernel, use_fused_decode
 from services.model_worker.model.layers.linear import linear_layers
 from services.model_worker.model.layers.quant.select import linear_methods
 from services.model_worker.model.layers.norm import use_norm_kernel
@@ -108,6 +108,7 @@ class Executor:
             library = cpu_norm.load()
             if library is not None:
                 use_norm_kernel(self.model, library)
+            use_activation_kernel(self.model)
         if config.fused_decode is not False:
             use_fused_decode(self.model.model)
 

@@ -52,7 +52,19 @@ def load() -> ctypes.CDLL | None:
     library.decode_layers.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                       ctypes.c_void_p, ctypes.c_void_p]
     library.decode_layers.restype = ctypes.c_int
+    library.silu_and_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    library.silu_and_mul.restype = ctypes.c_int
     return library
+
+
+def silu_and_mul(library: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor | None:
+    """F.silu(gate) * up for gate_up = [gate | up], (rows, 2 n) bf16 and contiguous, with the same two
+    roundings to bf16; None where the kernel does not take the shape (n not a multiple of 16)."""
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    act = torch.empty(rows, n, dtype=torch.bfloat16)
+    if library.silu_and_mul(gate_up.data_ptr(), act.data_ptr(), rows, n) != 0:
+        return None
+    return act
 
 
 def address(library: ctypes.CDLL, name: str) -> int:

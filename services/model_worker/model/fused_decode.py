@@ -160,6 +160,15 @@ class FusedDecode:
         return self._layers[1]
 
 
+def use_activation_kernel(model: torch.nn.Module) -> int:
+    """Point every dense MLP's SiLU-and-product at decoder.c's (bit for bit torch's); returns how many."""
+    library = cpu_decoder.load()
+    mlps = [m for m in model.modules() if isinstance(m, Qwen3MLP)] if library is not None else []
+    for mlp in mlps:
+        mlp.act_kernel = library
+    return len(mlps)
+
+
 def use_fused_decode(model: Qwen3Model) -> bool:
     """Give the model the fused decode loop where it applies; returns whether it did."""
     model.fused_decode = FusedDecode.build(model)

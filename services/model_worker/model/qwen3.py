@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.model_worker.config.model import Qwen3Config
+from services.model_worker.kernels import cpu_decoder
 from services.model_worker.distributed.parallel import TensorParallel
 from services.model_worker.model.layers.attention.dispatch import paged_attention
 from services.model_worker.model.layers.attention.metadata import AttentionMetadata
@@ -78,9 +79,19 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, False,
                                                        linear, tp)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, False, linear, tp)
+        # The C activation (kernels/decoder.c silu_and_mul) where the executor enabled it; None: torch ops.
+        self.act_kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act_kernel is not None and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 \
+                and gate_up.device.type == "cpu" and gate_up.is_contiguous():
+            # One pass instead of SiLU and product apart (a new tensor each): 128 prompt tokens of the
+            # 0.6B model spent 19 ms in those two ops over 28 layers.
+            act = cpu_decoder.silu_and_mul(self.act_kernel, gate_up)
+            if act is not None:
+                return self.down_proj(act)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
