@@ -47,9 +47,10 @@ int amx_linear_supported(void) {
  *
  * x is packed once, in pairs of 16-row groups (zero rows pad the last pair), and each thread takes
  * whole blocks of 32 weight rows. A block is fetched from memory by the first group pair that
- * meets it, which also copies it in tile order, and the other pairs read that copy from L2. Up to CHUNK rows (a decode batch) there is one pair,
- * and the tiles are sized to its rows so that 3 rows cost 3 rows' arithmetic; more rows (a short
- * prefill) use whole tiles, and a pair's second group only when it holds rows. */
+ * meets it, which also copies it in tile order, and the other pairs read that copy from L2. Up to
+ * CHUNK rows (a decode batch) there is one pair, and the tiles are sized to its rows so that 3 rows
+ * cost 3 rows' arithmetic; more rows (a short prefill) use whole tiles, and a pair's second group
+ * only when it holds rows. */
 int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
     if (n % 32 || k % 32) return -1;
     const int64_t steps = k / 32;

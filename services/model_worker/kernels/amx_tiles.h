@@ -89,11 +89,10 @@ static int group_rows(int64_t m, int64_t m0) {
  * a 128-row prefill's matmuls in about 0.9x the time. Always inlined, so that each call site's
  * constant stride, step and pack_to fold into its loop (left to a runtime choice, the same code ran
  * about 5% slower). */
-static inline __attribute__((always_inline)) void tile_block(const uint16_t *w0, const uint16_t *w1, int64_t stride,
-                                                             int64_t step, uint16_t *pack_to, const uint32_t *b0,
-                                                             const uint32_t *b1,
-                              int64_t steps, int rows0, int rows1, int prefetch, float c[4][256],
-                              uint16_t *out, int64_t n0, int64_t n, int m0) {
+static inline __attribute__((always_inline)) void
+tile_block(const uint16_t *w0, const uint16_t *w1, int64_t stride, int64_t step, uint16_t *pack_to,
+           const uint32_t *b0, const uint32_t *b1, int64_t steps, int rows0, int rows1, int prefetch,
+           float c[4][256], uint16_t *out, int64_t n0, int64_t n, int m0) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);

@@ -104,8 +104,9 @@ class SmallBatchLinearMethod(LinearMethod):
     (kernels/small_batch_linear.c) does that at close to memory speed for one or two rows, the AMX
     kernel (kernels/amx_linear.c) from there to 32 rows, and oneDNN at about half that speed. Short
     prefills are compute-bound, and the AMX kernel still beats oneDNN on plain weights there, up to
-    AMX_PREFILL_MAX_ROWS; longer ones go to F.linear. The weight stays in its plain layout, shared with the
-    checkpoint's tensor: no second copy. A layer whose shape the kernels do not take runs F.linear.
+    AMX_PREFILL_MAX_ROWS; longer ones go to F.linear. The weight stays in its plain layout, shared
+    with the checkpoint's tensor: no second copy. A layer whose shape the kernels do not take runs
+    F.linear.
     """
 
     name = "small-batch"
