@@ -47,7 +47,8 @@ int amx_linear_supported(void) {
  *
  * x is packed once, in pairs of 16-row groups (zero rows pad the last pair), and each thread takes
  * whole blocks of 32 weight rows. A block is fetched from memory by the first group pair that
- * meets it, which also copies it in tile order, and the other pairs read that copy from L2. Up to
+ * meets it, which (from three pairs) also copies it in tile order, and the other pairs read that
+ * copy from L2. Up to
  * CHUNK rows (a decode batch) there is one pair, and the tiles are sized to its rows so that 3 rows
  * cost 3 rows' arithmetic; more rows (a short prefill) use whole tiles, and a pair's second group
  * only when it holds rows. */
@@ -69,14 +70,16 @@ int amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64
         }
         configure(tile_rows0, tile_rows1 ? tile_rows1 : 1);
         float c[4][256] __attribute__((aligned(64)));
-        /* the weight block in tile order, for a pass with more than one group pair */
-        uint16_t *pack = groups > 2 ? aligned_alloc(64, (size_t)steps * 2048) : NULL;
+        /* The weight block in tile order, for a pass with three group pairs or more. With two (33-64
+         * rows), copying it for one more pass took as long as it saved: 0.68-0.75x oneDNN's time
+         * at 64 rows either way, measured in turns with the kernel that never copied. */
+        uint16_t *pack = groups > 4 ? aligned_alloc(64, (size_t)steps * 2048) : NULL;
         for (int64_t first = 0; first < groups; first += PASS_ROWS / 16) {
             const int64_t last = first + PASS_ROWS / 16 < groups ? first + PASS_ROWS / 16 : groups;
 #pragma omp for schedule(static)
             for (int64_t n0 = 0; n0 < n; n0 += 32) {
                 const uint16_t *w0 = w + n0 * k, *w1 = w + (n0 + 16) * k;
-                const int repacked = pack && last - first > 2;
+                const int repacked = pack && last - first > 4;
                 for (int64_t g = first; g < last; g += 2) {
                     const uint32_t *b0 = packed + g * steps * 256, *b1 = b0 + steps * 256;
                     const int m0 = (int)(g * 16), rows0 = group_rows(m, m0), rows1 = group_rows(m, m0 + 16);

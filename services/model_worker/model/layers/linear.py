@@ -116,8 +116,8 @@ class SmallBatchLinearMethod(LinearMethod):
     AMX_MAX_ROWS = 128
     # Measured on the 0.6B model's weights, 28 layers streamed, layer by layer alternating with oneDNN
     # (bench/bench_prefill_matmul.py): since the AMX kernel copies each weight block in tile order on
-    # its first pass, it takes 0.69-0.74x oneDNN's time at 64 rows, 0.77-0.82x at 128, 0.86-0.92x at
-    # 256 and 0.96-1.05x at 384.
+    # its first pass (from 65 rows), it takes 0.67-0.75x oneDNN's time at 64 rows, 0.77-0.82x at 128,
+    # 0.86-0.92x at 256 and 0.96-1.05x at 384.
     AMX_PREFILL_MAX_ROWS = 256
 
     def __init__(self, library, amx=None):
