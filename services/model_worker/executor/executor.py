@@ -15,7 +15,7 @@ from services.model_worker.executor.kv_sizing import blocks_from_budget, plan_kv
 from services.model_worker.executor.model_runner import ModelRunner
 from services.model_worker.executor.sampler import Sampler
 from services.model_worker.executor.step_channel import StepChannel
-from services.model_worker.kernels import cpu_argmax, cpu_norm
+from services.model_worker.kernels import cpu_argmax, cpu_decoder, cpu_norm
 from services.model_worker.model.fused_decode import use_activation_kernel, use_fused_decode
 from services.model_worker.model.layers.linear import linear_layers
 from services.model_worker.model.layers.quant.select import linear_methods
@@ -108,9 +108,14 @@ class Executor:
             library = cpu_norm.load()
             if library is not None:
                 use_norm_kernel(self.model, library)
-            use_activation_kernel(self.model)
+        # decoder.c holds both the fused decode loop and the SiLU-and-product: loaded once for the two,
+        # and only for bf16 activations, the only ones either takes.
+        wanted = config.norm_kernel is not False or config.fused_decode is not False
+        decoder = cpu_decoder.load() if wanted and self.dtype == torch.bfloat16 else None
+        if decoder is not None and config.norm_kernel is not False:
+            use_activation_kernel(self.model, decoder)
         if config.fused_decode is not False:
-            use_fused_decode(self.model.model)
+            use_fused_decode(self.model.model, decoder)
 
     def _max_len(self, model_config: Qwen3Config) -> int:
         return min(model_config.max_position_embeddings,

@@ -67,8 +67,9 @@ class FusedDecode:
         self._kernels: tuple | None = None    # (attention library, Kernels)
 
     @classmethod
-    def build(cls, model: Qwen3Model) -> "FusedDecode | None":
-        """The fused loop for this model, or None where its layers are not all on the C kernels it calls."""
+    def build(cls, model: Qwen3Model, library: ctypes.CDLL | None) -> "FusedDecode | None":
+        """The fused loop for this model (library: decoder.c), or None where there is no library or the
+        layers are not all on the C kernels it calls."""
         layers = list(model.layers)
         if not all(isinstance(layer.mlp, Qwen3MLP) for layer in layers):
             return None  # decoder.c runs dense MLPs only: experts go layer by layer (model/qwen3_moe.py)
@@ -88,7 +89,6 @@ class FusedDecode:
             return None
         if not all(n.kernel is not None and n.kernel is norms[0].kernel and n.eps == norms[0].eps for n in norms):
             return None
-        library = cpu_decoder.load()
         return None if library is None else cls(library, model)
 
     def takes(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -160,17 +160,17 @@ class FusedDecode:
         return self._layers[1]
 
 
-def use_activation_kernel(model: torch.nn.Module) -> int:
+def use_activation_kernel(model: torch.nn.Module, library: ctypes.CDLL) -> int:
     """Point every dense MLP's SiLU-and-product at decoder.c's (bit for bit torch's); returns how many."""
-    library = cpu_decoder.load()
-    mlps = [m for m in model.modules() if isinstance(m, Qwen3MLP)] if library is not None else []
+    mlps = [m for m in model.modules() if isinstance(m, Qwen3MLP)]
     for mlp in mlps:
         mlp.act_kernel = library
     return len(mlps)
 
 
-def use_fused_decode(model: Qwen3Model) -> bool:
-    """Give the model the fused decode loop where it applies; returns whether it did."""
-    model.fused_decode = FusedDecode.build(model)
+def use_fused_decode(model: Qwen3Model, library: ctypes.CDLL | None) -> bool:
+    """Give the model the fused decode loop (decoder.c, loaded by cpu_decoder.load; None: there is none)
+    where it applies; returns whether it did."""
+    model.fused_decode = FusedDecode.build(model, library)
     log.info("fused decode layers (one C call a decode step): %s", "yes" if model.fused_decode else "no")
     return model.fused_decode is not None
