@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # annotations only: the metadata module imports this one
-    from services.model_worker.model.layers.attention.metadata import AttentionMetadata
+    from services.model_worker.model.layers.attention.metadata import AttentionMetadata, PrefillLayout
 
 
 class AttentionBackend:
@@ -23,6 +23,16 @@ class AttentionBackend:
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                block_tables: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
         """q: (N, H, D), one query per sequence at its last position. Returns (N, H, D)."""
+        raise NotImplementedError
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, layout: PrefillLayout, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """The prefill rows' attention, each sequence over its own rows (see PrefillLayout).
+
+        out: (T, H, D) to write each sequence's rows into; None: the step is one sequence alone
+        and its result is returned as (Lq, H, D).
+        """
         raise NotImplementedError
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

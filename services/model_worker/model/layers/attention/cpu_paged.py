@@ -1,17 +1,25 @@
-"""The CPU backend: decodes in a C kernel that reads keys in place through the block tables."""
+"""The CPU backend: decodes in a C kernel that reads keys in place through the block tables, bf16
+prompts on AMX tiles."""
 from __future__ import annotations
 
-from services.model_worker.kernels import cpu_attention
+import torch
+
+from services.model_worker.kernels import cpu_attention, cpu_prefill_attention
 from services.model_worker.model.layers.attention.sdpa import TorchAttention
 
 
 class CpuPagedAttention(TorchAttention):
-    """Decodes through the C kernel, which reads keys in place through the block tables."""
+    """Decodes through the C kernel, which reads keys in place through the block tables.
+
+    prefill_library: the AMX prefill kernel (kernels/prefill_attention.c), or None for SDPA. It
+    took 0.46-0.57x SDPA's time for one layer of a 32-768-token prompt (16 heads of 128, one CPU).
+    """
 
     name = "cpu-paged"
 
-    def __init__(self, library):
+    def __init__(self, library, prefill_library=None):
         self.library = library
+        self.prefill_library = prefill_library
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
         # One C call for four torch ops: at 16 sequences index_copy_ alone took about 3 ms a step.
@@ -25,3 +33,18 @@ class CpuPagedAttention(TorchAttention):
             return super().decode(q, k_cache, v_cache, context_lens, block_tables, block_size, scale)
         return cpu_attention.paged_decode_attention(self.library, q, k_cache, v_cache, context_lens, block_tables,
                                                     block_size, scale)
+
+    def prefill(self, q, k, v, k_cache, v_cache, layout, scale, out=None):
+        if self.prefill_library is None or not cpu_prefill_attention.supports(q, k, v, k_cache, v_cache):
+            return super().prefill(q, k, v, k_cache, v_cache, layout, scale, out)
+        if out is None:  # the step is this one sequence: all of q
+            out = torch.empty_like(q)
+        for start, n, slots in zip(layout.starts, layout.lens, layout.key_slots):
+            rows = slice(start, start + n)
+            if slots is None:  # a fresh prompt: its keys are its own rows
+                cpu_prefill_attention.prefill_attention(self.prefill_library, q[rows], k[rows], v[rows], scale,
+                                                        out[rows])
+            else:  # cached tokens before it: every key read through its slot
+                cpu_prefill_attention.prefill_attention(self.prefill_library, q[rows], k_cache, v_cache, scale,
+                                                        out[rows], slots)
+        return out

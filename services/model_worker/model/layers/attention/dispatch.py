@@ -7,10 +7,10 @@ import functools
 
 import torch
 
-from services.model_worker.kernels import cpu_attention, triton_attention
+from services.model_worker.kernels import cpu_attention, cpu_prefill_attention, triton_attention
 from services.model_worker.model.layers.attention.backend import AttentionBackend
 from services.model_worker.model.layers.attention.cpu_paged import CpuPagedAttention
-from services.model_worker.model.layers.attention.sdpa import TorchAttention, prefill_attention
+from services.model_worker.model.layers.attention.sdpa import TorchAttention
 from services.model_worker.model.layers.attention.triton_paged import TritonPagedAttention
 
 if TYPE_CHECKING:  # annotations only: the metadata module imports this one
@@ -19,13 +19,17 @@ if TYPE_CHECKING:  # annotations only: the metadata module imports this one
 
 @functools.lru_cache(maxsize=None)
 def default_backend(device: torch.device) -> AttentionBackend:
-    """The fastest backend that runs here: Triton on CUDA, the C kernel on CPU (float32, bfloat16), else PyTorch."""
+    """The fastest backend that runs here: Triton on CUDA, the C kernels on CPU, else PyTorch.
+
+    On CPU, decodes take the paged C kernel (float32, bfloat16); bf16 prompts take the AMX one
+    where the CPU has AMX, SDPA elsewhere.
+    """
     if device.type == "cuda" and triton_attention.available():
         return TritonPagedAttention()
     if device.type == "cpu":
         library = cpu_attention.load()
         if library is not None:
-            return CpuPagedAttention(library)
+            return CpuPagedAttention(library, cpu_prefill_attention.load())
     return TorchAttention()
 
 
@@ -39,10 +43,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         return meta.backend.decode(q, k_cache, v_cache, meta.context_lens, meta.block_tables, meta.block_size, scale)
     layout = meta.prefill
     if layout.single_start == 0 and layout.lens[0] == q.shape[0]:  # the step is one prefill
-        return prefill_attention(q, k, v, k_cache, v_cache, layout, scale)
+        return meta.backend.prefill(q, k, v, k_cache, v_cache, layout, scale)
     out = torch.empty_like(q)
     if meta.decode_seqs.numel():
         out[meta.decode_rows] = meta.backend.decode(q[meta.decode_rows], k_cache, v_cache,
                                                     meta.context_lens[meta.decode_seqs],
                                                     meta.block_tables[meta.decode_seqs], meta.block_size, scale)
-    return prefill_attention(q, k, v, k_cache, v_cache, layout, scale, out)
+    return meta.backend.prefill(q, k, v, k_cache, v_cache, layout, scale, out)

@@ -29,6 +29,9 @@ class TorchAttention(AttentionBackend):
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
         return out.reshape(n, q.shape[1], q.shape[2])
 
+    def prefill(self, q, k, v, k_cache, v_cache, layout, scale, out=None):
+        return prefill_attention(q, k, v, k_cache, v_cache, layout, scale, out)
+
 
 def prefill_attention(q, k, v, k_cache, v_cache, layout: PrefillLayout, scale: float,
                       out: torch.Tensor | None = None) -> torch.Tensor:
