@@ -22,13 +22,16 @@ def shapes():
     hidden = torch.randn(5, 96, generator=gen) * 3
     qkv = torch.randn(4, 7 * 16, generator=gen)
     heads = qkv.split([5 * 16, 2 * 16], dim=-1)[0].view(4, 5, 16)  # 5 heads of 16, rows 7 * 16 apart
-    # Rows of a multiple of 16 values take the kernel's vector loops; 40 its scalar ones.
+    # Rows of a multiple of 16 values take the kernel's vector loops; 40 its scalar ones. From 64 rows
+    # (a prefill's), bf16 sums of squares go 16 rows at a time, the last rows four or fewer at a time.
+    many_heads = torch.randn(15, 7 * 32, generator=gen)[:, :6 * 32].view(15, 6, 32)  # 90 rows
     return [(hidden, torch.randn(96, generator=gen)), (heads, torch.randn(5, 16, generator=gen)),
             (torch.randn(1, 1024, generator=gen), torch.randn(1024, generator=gen)),
-            (torch.randn(3, 40, generator=gen) * 5, torch.randn(40, generator=gen))]
+            (torch.randn(3, 40, generator=gen) * 5, torch.randn(40, generator=gen)),
+            (many_heads, torch.randn(6, 32, generator=gen))]
 
 
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", range(5))
 def test_bfloat16_is_bit_identical(library, case):
     x, weight = shapes()[case]
     x, weight = x.bfloat16(), weight.bfloat16()
@@ -36,13 +39,27 @@ def test_bfloat16_is_bit_identical(library, case):
     assert torch.equal(cpu_norm.rms_norm(library, x, weight, 1e-6), rms_norm(x, weight, 1e-6))
 
 
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", range(5))
 def test_float32_matches_to_rounding(library, case):
     x, weight = shapes()[case]
     expected = rms_norm(x.double(), weight.double(), 1e-6)
     out = cpu_norm.rms_norm(library, x, weight, 1e-6)
     assert out.shape == x.shape and out.is_contiguous()
     assert ((out.double() - expected).abs() / expected.abs().clamp(min=1)).max().item() <= 1e-6
+
+
+def test_a_prefills_sixteen_row_sums_equal_one_rows_sums(library):
+    """From 64 bf16 rows, sums of squares go 16 rows at a time, one per vector lane: each row's sum is
+    added in the same order as alone (one row takes the scalar loop), so every output bit agrees.
+    Against torch, whose float32 mean adds in another order, 1024-wide rows are within one bf16 step."""
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(70, 1024, generator=gen) * torch.rand(70, 1, generator=gen) * 8).bfloat16()
+    weight = torch.randn(1024, generator=gen).bfloat16()
+    together = cpu_norm.rms_norm(library, x, weight, 1e-6)
+    alone = torch.cat([cpu_norm.rms_norm(library, x[i:i + 1], weight, 1e-6) for i in range(70)])
+    assert torch.equal(together, alone)
+    reference = rms_norm(x, weight, 1e-6).float()
+    assert ((together.float() - reference).abs() <= reference.abs() * 2 ** -7).all()
 
 
 def test_layouts_it_cannot_take_use_torch(library):
@@ -64,13 +81,13 @@ def test_engine_points_every_norm_at_the_kernel_on_cpu(tmp_path):
     assert all(m.kernel is None for m in off.model.modules() if isinstance(m, RMSNorm))
 
 
-def rope_case(dtype, dim=32):
+def rope_case(dtype, dim=32, tokens=6):
     """q and k heads cut from a fused projection, their norm weights, and the rotary tables at scattered positions."""
     from services.model_worker.config.model import Qwen3Config
     from services.model_worker.model.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(1)
-    tokens, heads, kv_heads = 6, 4, 2
+    heads, kv_heads = 4, 2
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 2
     x = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)[0].view(tokens, heads + kv_heads, dim)
     weight = torch.cat((torch.randn(dim, generator=gen).expand(heads, -1),
@@ -78,18 +95,20 @@ def rope_case(dtype, dim=32):
     config = Qwen3Config(vocab_size=64, hidden_size=heads * dim, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim,
                          max_position_embeddings=4096, rope_theta=1e6)
-    rope = RotaryEmbedding(config)(torch.tensor([0, 3, 17, 511, 2047, 4000]), dtype)
+    rope = RotaryEmbedding(config)(torch.tensor([0, 3, 17, 511, 2047, 4000] * (tokens // 6)), dtype)
     return x.to(dtype), weight.to(dtype), rope
 
 
-# Head sizes: 32 and 128 (Qwen3's) take the kernel's vector loops, 24 its scalar ones.
+# Head sizes: 32 and 128 (Qwen3's) take the kernel's vector loops, 24 its scalar ones; 18 tokens
+# (108 rows of heads) a prefill's 16-row sums.
+@pytest.mark.parametrize("tokens", [6, 18])
 @pytest.mark.parametrize("dim", [24, 32, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_norm_and_rotary_equal_the_torch_ops(library, dtype, dim):
+def test_fused_norm_and_rotary_equal_the_torch_ops(library, dtype, dim, tokens):
     from services.model_worker.model.layers.norm import norm_and_rotate
     from services.model_worker.model.layers.rotary import apply_rotary
 
-    x, weight, rope = rope_case(dtype, dim)
+    x, weight, rope = rope_case(dtype, dim, tokens)
     assert cpu_norm.supports_rope(x, weight, rope)
     fused = norm_and_rotate(x, weight, 1e-6, rope, library)
     if dtype == torch.bfloat16:  # every step rounded as the torch ops round it
