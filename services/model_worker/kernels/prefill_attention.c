@@ -7,11 +7,11 @@
  * Query row i (of lq) sits at position lk - lq + i and attends to keys 0 .. that position. Per KV
  * head, its keys are packed once as B tiles of Q K^T (pairs along the head dim) and its values as
  * B tiles of P V (pairs of keys), read in place from this step's rows or through cache slots. Then
- * for each query head sharing it and each block of 16 query rows: every score the block needs, in
- * float32; an exact softmax over each row's visible keys (its max, then e^(s - max) and their sum in
- * float32); the weights rounded to bf16 for P V, as SDPA rounds them; the result times each row's
- * reciprocal sum, rounded to bf16. A row's arithmetic depends on its own query and keys only, never on
- * its block's other rows or on other prompts.
+ * for each query head sharing it (two side by side) and each block of 16 query rows: every score
+ * the block needs, in float32; an exact softmax over each row's visible keys (its max, then
+ * e^(s - max) and their sum in float32); the weights rounded to bf16 for P V, as SDPA rounds them;
+ * the result times each row's reciprocal sum, rounded to bf16. A row's arithmetic depends on its
+ * own query and keys only, never on its block's other rows or on other prompts.
  *
  * Built where the compiler targets AMX-BF16; prefill_attention_supported() also asks the kernel for
  * the tile state (Linux's arch_prctl), which a process must do once before using AMX.
