@@ -24,8 +24,6 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #define CHUNK 32  /* up to this many input rows (one pair of 16-row groups), tiles sized to the rows */
 /* Steps along K that each weight row is fetched ahead of its tile load. A tile load takes 64 bytes
@@ -34,9 +32,7 @@
  * without (1 to 4 steps ahead measured alike). */
 #define PREFETCH_STEPS 2
 
-int amx_linear_supported(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
+int amx_linear_supported(void) { return request_tile_state(); }
 
 /* Input rows, in groups of 16, per pass over the weights. Up to this many, a block of weights is
  * read from memory once; their packed copy (rows x K x 2 bytes, 768 KB at 128 rows of the 0.6B

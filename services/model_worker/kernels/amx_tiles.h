@@ -1,5 +1,6 @@
-/* AMX tile helpers shared by the CPU matmul kernels (amx_linear.c, q8_linear.c): the tile
- * configuration, the activations packed as B tiles, and a result tile written back as bf16 rows. */
+/* AMX tile helpers shared by the CPU kernels (amx_linear.c, q8_linear.c, w8a8_linear.c,
+ * prefill_attention.c): the tile state, the tile configuration, the activations packed as B tiles,
+ * and a result tile written back as bf16 rows. */
 #ifndef VLLM_V0_AMX_TILES_H
 #define VLLM_V0_AMX_TILES_H
 
@@ -7,11 +8,19 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "transpose.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
+
+/* 1 once Linux grants this process the tile state (arch_prctl), which it must ask for once before
+ * any tile instruction; 0 where it refuses. */
+static inline int request_tile_state(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
 
 typedef struct {
     uint8_t palette_id;
@@ -22,7 +31,8 @@ typedef struct {
 } __attribute__((packed, aligned(64))) tile_config;
 
 /* Tiles 0-3: results (two 16-column stretches of the output by two groups of input rows);
- * 4-5: the two weight tiles; 6-7: the two activation groups. */
+ * 4-5: the two weight tiles; 6-7: the two activation groups. At (16, 16) every tile is 16 rows of
+ * 64 bytes. */
 static void configure(int rows0, int rows1) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);

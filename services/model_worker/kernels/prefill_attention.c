@@ -21,43 +21,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "bf16.h"
-#include "transpose.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-int prefill_attention_supported(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) tile_config;
-
-/* Every tile 16 rows of 64 bytes. 0-3: results (16 float32 columns each), by A tile and B tile;
- * 4-5: A tiles, one per query head (16 query rows, or their weights, by 32 bf16); 6-7: B tiles (16
- * pairs by 16 columns: keys, or head dims of values). */
-static void configure(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    __asm__ volatile("" : : "r"(&cfg) : "memory"); /* ldtilecfg reads cfg: keep its stores */
-    _tile_loadconfig(&cfg);
-}
+int prefill_attention_supported(void) { return request_tile_state(); }
 
 typedef struct {
     const uint16_t *base;
@@ -278,7 +246,10 @@ int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, in
     {
         Scratch w;
         const int ready = scratch_alloc(&w, lk, d) == 0;
-        if (ready) configure();
+        /* Every tile 16 rows of 64 bytes. 0-3: results (16 float32 columns each), by A tile and B
+         * tile; 4-5: A tiles, one per query head (16 query rows, or their weights, by 32 bf16); 6-7:
+         * B tiles (16 pairs by 16 columns: keys, or head dims of values). */
+        if (ready) configure(16, 16);
 #pragma omp for schedule(static)
         for (int g = 0; g < kv_heads; g++) {
             if (!ready) { /* every thread still takes its share of the loop, or the others wait forever */

@@ -204,12 +204,7 @@ int q8_linear_supported(void) {
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-int q8_amx_supported(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
+int q8_amx_supported(void) { return request_tile_state(); }
 
 /* As q8_linear, on AMX tiles; n and k multiples of 32. x is packed once in pairs of 16-row groups
  * (as amx_linear does); each thread takes blocks of 32 weight rows, dequantizes each into its

@@ -173,12 +173,7 @@ int w8a8_linear(const uint16_t *x, const uint8_t *w, const float *scales, uint16
 
 #if defined(W8A8_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && \
     defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-int w8a8_amx_supported(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
+int w8a8_amx_supported(void) { return request_tile_state(); }
 
 /* A result tile c (16 output rows n0.. by `rows` input rows m0..) into out: a column of c (one input row)
  * is gathered into one vector of 16 sums and stored as bf16. */
