@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--int8-activations", True, "with --quantization int8 on CPU in bf16: each matmul's input rows "
              "are quantized to int8 too (a scale per row) and multiplied in integers on AMX-INT8 (or VNNI), "
              "faster; --no-int8-activations keeps bf16 activations (closer to bf16 weights' outputs)")
+    add_flag(parser, "--vnni-weights", True, "bf16 on a CPU with AMX: reorder each decoder weight once, in place, "
+             "into the order AMX reads it, and run every matmul in the C kernels on it (faster prefills; no "
+             "memory added); --no-vnni-weights keeps the checkpoint's layout")
     add_flag(parser, "--engine-cpus", "", "CPUs the engine core alone runs on, such as 1 or 2-15 (empty: all of "
              "the worker's); its threads are sized to them, and the worker's gRPC front moves to its other CPUs. "
              "Run the gateway and tokenizer off them too (taskset, compose cpuset): on a CPU host their CPU time "
@@ -116,6 +119,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head, int8_activations=args.int8_activations,
+        vnni_weights=None if args.vnni_weights else False,  # on: where the CPU and compiler allow
         limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting),
         speculative=SpeculativeConfig(
             method=args.speculative_method or None, num_speculative_tokens=args.num_speculative_tokens,

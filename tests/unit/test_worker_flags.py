@@ -80,3 +80,10 @@ def test_int8_activations_is_on_unless_turned_off_by_flag_or_environment(monkeyp
     assert engine_config(parse_args(["--no-int8-activations"])).int8_activations is False
     monkeypatch.setenv("VLLM_V0_INT8_ACTIVATIONS", "0")
     assert engine_config(parse_args([])).int8_activations is False
+
+
+def test_vnni_weights_are_used_where_they_run_unless_turned_off(monkeypatch):
+    assert engine_config(parse_args([])).vnni_weights is None  # None: where the CPU and compiler allow
+    assert engine_config(parse_args(["--no-vnni-weights"])).vnni_weights is False
+    monkeypatch.setenv("VLLM_V0_VNNI_WEIGHTS", "0")
+    assert engine_config(parse_args([])).vnni_weights is False

@@ -101,6 +101,11 @@ class EngineConfig:
     # 3-32 where the CPU has AMX; the weights stay unpacked. Where it is used, packing is not. None: on where it
     # builds (a CPU with AVX512-BF16 and a C compiler).
     small_batch_kernel: bool | None = None
+    # bf16 on a CPU with AMX, with the kernels above: each decoder weight reordered once, in place, into
+    # the order AMX reads it, and every matmul of every row count in kernels/vnni_linear.c (prefill
+    # chunks included: no plain copy is kept for oneDNN). The same bits as the AMX kernel on the plain
+    # weights from 3 rows. None: where it builds; False: the plain weights; True: required.
+    vnni_weights: bool | None = None
     # RMSNorm in a C kernel on CPU (same arithmetic, one call instead of about ten ops), and with it the
     # MLP's SiLU-and-product in one pass (decoder.c, bit for bit torch's). None: where they build.
     norm_kernel: bool | None = None

@@ -54,7 +54,7 @@ class Executor:
         self.dtype = resolve_dtype(config.dtype, model_config, device)
         linear = linear_methods(device, self.dtype, model_config.quantization_config, config.quantization,
                                 config.quantize_lm_head, config.small_batch_kernel, config.pack_weights,
-                                config.int8_activations)
+                                config.int8_activations, config.vnni_weights)
         self.model = load_model(checkpoint_dir, model_config, device, self.dtype, tp, config.huge_pages, linear.body,
                                 linear.head)
         log.info("%d linear layers with %s weights", len(linear_layers(self.model)), linear.name)

@@ -1,5 +1,6 @@
-"""The bf16 matmul C kernels for decode batches, called through ctypes: a few rows
-(small_batch_linear.c, AVX512-BF16) and up to a few dozen (amx_linear.c, AMX tiles)."""
+"""The bf16 matmul C kernels, called through ctypes: on the plain weight, a few rows
+(small_batch_linear.c, AVX512-BF16) and up to a few hundred (amx_linear.c, AMX tiles); on a weight
+reordered into AMX's VNNI layout, every row count (vnni_linear.c)."""
 from __future__ import annotations
 
 import ctypes
@@ -11,6 +12,7 @@ from services.model_worker.kernels import build
 
 SOURCE = pathlib.Path(__file__).with_name("small_batch_linear.c")
 AMX_SOURCE = pathlib.Path(__file__).with_name("amx_linear.c")
+VNNI_SOURCE = pathlib.Path(__file__).with_name("vnni_linear.c")
 
 
 def load() -> ctypes.CDLL | None:
@@ -33,6 +35,35 @@ def load_amx() -> ctypes.CDLL | None:
     return library
 
 
+def load_vnni() -> ctypes.CDLL | None:
+    """The kernels on VNNI-ordered weights; None where they cannot be built, the CPU has no AMX-BF16 or
+    the OS refuses its tile state."""
+    library = build.load(VNNI_SOURCE, "VNNI linear")
+    if library is None or not library.vnni_linear_supported():
+        return None
+    library.vnni_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    library.vnni_linear.restype = ctypes.c_int
+    library.vnni_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    library.vnni_pack.restype = ctypes.c_int
+    return library
+
+
+def vnni_supports(weight: torch.Tensor) -> bool:
+    """Whether vnni_linear takes this (N, K) weight: bf16 on CPU, contiguous, N and K multiples of 32."""
+    return supports(weight) and weight.shape[0] % 32 == 0 and weight.is_contiguous()
+
+
+def vnni_pack_(library: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """Reorder weight (N, K) in place into VNNI order; returns it viewed as (N / 16, K / 2, 16, 2).
+
+    In place: the weight's storage now holds the new order, so it must not be shared (a head tied to the
+    embedding keeps its plain weight)."""
+    n, k = weight.shape
+    if library.vnni_pack(weight.data_ptr(), n, k) != 0:
+        raise MemoryError(f"vnni_pack: no memory for a {16 * k * 2}-byte buffer")
+    return weight.view(n // 16, k // 2, 16, 2)
+
+
 def supports(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 32 == 0
 
@@ -47,14 +78,20 @@ def amx_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> t
     return _call(library.amx_linear, x, weight)
 
 
-def _call(kernel, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def vnni_linear(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x: (..., K) bf16; packed: a weight from vnni_pack_, (N / 16, K / 2, 16, 2). Returns x @ W.T, (..., N) bf16."""
+    return _call(library.vnni_linear, x, packed, packed.shape[0] * 16, packed.shape[1] * 2)
+
+
+def _call(kernel, x: torch.Tensor, weight: torch.Tensor, n: int | None = None, k: int | None = None) -> torch.Tensor:
+    n, k = (weight.shape[0], weight.shape[1]) if n is None else (n, k)
     # A decode step's activations are already (rows, K) and contiguous: no reshape or view ops then.
     flat = x.dim() == 2 and x.is_contiguous()
     rows = x if flat else x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.bfloat16)
-    status = kernel(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], weight.shape[0],
-                    weight.shape[1])
+    if rows.shape[1] != k:
+        raise ValueError(f"{kernel.__name__}: inputs of width {rows.shape[1]} for a weight of {k} inputs")
+    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    status = kernel(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], n, k)
     if status != 0:
-        raise RuntimeError(f"{kernel.__name__} failed with status {status} for {tuple(rows.shape)} x "
-                           f"{tuple(weight.shape)}")
-    return out if flat else out.view(*x.shape[:-1], weight.shape[0])
+        raise RuntimeError(f"{kernel.__name__} failed with status {status} for {tuple(rows.shape)} x ({n}, {k})")
+    return out if flat else out.view(*x.shape[:-1], n)

@@ -59,6 +59,8 @@ class FusedDecode:
             self.max_rows = SmallBatchLinearMethod.AMX_MAX_ROWS if all(m.amx is not None for m in linears) \
                 else SmallBatchLinearMethod.MAX_ROWS
             self.small_library, self.amx_library = linears[0].kernel, linears[0].method.amx
+        # Weights in VNNI order (VnniLinearMethod): vnni_linear takes every row count, in place of both kernels.
+        self.vnni = getattr(linears[0], "vnni", None)
         self.norm_library = first.input_layernorm.kernel
         self.shape = dict(hidden=first.input_layernorm.weight.shape[0], heads=attn.num_heads,
                           kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=mlp.intermediate_size,
@@ -85,6 +87,8 @@ class FusedDecode:
             return None
         if eight_bit and len({(m.w8a8_amx, m.w8a8_vnni) for m in linears}) != 1:
             return None  # some layers on the int8 x int8 kernels and some not: one routing table cannot say it
+        if bf16 and len({getattr(m, "vnni", None) is None for m in linears}) != 1:
+            return None  # some weights reordered and some plain: one kernel table cannot take both
         if any(m.tp.size != 1 for m in linears):
             return None
         if not all(n.kernel is not None and n.kernel is norms[0].kernel and n.eps == norms[0].eps for n in norms):
@@ -110,6 +114,8 @@ class FusedDecode:
             address = cpu_decoder.address
             amx = address(self.amx_library, "amx_linear") if self.amx_library is not None else None
             small = address(self.small_library, "small_batch_linear") if self.small_library is not None else None
+            if self.vnni is not None:
+                small = amx = address(self.vnni, "vnni_linear")
             q8 = address(self.q8.library, "q8_linear") if self.q8 is not None else None
             q8_amx = address(self.q8.library, "q8_linear_amx") if self.q8 is not None and self.q8.amx else None
             if self.w8a8_amx:  # the AMX-INT8 kernel at every row count, as EightBitLinearMethod routes it
@@ -132,13 +138,13 @@ class FusedDecode:
         if self._layers is None or self._layers[0] != key:
             array, kept = (cpu_decoder.Layer * len(self.model.layers))(), []
             for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches)):
-                attn, mlp = layer.self_attn, layer.mlp
+                attn = layer.self_attn
                 if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.bfloat16):
                     raise ValueError("the fused decode loop needs contiguous bf16 caches")
-                tensors = (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qk_norm_weight(),
-                           attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-                           mlp.down_proj.weight)
                 linears = _layer_linears(layer)
+                qkv, o, gate_up, down = (m.vnni_weight if self.vnni is not None else m.weight for m in linears)
+                tensors = (layer.input_layernorm.weight, qkv, attn.qk_norm_weight(), o,
+                           layer.post_attention_layernorm.weight, gate_up, down)
                 byte_weights = {id(m.weight) for m in linears} if self.q8 is not None else set()
                 if not all(t.is_contiguous() and (t.dtype == torch.bfloat16 or id(t) in byte_weights)
                            for t in tensors):

@@ -1,0 +1,263 @@
+/* y = x W^T at every row count, with W held in the order AMX reads it: the bf16 matmuls of a CPU with AMX.
+ *
+ * The layout ("VNNI"): W (n, k) is held as (n / 16, k / 2, 16, 2). For each block of 16 output rows,
+ * each pair of consecutive inputs of its 16 rows sits side by side in one 64-byte line, so one
+ * 32-input step of a block is one contiguous 1 KB tile in the form AMX takes its B operand in.
+ * vnni_pack reorders a weight into it, in place.
+ *
+ * Why hold it so. amx_linear.c reads the plain (n, k) weight: its 16-row tiles are 16 lines kilobytes
+ * apart, it packs the activations and copies each weight block once per call, and its results come
+ * out transposed. Here the weights are the B side and the activations the A side, straight from x
+ * (16 rows of 32 inputs): results come out row-major, and a tile is one contiguous kilobyte. Over
+ * the 0.6B model's matmuls, layer by layer in turns with oneDNN on the plain weight, the same
+ * arithmetic (the same bits) took 0.61x oneDNN's time at 64 rows against amx_linear's 0.66x, 0.69x
+ * at 128 against 0.79x, and 0.85x at 256 against 0.89x.
+ *
+ * One or two rows (a decode step of one or two sequences) only stream the weights: AVX512-BF16
+ * multiplies each 64-byte line by a broadcast input pair, 16 outputs at once, with ONE_ROW_BLOCKS
+ * blocks in flight, each a contiguous stream prefetched PREFETCH_STEPS tiles ahead. Each output
+ * accumulates its input pairs in order in float32 and is rounded to bf16 once, to nearest even, as
+ * torch rounds. (A loop over 16-row tiles of the plain weight, one or two streams, took 1.14-1.23x
+ * small_batch_linear's time; this one took 0.94-0.96x at one row and 0.97x at two.)
+ * Three rows and more go to AMX, whose tile products add each output's input pairs in the same order
+ * as amx_linear's (the same bits, tested).
+ *
+ * Built only where the compiler targets AMX-BF16; vnni_linear_supported() also asks the kernel for
+ * the tile state (Linux's arch_prctl).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "amx_tiles.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+
+#define ONE_ROW_BLOCKS 8  /* 16-output blocks in flight for one row: 16 streamed alike, 4 a little slower */
+#define TWO_ROW_BLOCKS 4  /* for two rows: 8 accumulators */
+#define PREFETCH_STEPS 2  /* 1 KB tiles ahead: 0 and 1 streamed slower, 4 and 8 no faster */
+#define PASS_ROWS 256     /* input rows per pass over the weights, as amx_linear.c's */
+
+int vnni_linear_supported(void) { return request_tile_state(); }
+
+/* Pull into cache the 16 lines of the tile `ahead` steps on: in this block, or past its end in the block
+ * this thread reads next, `next` values on (so a new block does not start on a miss). Always inlined:
+ * as a call it clobbered the loop's sixteen broadcast inputs (vector registers are the caller's to
+ * save), and one row took 1.2x the time. */
+static inline __attribute__((always_inline)) void prefetch_tile(const uint16_t *tile, int64_t s, int64_t steps,
+                                                                int ahead, int64_t next) {
+    const uint16_t *at = s + ahead < steps ? tile + ahead * 512 : tile + next + (ahead - steps) * 512;
+    for (int l = 0; l < 16; l++) _mm_prefetch((const char *)at + l * 64, _MM_HINT_T0);
+}
+
+/* Blocks per parallel chunk: `most`, halved while there are fewer than four chunks per thread (so many
+ * cores still share a narrow layer). */
+static int64_t blocks_per_chunk(int64_t blocks, int most) {
+    int64_t b = most;
+    while (b > 1 && blocks / b < 4 * (int64_t)omp_get_max_threads()) b /= 2;
+    return b;
+}
+
+static void one_row(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t n, int64_t k) {
+    const int64_t steps = k / 32, blocks = n / 16, chunk = blocks_per_chunk(blocks, ONE_ROW_BLOCKS);
+    const uint32_t *pairs = (const uint32_t *)x;
+#pragma omp parallel for schedule(static)
+    for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+        const int nb = (int)(blocks - b0 < chunk ? blocks - b0 : chunk);
+        __m512 acc[ONE_ROW_BLOCKS];
+        for (int b = 0; b < ONE_ROW_BLOCKS; b++) acc[b] = _mm512_setzero_ps();
+        for (int64_t s = 0; s < steps; s++)
+            for (int b = 0; b < nb; b++) {
+                const uint16_t *tile = w + (b0 + b) * 16 * k + s * 512;
+                prefetch_tile(tile, s, steps, PREFETCH_STEPS, nb * 16 * k);
+                for (int p = 0; p < 16; p++)
+                    acc[b] = _mm512_dpbf16_ps(acc[b], (__m512bh)_mm512_loadu_si512(tile + p * 32),
+                                              (__m512bh)_mm512_set1_epi32((int)pairs[s * 16 + p]));
+            }
+        for (int b = 0; b < nb; b++)
+            _mm256_storeu_si256((__m256i *)(out + (b0 + b) * 16), (__m256i)_mm512_cvtneps_pbh(acc[b]));
+    }
+}
+
+static void two_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t n, int64_t k) {
+    const int64_t steps = k / 32, blocks = n / 16, chunk = blocks_per_chunk(blocks, TWO_ROW_BLOCKS);
+    const uint32_t *pairs0 = (const uint32_t *)x, *pairs1 = pairs0 + k / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+        const int nb = (int)(blocks - b0 < chunk ? blocks - b0 : chunk);
+        __m512 acc[TWO_ROW_BLOCKS][2];
+        for (int b = 0; b < TWO_ROW_BLOCKS; b++) acc[b][0] = acc[b][1] = _mm512_setzero_ps();
+        for (int64_t s = 0; s < steps; s++)
+            for (int b = 0; b < nb; b++) {
+                const uint16_t *tile = w + (b0 + b) * 16 * k + s * 512;
+                prefetch_tile(tile, s, steps, PREFETCH_STEPS, nb * 16 * k);
+                for (int p = 0; p < 16; p++) {
+                    const __m512bh line = (__m512bh)_mm512_loadu_si512(tile + p * 32);
+                    acc[b][0] = _mm512_dpbf16_ps(acc[b][0], line, (__m512bh)_mm512_set1_epi32((int)pairs0[s * 16 + p]));
+                    acc[b][1] = _mm512_dpbf16_ps(acc[b][1], line, (__m512bh)_mm512_set1_epi32((int)pairs1[s * 16 + p]));
+                }
+            }
+        for (int b = 0; b < nb; b++)
+            for (int i = 0; i < 2; i++)
+                _mm256_storeu_si256((__m256i *)(out + i * n + (b0 + b) * 16), (__m256i)_mm512_cvtneps_pbh(acc[b][i]));
+    }
+}
+
+/* Tiles 0-3: results, 2g + j for input group g and weight block j; 4-5: the two input groups (rows0,
+ * rows1 rows of 32 inputs); 6-7: the two weight blocks' tiles (16 input pairs by 16 outputs). */
+static void configure_vnni(int rows0, int rows1) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    const int rows[2] = {rows0, rows1};
+    for (int g = 0; g < 2; g++) {
+        cfg.rows[2 * g] = cfg.rows[2 * g + 1] = cfg.rows[4 + g] = (uint8_t)rows[g];
+        cfg.colsb[2 * g] = cfg.colsb[2 * g + 1] = cfg.colsb[4 + g] = 64;
+        cfg.rows[6 + g] = 16;
+        cfg.colsb[6 + g] = 64;
+    }
+    __asm__ volatile("" : : "r"(&cfg) : "memory"); /* as in configure(): keep the stores above */
+    _tile_loadconfig(&cfg);
+}
+
+/* A result tile (rows x 16 float32, row-major) into out's rows m0.., columns n0..n0+15, rounded to bf16. */
+static inline void write_rows(const float *c, uint16_t *out, int rows, int64_t n0, int64_t n, int m0) {
+    for (int j = 0; j < rows; j++)
+        _mm256_storeu_si256((__m256i *)(out + (int64_t)(m0 + j) * n + n0),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + j * 16)));
+}
+
+/* Output columns n0..n0+31 (weight blocks w0, w1) for input rows m0.. in one or two groups of 16 (a0, a1;
+ * a1 unused when rows1 is 0), over `steps` 32-input steps: a group's tile for step s is at a + s * astep,
+ * its rows astride bytes apart. prefetch > 0 pulls the weight tiles that many steps ahead (the first
+ * pass over a block, from memory). Inlined so each call site's strides fold into its loop. */
+static inline __attribute__((always_inline)) void
+block_product(const uint16_t *w0, const uint16_t *w1, const uint16_t *a0, const uint16_t *a1, int64_t astride,
+              int64_t astep, int64_t steps, int rows0, int rows1, int prefetch, float c[4][256], uint16_t *out,
+              int64_t n0, int64_t n, int m0) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; s++) {
+        if (prefetch) {
+            prefetch_tile(w0 + s * 512, s, steps, prefetch, steps * 1024); /* the next 32 outputs */
+            prefetch_tile(w1 + s * 512, s, steps, prefetch, steps * 1024);
+        }
+        _tile_loadd(6, w0 + s * 512, 64);
+        _tile_loadd(7, w1 + s * 512, 64);
+        _tile_loadd(4, a0 + s * astep, astride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (rows1) {
+            _tile_loadd(5, a1 + s * astep, astride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    write_rows(c[0], out, rows0, n0, n, m0);
+    write_rows(c[1], out, rows0, n0 + 16, n, m0);
+    if (rows1) {
+        _tile_stored(2, c[2], 64);
+        _tile_stored(3, c[3], 64);
+        write_rows(c[2], out, rows1, n0, n, m0 + 16);
+        write_rows(c[3], out, rows1, n0 + 16, n, m0 + 16);
+    }
+}
+
+/* Three rows and more on AMX. Up to 32 rows (a decode batch) the tiles are sized to the rows and read
+ * x in place. More rows (a prefill) are copied first into 1 KB tiles, zero rows past m: strided tile
+ * loads of x from L2 took 0.82x oneDNN's time at 128 rows, contiguous ones 0.69x. Each thread takes
+ * whole blocks of 32 outputs; the first group pair of a pass reads a block from memory and the others
+ * find it in L2 (64-192 KB at the 0.6B model's widths). */
+static int amx_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
+    const int64_t steps = k / 32;
+    const int pairs = (m + 31) / 32, in_place = m <= 32;
+    uint16_t *tiles = in_place ? NULL : aligned_alloc(64, (size_t)pairs * 2 * steps * 1024);
+    if (!in_place && !tiles) return -2;
+#pragma omp parallel
+    {
+        if (tiles) {
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < 2 * pairs; g++) {
+                const int rows = group_rows(m, g * 16);
+                uint16_t *dst = tiles + g * steps * 512;
+                for (int64_t s = 0; s < steps; s++)
+                    for (int j = 0; j < 16; j++)
+                        _mm512_store_si512(dst + s * 512 + j * 32, j < rows
+                                           ? _mm512_loadu_si512(x + (g * 16 + j) * k + s * 32)
+                                           : _mm512_setzero_si512());
+            }
+        }
+        const int rows0 = in_place ? group_rows(m, 0) : 16, rows1 = in_place ? group_rows(m, 16) : 16;
+        configure_vnni(rows0, rows1 ? rows1 : 1);
+        float c[4][256] __attribute__((aligned(64)));
+        for (int first = 0; first < pairs; first += PASS_ROWS / 32) {
+            const int last = first + PASS_ROWS / 32 < pairs ? first + PASS_ROWS / 32 : pairs;
+#pragma omp for schedule(static)
+            for (int64_t n0 = 0; n0 < n; n0 += 32) {
+                const uint16_t *w0 = w + n0 * k, *w1 = w0 + 16 * k;
+                for (int p = first; p < last; p++) {
+                    const int m0 = p * 32, r0 = group_rows(m, m0), r1 = group_rows(m, m0 + 16);
+                    if (in_place)
+                        block_product(w0, w1, x, x + 16 * k, k * 2, 32, steps, r0, r1, PREFETCH_STEPS, c, out, n0,
+                                      n, 0);
+                    else {
+                        const uint16_t *a0 = tiles + 2 * p * steps * 512, *a1 = a0 + steps * 512;
+                        if (p == first)
+                            block_product(w0, w1, a0, a1, 64, 512, steps, r0, r1, PREFETCH_STEPS, c, out, n0, n, m0);
+                        else
+                            block_product(w0, w1, a0, a1, 64, 512, steps, r0, r1, 0, c, out, n0, n, m0);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(tiles);
+    return 0;
+}
+
+/* x: (m, k) bf16; w: the weight in VNNI order (vnni_pack); out: (m, n) bf16. n and k multiples of 32.
+ * Returns 0; -1 for a shape it does not take; -2 out of memory. */
+int vnni_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
+    if (m < 1 || n % 32 || k % 32) return -1;
+    if (m == 1) one_row(x, w, out, n, k);
+    else if (m == 2) two_rows(x, w, out, n, k);
+    else return amx_rows(x, w, out, m, n, k);
+    return 0;
+}
+
+#else
+
+int vnni_linear_supported(void) { return 0; }
+
+int vnni_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
+    (void)x, (void)w, (void)out, (void)m, (void)n, (void)k;
+    return -1;
+}
+
+#endif
+
+/* w (n, k) bf16, reordered in place into VNNI order, one block of 16 rows at a time through a 16 x k
+ * buffer: no second copy of the weight. n a multiple of 16, k of 2. Returns 0, or -2 out of memory. */
+int vnni_pack(uint16_t *w, int64_t n, int64_t k) {
+    uint16_t *block = malloc((size_t)16 * k * sizeof(uint16_t));
+    if (!block) return -2;
+    for (int64_t b = 0; b < n / 16; b++) {
+        uint16_t *dst = w + b * 16 * k;
+        memcpy(block, dst, (size_t)16 * k * sizeof(uint16_t));
+        for (int64_t p = 0; p < k / 2; p++)
+            for (int r = 0; r < 16; r++) {
+                dst[(p * 16 + r) * 2] = block[r * k + 2 * p];
+                dst[(p * 16 + r) * 2 + 1] = block[r * k + 2 * p + 1];
+            }
+    }
+    free(block);
+    return 0;
+}
