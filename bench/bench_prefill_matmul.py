@@ -1,7 +1,8 @@
 """The bf16 matmuls of a prefill chunk on the CPU: oneDNN (F.linear on the plain weights), oneDNN on
 weights reordered once into its blocked layout (a second copy of every weight: what vLLM's CPU backend
-holds instead of the plain ones) and the AMX kernel reading the weights in place, over the 28 layers
-of Qwen3-0.6B's shapes (random weights, streamed from memory as in a step).
+holds instead of the plain ones), the AMX kernel reading the plain weights in place, and the AMX
+kernel on weights reordered into VNNI order (vnni_linear.c, what the engine holds by default on AMX),
+over the 28 layers of Qwen3-0.6B's shapes (random weights, streamed from memory as in a step).
 
 Interleaved layer by layer in one process; prints the best round of each per row count, its GFLOP/s,
 and the median over rounds of its time over oneDNN's in the same round. Run it pinned to one CPU for the engine's one-CPU placement:
@@ -31,22 +32,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    amx = cpu_linear.load_amx()
-    if amx is None:
-        raise SystemExit("the AMX kernel does not run here (needs AMX-BF16 and a C compiler)")
+    amx, vnni = cpu_linear.load_amx(), cpu_linear.load_vnni()
+    if amx is None or vnni is None:
+        raise SystemExit("the AMX kernels do not run here (need AMX-BF16 and a C compiler)")
     gen = torch.Generator().manual_seed(0)
     weights = [[(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in SHAPES] for _ in range(LAYERS)]
     reordered = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, 32) for layer in weights for w in layer}
+    in_vnni_order = {id(w): cpu_linear.vnni_pack_(vnni, w.clone()) for layer in weights for w in layer}
     paths = {
         "onednn": lambda x, w: F.linear(x, w),
         "onednn_reordered": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, reordered[id(w)], None, "none", [], ""),
         "amx": lambda x, w: cpu_linear.amx_linear(amx, x, w),
+        "vnni": lambda x, w: cpu_linear.vnni_linear(vnni, x, in_vnni_order[id(w)]),
     }
     results = {}
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for _, k in SHAPES}
         reference = F.linear(xs[1024], weights[0][0])
-        for name in ("onednn_reordered", "amx"):  # the same products: they agree to rounding
+        for name in ("onednn_reordered", "amx", "vnni"):  # the same products: they agree to rounding
             got = paths[name](xs[1024], weights[0][0])
             assert (got.float() - reference.float()).abs().max() <= 0.02 * reference.float().abs().max(), name
         # Layer by layer, each path in turn on a different layer (so each still streams its weights
