@@ -51,6 +51,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prefill-tokens", default="32,128,512")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--no-decode", action="store_true", help="skip the single-stream decode")
     parser.add_argument("--no-batch", action="store_true", help="skip the 16-stream batch")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -59,7 +60,7 @@ def main(argv=None) -> None:
                                                                  enable_prefix_caching=False, vnni_weights=flag))
                for name, flag in (("vnni", True), ("plain", False))}
     assert isinstance(engines["vnni"].model.model.layers[0].mlp.down_proj.method, VnniLinearMethod)
-    workloads = [f"prefill {t}" for t in args.prefill_tokens.split(",") if t] + ["decode"]
+    workloads = [f"prefill {t}" for t in args.prefill_tokens.split(",") if t] + ([] if args.no_decode else ["decode"])
     workloads += [] if args.no_batch else ["batch16"]
     rng = random.Random(0)
     for engine in engines.values():
@@ -72,6 +73,9 @@ def main(argv=None) -> None:
         for workload in workloads:
             for name in names if r % 2 == 0 else names[::-1]:
                 times[workload][name].append(measure(engines[name], workload, rng, args))
+            runs = times[workload]
+            print(f"round {r} {workload:12s}: vnni {runs['vnni'][-1]:.3f}  plain {runs['plain'][-1]:.3f}  "
+                  f"vnni/plain {runs['vnni'][-1] / runs['plain'][-1]:.3f}", flush=True)
     results = {}
     for workload, runs in times.items():
         ratio = statistics.median(a / b for a, b in zip(runs["vnni"], runs["plain"]))
