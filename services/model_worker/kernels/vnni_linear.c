@@ -10,15 +10,16 @@
  * out transposed. Here the weights are the B side and the activations the A side, straight from x
  * (16 rows of 32 inputs): results come out row-major, and a tile is one contiguous kilobyte. Over
  * the 0.6B model's matmuls, layer by layer in turns with oneDNN on the plain weight, the same
- * arithmetic (the same bits) took 0.61x oneDNN's time at 64 rows against amx_linear's 0.66x, 0.69x
- * at 128 against 0.79x, and 0.85x at 256 against 0.89x.
+ * arithmetic (the same bits) took 0.59x oneDNN's time at 64 rows against amx_linear's 0.69x, 0.68x
+ * at 128 against 0.78x, and 0.80x at 256 against 0.88x. Above 256 rows it is no faster than oneDNN
+ * on the plain weight (1.01x at 512 rows, 1.18x at 768), which runs those more efficiently.
  *
  * One or two rows (a decode step of one or two sequences) only stream the weights: AVX512-BF16
  * multiplies each 64-byte line by a broadcast input pair, 16 outputs at once, with ONE_ROW_BLOCKS
  * blocks in flight, each a contiguous stream prefetched PREFETCH_STEPS tiles ahead. Each output
  * accumulates its input pairs in order in float32 and is rounded to bf16 once, to nearest even, as
  * torch rounds. (A loop over 16-row tiles of the plain weight, one or two streams, took 1.14-1.23x
- * small_batch_linear's time; this one took 0.94-0.96x at one row and 0.97x at two.)
+ * small_batch_linear's time; this one took 1.00x at one row and 0.90x at two, on the 0.6B model.)
  * Three rows and more go to AMX, whose tile products add each output's input pairs in the same order
  * as amx_linear's (the same bits, tested).
  *
@@ -36,9 +37,9 @@
 #include <immintrin.h>
 #include <omp.h>
 
-#define ONE_ROW_BLOCKS 8  /* 16-output blocks in flight for one row: 16 streamed alike, 4 a little slower */
+#define ONE_ROW_BLOCKS 8  /* 16-output blocks in flight for one row: 4 streamed alike, 16 slower */
 #define TWO_ROW_BLOCKS 4  /* for two rows: 8 accumulators */
-#define PREFETCH_STEPS 2  /* 1 KB tiles ahead: 0 and 1 streamed slower, 4 and 8 no faster */
+#define PREFETCH_STEPS 2  /* 1 KB tiles ahead: 0, 1, 4 and 8 streamed slower */
 #define PASS_ROWS 256     /* input rows per pass over the weights, as amx_linear.c's */
 
 int vnni_linear_supported(void) { return request_tile_state(); }

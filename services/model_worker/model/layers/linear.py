@@ -152,10 +152,10 @@ class VnniLinearMethod(SmallBatchLinearMethod):
     On the plain weight, the AMX kernel loads 16-row tiles from lines kilobytes apart, copies each block
     and transposes its results at every call; on the reordered one a tile is one contiguous kilobyte.
     Measured on the 0.6B model's matmuls, layer by layer in turns (bench/bench_prefill_matmul.py): the
-    same bits in 0.61x oneDNN's time at 64 rows (plain: 0.66x), 0.69x at 128 (0.79x), 0.85x at 256
-    (0.89x), and 0.98-0.99x at 512, where F.linear ran before. One or two rows stream the reordered
-    weight at 0.94-0.97x the small-batch kernel's time on the plain one. So no plain copy is kept: the
-    reorder is in place and no memory is added. A layer the kernel does not take (outputs not a multiple
+    same bits in 0.59x oneDNN's time at 64 rows (plain: 0.69x), 0.68x at 128 (0.78x), 0.80x at 256
+    (0.88x); above 256 rows, where F.linear ran before, 1.01x at 512 and 1.18x at 768. One or two rows
+    stream the reordered weight at 1.00x and 0.90x the small-batch kernel's time on the plain one. So
+    no plain copy is kept: the reorder is in place and no memory is added. A layer the kernel does not take (outputs not a multiple
     of 32) stays plain on SmallBatchLinearMethod's kernels; so does the vocab projection (head_method),
     whose weight a tied embedding shares.
     """
@@ -324,8 +324,9 @@ def cpu_linear_method(device: torch.device, dtype: torch.dtype, small_batch_kern
     """The fastest exact method for this device and dtype, as the engine's flags allow.
 
     small_batch_kernel None: the C kernels where they build (bf16, a CPU with AVX512-BF16 and a C
-    compiler); True: required. vnni_weights None: with those, the weights reordered for AMX where it runs
-    (VnniLinearMethod); True: required; False: plain. pack_weights None: oneDNN packing on CPU where the kernels are not used.
+    compiler); True: required. vnni_weights None: with those, the weights reordered for AMX where it
+    runs (VnniLinearMethod); True: required; False: plain. pack_weights None: oneDNN packing on CPU
+    where the kernels are not used.
     """
     on_cpu = device.type == "cpu"
     if small_batch_kernel is not False and on_cpu and dtype == torch.bfloat16:
