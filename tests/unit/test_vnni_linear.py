@@ -88,6 +88,67 @@ def test_leading_shapes_and_bad_inputs(vnni):
         cpu_linear._call(vnni.vnni_linear, torch.randn(3, 96).bfloat16(), torch.randn(48, 96).bfloat16())
 
 
+@pytest.fixture(params=[1, 2])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)  # the kernels run on torch's OpenMP pool
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 32, 33, 65, 257])
+@pytest.mark.parametrize("out_features,in_features", [(32, 32), (192, 64), (704, 1024), (128, 3072)])
+def test_silu_kernel_gives_torchs_silu_of_the_matmul(vnni, threads, rows, out_features, in_features):
+    """vnni_linear_silu against F.silu(gate) * up in torch on vnni_linear's output: the same bits, at every
+    row count (each block's results are written during the next block's products; with 2 steps of 32
+    inputs, fewer steps than rows, after them) and on one thread or two."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    packed = cpu_linear.vnni_pack_(vnni, (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16())
+    gate, up = cpu_linear.vnni_linear(vnni, x, packed).chunk(2, dim=-1)
+    act = cpu_linear.vnni_linear_silu(vnni, x, packed)
+    assert act.shape == (rows, out_features // 2)
+    assert torch.equal(act, F.silu(gate) * up)
+
+
+def test_silu_kernel_shapes(vnni):
+    packed = cpu_linear.vnni_pack_(vnni, torch.randn(64, 96).bfloat16())
+    x = torch.randn(2, 5, 96).bfloat16()
+    assert torch.equal(cpu_linear.vnni_linear_silu(vnni, x, packed),
+                       cpu_linear.vnni_linear_silu(vnni, x.reshape(10, 96), packed).view(2, 5, 32))
+    with pytest.raises(ValueError, match="width 64"):
+        cpu_linear.vnni_linear_silu(vnni, torch.randn(3, 64).bfloat16(), packed)
+    # 48 outputs: three blocks of 16 do not split into gate and up.
+    with pytest.raises(ValueError, match="gate and up"):
+        cpu_linear.vnni_linear_silu(vnni, x, torch.randn(3, 48, 16, 2).bfloat16())
+
+
+def test_gate_up_layer_takes_the_silu_kernel_with_the_unfused_bits(vnni, plain, monkeypatch):
+    from services.model_worker.model.layers.linear import MergedColumnParallelLinear, use_linear_method
+
+    small, amx = plain
+    torch.manual_seed(1)
+    weight = (torch.randn(2 * 96, 64) * 0.1).bfloat16()
+    layer = MergedColumnParallelLinear(64, [96, 96]).bfloat16()
+    layer.weight.data.copy_(weight)
+    use_linear_method(layer, VnniLinearMethod(small, amx, vnni))
+    calls = []
+    real = cpu_linear.vnni_linear_silu
+    monkeypatch.setattr(cpu_linear, "vnni_linear_silu", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, 64).bfloat16()
+        gate, up = layer(x).chunk(2, dim=-1)
+        assert torch.equal(layer.silu_and_mul(x), F.silu(gate) * up)
+    assert calls == [1, 3, 40]
+    # Methods without the fused pass, and layers that are not one gate and one up of a width, say None.
+    plain_layer = MergedColumnParallelLinear(64, [96, 96]).bfloat16()
+    use_linear_method(plain_layer, SmallBatchLinearMethod(small, amx))
+    assert plain_layer.silu_and_mul(torch.randn(3, 64).bfloat16()) is None
+    uneven = MergedColumnParallelLinear(64, [96, 160]).bfloat16()
+    use_linear_method(uneven, VnniLinearMethod(small, amx, vnni))
+    assert uneven.silu_and_mul(torch.randn(3, 64).bfloat16()) is None
+
+
 def test_method_reorders_in_place_routes_every_row_count_and_leaves_odd_layers_plain(vnni, plain, monkeypatch):
     small, amx = plain
     method = VnniLinearMethod(small, amx, vnni)

@@ -43,6 +43,8 @@ def load_vnni() -> ctypes.CDLL | None:
         return None
     library.vnni_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     library.vnni_linear.restype = ctypes.c_int
+    library.vnni_linear_silu.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    library.vnni_linear_silu.restype = ctypes.c_int
     library.vnni_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     library.vnni_pack.restype = ctypes.c_int
     return library
@@ -81,6 +83,14 @@ def amx_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> t
 def vnni_linear(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x: (..., K) bf16; packed: a weight from vnni_pack_, (N / 16, K / 2, 16, 2). Returns x @ W.T, (..., N) bf16."""
     return _call(library.vnni_linear, x, packed, packed.shape[0] * 16, packed.shape[1] * 2)
+
+
+def vnni_linear_silu(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x: (..., K) bf16; packed: a gate/up weight from vnni_pack_, its N / 2 gate rows first. Returns
+    F.silu(gate) * up on gate, up = (x @ W.T).chunk(2, -1), (..., N / 2) bf16, with the same roundings."""
+    if packed.shape[0] % 2:
+        raise ValueError(f"vnni_linear_silu: {packed.shape[0] * 16} outputs do not split into gate and up blocks")
+    return _call(library.vnni_linear_silu, x, packed, packed.shape[0] * 8, packed.shape[1] * 2)
 
 
 def _call(kernel, x: torch.Tensor, weight: torch.Tensor, n: int | None = None, k: int | None = None) -> torch.Tensor:

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "silu.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -97,29 +98,6 @@ static int linear(const Kernels *kn, int amx_ok, const uint16_t *x, const uint16
 }
 
 #if defined(__AVX512F__)
-/* Sleef's expf, u10 variant, operation for operation (fused multiply-adds where Sleef's AVX-512
- * build has them): what torch's Vectorized<float>::exp returns, so SiLU rounds as torch's does. */
-static inline __m512 sleef_expf16(__m512 d) {
-    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137f)));
-    const __m512 qf = _mm512_cvtepi32_ps(q);
-    __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), d);
-    s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
-    __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
-    u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
-    /* u * 2^q in two steps, as Sleef's ldexp2 does. */
-    const __m512i half = _mm512_srai_epi32(q, 1), bias = _mm512_set1_epi32(0x7f);
-    u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, bias), 23)));
-    u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(q, half), bias), 23)));
-    u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), u, _mm512_setzero_ps());
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), d, _CMP_LT_OQ), u,
-                                _mm512_set1_ps(__builtin_inff()));
-}
-
 static inline __m512 load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -138,12 +116,8 @@ int silu_and_mul(const uint16_t *gate_up, uint16_t *act, int rows, int64_t n) {
     for (int r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + (int64_t)r * 2 * n, *up = gate + n;
         uint16_t *out = act + (int64_t)r * n;
-        for (int64_t i = 0; i < n; i += 16) {
-            const __m512 g = load_bf16(gate + i);
-            const __m512 e = sleef_expf16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            const __m512 silu = _mm512_castsi512_ps(round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))));
-            store_bf16(out + i, round_bf16x16(_mm512_mul_ps(silu, load_bf16(up + i))));
-        }
+        for (int64_t i = 0; i < n; i += 16)
+            store_bf16(out + i, silu_and_mul16(load_bf16(gate + i), load_bf16(up + i)));
     }
     return 0;
 #else

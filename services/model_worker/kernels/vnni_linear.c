@@ -32,6 +32,7 @@
 
 #include "bf16.h"
 #include "amx_tiles.h"
+#include "silu.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -124,29 +125,55 @@ static void configure_vnni(int rows0, int rows1) {
     _tile_loadconfig(&cfg);
 }
 
-/* A result tile (rows x 16 float32, row-major) into out's rows m0.., columns n0..n0+15, rounded to bf16. */
-static inline void write_rows(const float *c, uint16_t *out, int rows, int64_t n0, int64_t n, int m0) {
-    for (int j = 0; j < rows; j++)
-        _mm256_storeu_si256((__m256i *)(out + (int64_t)(m0 + j) * n + n0),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + j * 16)));
+/* A block pair's results, stored from the tiles, and where they go: rows m0..m0+rows-1 (the first 16
+ * in tiles 0-1, the rest in 2-3), columns n0..n0+31 of out (n wide), or with `silu` columns n0..n0+15
+ * of act from a gate tile (0, 2) and an up tile (1, 3). */
+typedef struct {
+    float (*c)[256];
+    uint16_t *out;
+    int64_t n0, n;
+    int m0, rows, silu;
+} results;
+
+/* Row j of stored results into the output, rounded to bf16 as torch rounds: one 64-byte line (two
+ * tiles' 16 columns side by side), or with silu 16 activations, each of gate and up rounded to bf16
+ * first as the unfused path writes them, then silu.h's SiLU and product (silu_and_mul's bits). */
+static inline void write_row(const results *r, int j) {
+    const float *c0 = r->c[j < 16 ? 0 : 2] + (j & 15) * 16, *c1 = r->c[j < 16 ? 1 : 3] + (j & 15) * 16;
+    uint16_t *at = r->out + (int64_t)(r->m0 + j) * r->n + r->n0;
+    if (r->silu) {
+        const __m512i a = silu_and_mul16(_mm512_castsi512_ps(round_bf16x16(_mm512_load_ps(c0))),
+                                         _mm512_castsi512_ps(round_bf16x16(_mm512_load_ps(c1))));
+        _mm256_storeu_si256((__m256i *)at, _mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16)));
+        return;
+    }
+    _mm512_storeu_si512(at, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(c1), _mm512_load_ps(c0)));
 }
 
-/* Output columns n0..n0+31 (weight blocks w0, w1) for input rows m0.. in one or two groups of 16 (a0, a1;
+/* The results of weight blocks w0, w1 for input rows `now->m0`.. in one or two groups of 16 (a0, a1;
  * a1 unused when rows1 is 0), over `steps` 32-input steps: a group's tile for step s is at a + s * astep,
  * its rows astride bytes apart. prefetch > 0 pulls the weight tiles that many steps ahead (the first
- * pass over a block, from memory). Inlined so each call site's strides fold into its loop. */
+ * pass over a block, from memory), and past a block's end the block `next` values on. With silu, w0 is
+ * a block of gate rows and w1 the up rows of the same 16 outputs.
+ *
+ * The results of the block before (`before`, or NULL) are written out one row per step, between this
+ * block's tile products: rounding, SiLU and the stores then run on the vector units while the tile
+ * unit multiplies, where written after the products they left it idle. This block's own results are
+ * only stored into now->c, for the block after (or the caller) to write. Inlined so each call site's
+ * strides fold into its loop. */
 static inline __attribute__((always_inline)) void
 block_product(const uint16_t *w0, const uint16_t *w1, const uint16_t *a0, const uint16_t *a1, int64_t astride,
-              int64_t astep, int64_t steps, int rows0, int rows1, int prefetch, float c[4][256], uint16_t *out,
-              int64_t n0, int64_t n, int m0) {
+              int64_t astep, int64_t steps, int rows0, int rows1, int prefetch, int64_t next, const results *before,
+              const results *now) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
+    const int pending = before ? before->rows : 0;
     for (int64_t s = 0; s < steps; s++) {
         if (prefetch) {
-            prefetch_tile(w0 + s * 512, s, steps, prefetch, steps * 1024); /* the next 32 outputs */
-            prefetch_tile(w1 + s * 512, s, steps, prefetch, steps * 1024);
+            prefetch_tile(w0 + s * 512, s, steps, prefetch, next);
+            prefetch_tile(w1 + s * 512, s, steps, prefetch, next);
         }
         _tile_loadd(6, w0 + s * 512, 64);
         _tile_loadd(7, w1 + s * 512, 64);
@@ -158,26 +185,26 @@ block_product(const uint16_t *w0, const uint16_t *w1, const uint16_t *a0, const 
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
+        if (s < pending) write_row(before, (int)s);
     }
-    _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[1], 64);
-    write_rows(c[0], out, rows0, n0, n, m0);
-    write_rows(c[1], out, rows0, n0 + 16, n, m0);
+    for (int j = (int)steps; j < pending; j++) write_row(before, j); /* fewer steps than rows (k < 1024) */
+    _tile_stored(0, now->c[0], 64);
+    _tile_stored(1, now->c[1], 64);
     if (rows1) {
-        _tile_stored(2, c[2], 64);
-        _tile_stored(3, c[3], 64);
-        write_rows(c[2], out, rows1, n0, n, m0 + 16);
-        write_rows(c[3], out, rows1, n0 + 16, n, m0 + 16);
+        _tile_stored(2, now->c[2], 64);
+        _tile_stored(3, now->c[3], 64);
     }
 }
 
 /* Three rows and more on AMX. Up to 32 rows (a decode batch) the tiles are sized to the rows and read
  * x in place. More rows (a prefill) are copied first into 1 KB tiles, zero rows past m: strided tile
  * loads of x from L2 took 0.82x oneDNN's time at 128 rows, contiguous ones 0.69x. Each thread takes
- * whole blocks of 32 outputs; the first group pair of a pass reads a block from memory and the others
- * find it in L2 (64-192 KB at the 0.6B model's widths). */
-static int amx_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
-    const int64_t steps = k / 32;
+ * whole blocks of 32 outputs (with silu, 16 outputs of gate and their 16 of up); the first group pair
+ * of a pass reads a block from memory and the others find it in L2 (64-192 KB at the 0.6B model's
+ * widths). Each block's results are written during the next block's products (block_product), the
+ * thread's last ones after its loop. */
+static int amx_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k, int silu) {
+    const int64_t steps = k / 32, unit = silu ? 16 : 32; /* outputs per block pair */
     const int pairs = (m + 31) / 32, in_place = m <= 32;
     uint16_t *tiles = in_place ? NULL : aligned_alloc(64, (size_t)pairs * 2 * steps * 1024);
     if (!in_place && !tiles) return -2;
@@ -197,27 +224,35 @@ static int amx_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, 
         }
         const int rows0 = in_place ? group_rows(m, 0) : 16, rows1 = in_place ? group_rows(m, 16) : 16;
         configure_vnni(rows0, rows1 ? rows1 : 1);
-        float c[4][256] __attribute__((aligned(64)));
+        float c[2][4][256] __attribute__((aligned(64)));
+        results done[2];
+        int blocks = 0; /* this thread's, so far: done[blocks % 2] is the next block's */
         for (int first = 0; first < pairs; first += PASS_ROWS / 32) {
             const int last = first + PASS_ROWS / 32 < pairs ? first + PASS_ROWS / 32 : pairs;
-#pragma omp for schedule(static)
-            for (int64_t n0 = 0; n0 < n; n0 += 32) {
-                const uint16_t *w0 = w + n0 * k, *w1 = w0 + 16 * k;
-                for (int p = first; p < last; p++) {
+#pragma omp for schedule(static) nowait
+            for (int64_t n0 = 0; n0 < n; n0 += unit) {
+                const uint16_t *w0 = w + n0 * k, *w1 = silu ? w + (n + n0) * k : w0 + 16 * k;
+                for (int p = first; p < last; p++, blocks++) {
                     const int m0 = p * 32, r0 = group_rows(m, m0), r1 = group_rows(m, m0 + 16);
+                    results *now = &done[blocks % 2];
+                    const results *before = blocks ? &done[(blocks + 1) % 2] : NULL;
+                    *now = (results){c[blocks % 2], out, n0, n, m0, r0 + r1, silu};
                     if (in_place)
-                        block_product(w0, w1, x, x + 16 * k, k * 2, 32, steps, r0, r1, PREFETCH_STEPS, c, out, n0,
-                                      n, 0);
+                        block_product(w0, w1, x, x + 16 * k, k * 2, 32, steps, r0, r1, PREFETCH_STEPS, unit * k,
+                                      before, now);
                     else {
                         const uint16_t *a0 = tiles + 2 * p * steps * 512, *a1 = a0 + steps * 512;
                         if (p == first)
-                            block_product(w0, w1, a0, a1, 64, 512, steps, r0, r1, PREFETCH_STEPS, c, out, n0, n, m0);
+                            block_product(w0, w1, a0, a1, 64, 512, steps, r0, r1, PREFETCH_STEPS, unit * k, before,
+                                          now);
                         else
-                            block_product(w0, w1, a0, a1, 64, 512, steps, r0, r1, 0, c, out, n0, n, m0);
+                            block_product(w0, w1, a0, a1, 64, 512, steps, r0, r1, 0, 0, before, now);
                     }
                 }
             }
         }
+        if (blocks)
+            for (int j = 0; j < done[(blocks + 1) % 2].rows; j++) write_row(&done[(blocks + 1) % 2], j);
         _tile_release();
     }
     free(tiles);
@@ -230,7 +265,32 @@ int vnni_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int6
     if (m < 1 || n % 32 || k % 32) return -1;
     if (m == 1) one_row(x, w, out, n, k);
     else if (m == 2) two_rows(x, w, out, n, k);
-    else return amx_rows(x, w, out, m, n, k);
+    else return amx_rows(x, w, out, m, n, k, 0);
+    return 0;
+}
+
+/* act = F.silu(x Wg^T) * (x Wu^T), rounded as torch rounds it on the bf16 matmul outputs: w is a gate/up
+ * weight (2n, k) in VNNI order, its n gate rows first; act: (m, n) bf16. n a multiple of 16, k of 32.
+ * From three rows each AMX block pair is a gate block and the up block of the same outputs, and the
+ * activation is applied to the result tiles: the (m, 2n) product is never written or read back. One
+ * or two rows (a decode step) write it to a buffer first. Returns 0; -1 for a shape it does not
+ * take; -2 out of memory. */
+int vnni_linear_silu(const uint16_t *x, const uint16_t *w, uint16_t *act, int m, int64_t n, int64_t k) {
+    if (m < 1 || n % 16 || k % 32) return -1;
+    if (m >= 3) return amx_rows(x, w, act, m, n, k, 1);
+    uint16_t *gate_up = malloc((size_t)m * 2 * n * sizeof(uint16_t));
+    if (!gate_up) return -2;
+    if (m == 1) one_row(x, w, gate_up, 2 * n, k);
+    else two_rows(x, w, gate_up, 2 * n, k);
+    for (int r = 0; r < m; r++)
+        for (int64_t i = 0; i < n; i += 16) {
+            const uint16_t *g = gate_up + (int64_t)r * 2 * n + i;
+            const __m512i a = silu_and_mul16(
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)g)), 16)),
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + n))), 16)));
+            _mm256_storeu_si256((__m256i *)(act + (int64_t)r * n + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16)));
+        }
+    free(gate_up);
     return 0;
 }
 
@@ -240,6 +300,11 @@ int vnni_linear_supported(void) { return 0; }
 
 int vnni_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
     (void)x, (void)w, (void)out, (void)m, (void)n, (void)k;
+    return -1;
+}
+
+int vnni_linear_silu(const uint16_t *x, const uint16_t *w, uint16_t *act, int m, int64_t n, int64_t k) {
+    (void)x, (void)w, (void)act, (void)m, (void)n, (void)k;
     return -1;
 }
 

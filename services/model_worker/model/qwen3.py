@@ -83,6 +83,9 @@ class Qwen3MLP(nn.Module):
         self.act_kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = self.gate_up_proj.silu_and_mul(x)  # matmul and activation in one kernel, where there is one
+        if act is not None:
+            return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
         if self.act_kernel is not None and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 \
                 and gate_up.device.type == "cpu" and gate_up.is_contiguous():

@@ -56,6 +56,11 @@ class LinearMethod:
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
+        """F.silu(gate) * up of a gate/up layer (its outputs: gate, then up, of one width) in one pass,
+        with the same bits as apply and the activation apart; None where this method has no such pass."""
+        return None
+
     def head_method(self) -> LinearMethod:
         """The method for the vocab projection, which may share its weight with the embedding."""
         return self
@@ -180,6 +185,14 @@ class VnniLinearMethod(SmallBatchLinearMethod):
         out = cpu_linear.vnni_linear(layer.vnni, x, layer.vnni_weight)
         return out if layer.bias is None else out + layer.bias
 
+    def apply_silu_and_mul(self, layer, x):
+        # The activation on the result tiles: the (rows, 2 x intermediate) product is never written and
+        # read back, and no pass of its own runs (a 768-token prompt of the 0.6B model spent 86-94 ms
+        # in silu_and_mul over 28 layers, 7% of its prefill).
+        if layer.vnni is None or layer.bias is not None:
+            return None
+        return cpu_linear.vnni_linear_silu(layer.vnni, x, layer.vnni_weight)
+
     def head_method(self) -> LinearMethod:
         return SmallBatchLinearMethod(self.library, self.amx)
 
@@ -250,6 +263,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def shard_slice(self, shard: int) -> slice:
         start = sum(self.local_sizes[:shard])
         return slice(start, start + self.local_sizes[shard])
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """F.silu(gate) * up of shards (gate, up) in one pass where the method has one; None: call the
+        layer and apply the activation."""
+        if len(self.local_sizes) != 2 or self.local_sizes[0] != self.local_sizes[1]:
+            return None
+        return self.method.apply_silu_and_mul(self, x)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
