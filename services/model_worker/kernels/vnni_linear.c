@@ -8,11 +8,20 @@
  * Why hold it so. amx_linear.c reads the plain (n, k) weight: its 16-row tiles are 16 lines kilobytes
  * apart, it packs the activations and copies each weight block once per call, and its results come
  * out transposed. Here the weights are the B side and the activations the A side, straight from x
- * (16 rows of 32 inputs): results come out row-major, and a tile is one contiguous kilobyte. Over
+ * (16 rows of 32 inputs): results come out row-major, and a tile is one contiguous kilobyte. Each
+ * block pair's results are written out while the next pair's tiles multiply (block_product). Over
  * the 0.6B model's matmuls, layer by layer in turns with oneDNN on the plain weight, the same
- * arithmetic (the same bits) took 0.59x oneDNN's time at 64 rows against amx_linear's 0.69x, 0.68x
- * at 128 against 0.78x, and 0.80x at 256 against 0.88x. Above 256 rows it is no faster than oneDNN
- * on the plain weight (1.01x at 512 rows, 1.18x at 768), which runs those more efficiently.
+ * arithmetic (the same bits) took 0.59x oneDNN's time at 64 rows against amx_linear's 0.67x, 0.68x
+ * at 128 against 0.82x, 0.76x at 256 against 0.90x, and 0.93x and 0.94x at 512 and 768 rows, where
+ * amx_linear took 1.09x and 1.15x; oneDNN on its own reordered copy took 0.70x, 0.75x, 0.82x, 0.94x
+ * and 0.95x (bench/bench_prefill_matmul.py). Before, with each pair's results written after its own
+ * products and passes of 256 rows throughout, this kernel took 1.01x and 1.18x at 512 and 768 rows.
+ *
+ * vnni_linear_silu is the MLP's gate/up matmul with its activation: each AMX block pair is a gate
+ * block and the up block of the same outputs, and F.silu(gate) * up is written from the result tiles,
+ * so the (m, 2 x intermediate) product is never written or read back and the SiLU runs beside the tile
+ * products. Over the 0.6B model's 28 gate/up weights it took 0.87x, 0.86x, 0.86x and 0.95x the time
+ * of vnni_linear and decoder.c's silu_and_mul at 32, 128, 512 and 768 rows (bench/bench_swiglu.py).
  *
  * One or two rows (a decode step of one or two sequences) only stream the weights: AVX512-BF16
  * multiplies each 64-byte line by a broadcast input pair, 16 outputs at once, with ONE_ROW_BLOCKS

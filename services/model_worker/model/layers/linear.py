@@ -157,12 +157,14 @@ class VnniLinearMethod(SmallBatchLinearMethod):
     On the plain weight, the AMX kernel loads 16-row tiles from lines kilobytes apart, copies each block
     and transposes its results at every call; on the reordered one a tile is one contiguous kilobyte.
     Measured on the 0.6B model's matmuls, layer by layer in turns (bench/bench_prefill_matmul.py): the
-    same bits in 0.59x oneDNN's time at 64 rows (plain: 0.69x), 0.68x at 128 (0.78x), 0.80x at 256
-    (0.88x); above 256 rows, where F.linear ran before, 1.01x at 512 and 1.18x at 768. One or two rows
-    stream the reordered weight at 1.00x and 0.90x the small-batch kernel's time on the plain one. So
-    no plain copy is kept: the reorder is in place and no memory is added. A layer the kernel does not take (outputs not a multiple
-    of 32) stays plain on SmallBatchLinearMethod's kernels; so does the vocab projection (head_method),
-    whose weight a tied embedding shares.
+    same bits in 0.59x oneDNN's time at 64 rows (plain: 0.67x), 0.68x at 128 (0.82x), 0.76x at 256
+    (0.90x); above 256 rows, where F.linear ran before, 0.93x at 512 and 0.94x at 768, about what
+    oneDNN takes on its own reordered copy (0.94x, 0.95x). One or two rows stream the reordered weight
+    at 1.00x and 0.90x the small-batch kernel's time on the plain one. So no plain copy is kept: the
+    reorder is in place and no memory is added. A layer the kernel does not take (outputs not a
+    multiple of 32) stays plain on SmallBatchLinearMethod's kernels; so does the vocab projection
+    (head_method), whose weight a tied embedding shares. The MLP's gate/up layer also has the fused
+    pass with its activation (apply_silu_and_mul).
     """
 
     name = "amx-vnni"
@@ -186,9 +188,10 @@ class VnniLinearMethod(SmallBatchLinearMethod):
         return out if layer.bias is None else out + layer.bias
 
     def apply_silu_and_mul(self, layer, x):
-        # The activation on the result tiles: the (rows, 2 x intermediate) product is never written and
-        # read back, and no pass of its own runs (a 768-token prompt of the 0.6B model spent 86-94 ms
-        # in silu_and_mul over 28 layers, 7% of its prefill).
+        # The activation on the result tiles, beside the tile products: the (rows, 2 x intermediate)
+        # product is never written and read back, and no pass of its own runs. Measured over the 0.6B
+        # model's 28 gate/up weights (bench/bench_swiglu.py): 0.86-0.95x the time of the matmul and
+        # silu_and_mul apart, from 32 to 768 rows.
         if layer.vnni is None or layer.bias is not None:
             return None
         return cpu_linear.vnni_linear_silu(layer.vnni, x, layer.vnni_weight)
