@@ -25,6 +25,27 @@ SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
 LAYERS = 28
 
 
+def time_in_turns(names: list[str], layers: list, rounds: int, run) -> dict[str, list[float]]:
+    """Seconds each path spent per round, running run(name, layer) over every layer.
+
+    Layer by layer, each path in turn on a different layer (so each still streams its weights from
+    memory), the order shifting every layer and round: this machine's speed moves within a second, and
+    a path timed over a whole round of layers met a different machine from the next path's."""
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        spent = dict.fromkeys(names, 0.0)
+        for i in range(len(layers)):
+            for j in range(len(names)):
+                v = (i + j + r) % len(names)
+                layer = layers[(i + v * len(layers) // len(names)) % len(layers)]
+                start = time.perf_counter()
+                run(names[v], layer)
+                spent[names[v]] += time.perf_counter() - start
+        for name in names:
+            times[name].append(spent[name])
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -52,23 +73,8 @@ def main() -> None:
         for name in ("onednn_reordered", "amx", "vnni"):  # the same products: they agree to rounding
             got = paths[name](xs[1024], weights[0][0])
             assert (got.float() - reference.float()).abs().max() <= 0.02 * reference.float().abs().max(), name
-        # Layer by layer, each path in turn on a different layer (so each still streams its weights
-        # from memory): this machine's speed moves within a second, and a path timed over a whole
-        # round of 28 layers met a different machine from the next path's.
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        names = list(paths)
-        for r in range(args.rounds):
-            spent = dict.fromkeys(names, 0.0)
-            for i in range(LAYERS):
-                for j in range(len(names)):
-                    v = (i + j + r) % len(names)
-                    layer = weights[(i + v * LAYERS // len(names)) % LAYERS]
-                    start = time.perf_counter()
-                    for w in layer:
-                        paths[names[v]](xs[w.shape[1]], w)
-                    spent[names[v]] += time.perf_counter() - start
-            for name in names:
-                times[name].append(spent[name])
+        times = time_in_turns(list(paths), weights, args.rounds,
+                              lambda name, layer: [paths[name](xs[w.shape[1]], w) for w in layer])
         flops = 2 * rows * sum(n * k for n, k in SHAPES) * LAYERS
         best = {name: min(t) for name, t in times.items()}
         ratio = {name: statistics.median(a / b for a, b in zip(t, times["onednn"])) for name, t in times.items()}

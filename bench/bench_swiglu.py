@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench.bench_prefill_matmul import time_in_turns
 from services.model_worker.kernels import cpu_decoder, cpu_linear
 
 HIDDEN, INTERMEDIATE, LAYERS = 1024, 3072, 28
@@ -52,19 +52,8 @@ def main() -> None:
         x = torch.randn(rows, HIDDEN, generator=gen).bfloat16()
         expected = paths["vnni_two_passes"](x, weights[0])
         assert torch.equal(paths["vnni_fused"](x, weights[0]), expected)
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        names = list(paths)
-        for r in range(args.rounds):
-            spent = dict.fromkeys(names, 0.0)
-            for i in range(LAYERS):
-                for j in range(len(names)):
-                    v = (i + j + r) % len(names)
-                    w = weights[(i + v * LAYERS // len(names)) % LAYERS]  # each path on another layer's weight
-                    start = time.perf_counter()
-                    paths[names[v]](x, w)
-                    spent[names[v]] += time.perf_counter() - start
-            for name in names:
-                times[name].append(spent[name])
+        # Each path on another layer's weight in turn, so each still streams it from memory.
+        times = time_in_turns(list(paths), weights, args.rounds, lambda name, w: paths[name](x, w))
         best = {name: min(t) for name, t in times.items()}
         ratio = {name: statistics.median(a / b for a, b in zip(t, times["vnni_two_passes"]))
                  for name, t in times.items()}
