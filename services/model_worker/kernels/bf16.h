@@ -34,6 +34,15 @@ static inline __m512i round_bf16x16(__m512 x) {
     const __m512i kept = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, nan);
     return _mm512_and_si512(kept, _mm512_set1_epi32((int)0xFFFF0000u));
 }
+
+/* Sixteen bf16 values as float32 (exact). */
+static inline __m512 load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline void store_bf16(uint16_t *p, __m512i rounded) { /* rounded: from round_bf16x16 */
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
 #endif
 
 #endif

@@ -97,28 +97,13 @@ static int linear(const Kernels *kn, int amx_ok, const uint16_t *x, const uint16
     return -100; /* the caller checked the rows: unreachable */
 }
 
-#if defined(__AVX512F__)
-static inline __m512 load_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-static inline void store_bf16(uint16_t *p, __m512i rounded) { /* rounded: from round_bf16x16 */
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-#endif
-
 /* act = bf16(bf16(silu(gate)) * up) for each row of gate_up = [gate | up]: F.silu(gate) * up.
  * Returns 0, or -1 (nothing written) without AVX-512 or where n is not a multiple of 16. */
 int silu_and_mul(const uint16_t *gate_up, uint16_t *act, int rows, int64_t n) {
 #if defined(__AVX512F__)
     if (n % 16) return -1;
 #pragma omp parallel for schedule(static) if ((int64_t)rows * n >= 16384) /* 6 rows of 3072 and up */
-    for (int r = 0; r < rows; r++) {
-        const uint16_t *gate = gate_up + (int64_t)r * 2 * n, *up = gate + n;
-        uint16_t *out = act + (int64_t)r * n;
-        for (int64_t i = 0; i < n; i += 16)
-            store_bf16(out + i, silu_and_mul16(load_bf16(gate + i), load_bf16(up + i)));
-    }
+    for (int r = 0; r < rows; r++) silu_and_mul_row(gate_up + (int64_t)r * 2 * n, act + (int64_t)r * n, n);
     return 0;
 #else
     (void)gate_up, (void)act, (void)rows, (void)n;

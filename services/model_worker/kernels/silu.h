@@ -39,6 +39,12 @@ static inline __m512i silu_and_mul16(__m512 g, __m512 u) {
     const __m512 silu = _mm512_castsi512_ps(round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))));
     return round_bf16x16(_mm512_mul_ps(silu, u));
 }
+
+/* act[0..n) = F.silu(gate) * up for one row gate_up = [gate | up] (bf16, n a multiple of 16). */
+static inline void silu_and_mul_row(const uint16_t *gate_up, uint16_t *act, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16)
+        store_bf16(act + i, silu_and_mul16(load_bf16(gate_up + i), load_bf16(gate_up + n + i)));
+}
 #endif
 
 #endif

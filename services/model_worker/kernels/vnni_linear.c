@@ -156,9 +156,8 @@ static inline void write_row(const results *r, int j) {
     const float *c0 = r->c[j < 16 ? 0 : 2] + (j & 15) * 16, *c1 = r->c[j < 16 ? 1 : 3] + (j & 15) * 16;
     uint16_t *at = r->out + (int64_t)(r->m0 + j) * r->n + r->n0;
     if (r->silu) {
-        const __m512i a = silu_and_mul16(_mm512_castsi512_ps(round_bf16x16(_mm512_load_ps(c0))),
-                                         _mm512_castsi512_ps(round_bf16x16(_mm512_load_ps(c1))));
-        _mm256_storeu_si256((__m256i *)at, _mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16)));
+        store_bf16(at, silu_and_mul16(_mm512_castsi512_ps(round_bf16x16(_mm512_load_ps(c0))),
+                                      _mm512_castsi512_ps(round_bf16x16(_mm512_load_ps(c1)))));
         return;
     }
     _mm512_storeu_si512(at, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(c1), _mm512_load_ps(c0)));
@@ -298,14 +297,7 @@ int vnni_linear_silu(const uint16_t *x, const uint16_t *w, uint16_t *act, int m,
     if (!gate_up) return -2;
     if (m == 1) one_row(x, w, gate_up, 2 * n, k);
     else two_rows(x, w, gate_up, 2 * n, k);
-    for (int r = 0; r < m; r++)
-        for (int64_t i = 0; i < n; i += 16) {
-            const uint16_t *g = gate_up + (int64_t)r * 2 * n + i;
-            const __m512i a = silu_and_mul16(
-                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)g)), 16)),
-                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + n))), 16)));
-            _mm256_storeu_si256((__m256i *)(act + (int64_t)r * n + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16)));
-        }
+    for (int r = 0; r < m; r++) silu_and_mul_row(gate_up + (int64_t)r * 2 * n, act + (int64_t)r * n, n);
     free(gate_up);
     return 0;
 }
