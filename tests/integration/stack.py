@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,10 +19,40 @@ from services.model_worker.host.cpu_affinity import inherited_by_children
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections' local ports."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A local TCP port nothing listens on, for a server started later.
+
+    Picked below the kernel's ephemeral range and never twice in a process: a port the kernel hands out
+    for binding port 0 is one it also gives outgoing connections, so between this call and the server's
+    bind a client of another service could take it (a gateway once failed to serve its metrics so:
+    "Address already in use")."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(20000, low) if low > 20100 else 0
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free local port found")
 
 
 def wait_serving(address: str, timeout: float = 120.0, credentials: grpc.ChannelCredentials | None = None,
