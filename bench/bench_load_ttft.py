@@ -1,15 +1,18 @@
-"""First tokens under load, in-process: N concurrent mixed-length streams against the engine alone, per step budget.
+"""First tokens under load, in-process: N concurrent mixed-length streams against the engine alone, per step budget
+and admission order.
 
 All N requests arrive at once (fresh random token ids each round, so nothing is cached), and the
 engine steps until every one has its max_tokens. Per request: the time to its first token;
 overall: output tokens per second. Each round runs every step budget
-(`--max-num-batched-tokens`) asked for on the same engine, the order reversed every other round,
-so the machine's drift falls on all of them alike. Medians over rounds, each budget's ratio to
-the first one (median of per-round ratios), and one JSON line at the end.
+(`--max-num-batched-tokens`) and admission order (`--scheduling-policy`) asked for on the same
+engine, the order reversed every other round, so the machine's drift falls on all of them alike.
+Medians over rounds, each setting's ratio to the first one (median of per-round ratios), and one
+JSON line at the end.
 
 Run it from two checkouts, alternating, to compare code before and after a change:
 
     taskset -c 1 python -m bench.bench_load_ttft --threads 1 --budgets 2048,512 --rounds 3
+    taskset -c 1 python -m bench.bench_load_ttft --threads 1 --budgets 768 --policies fcfs,shortest-first
     python -m bench.bench_load_ttft --quick    # a smoke check on a tiny checkpoint
 """
 from __future__ import annotations
@@ -42,8 +45,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def one_run(engine: LLMEngine, rng: random.Random, args, budget: int) -> dict:
+def one_run(engine: LLMEngine, rng: random.Random, args, budget: int, policy: str) -> dict:
     engine.scheduler.limits.max_num_batched_tokens = budget
+    engine.scheduler.limits.policy = policy
     vocab = engine.config.vocab_size
     requests = {}
     start = time.perf_counter()
@@ -65,7 +69,7 @@ def one_run(engine: LLMEngine, rng: random.Random, args, budget: int) -> dict:
     wall = time.perf_counter() - start
     assert tokens == sum(requests.values()), (tokens, sum(requests.values()))
     ttft = list(first.values())
-    return {"ttft_p50": statistics.median(ttft), "ttft_p90": percentile(ttft, 0.9), "all_first": max(ttft),
+    return {"ttft_p50": statistics.median(ttft), "ttft_p90": percentile(ttft, 0.9), "ttft_max": max(ttft),
             "tok_s": tokens / wall, "wall": wall, "steps": steps}
 
 
@@ -73,6 +77,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint-dir", type=pathlib.Path, default=DEFAULT_CHECKPOINT)
     p.add_argument("--budgets", default="2048,512", help="step token budgets to compare; ratios are to the first")
+    p.add_argument("--policies", default="fcfs", help="admission orders to compare (fcfs, shortest-first), each "
+                   "at every budget")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, nargs=2, default=(32, 512))
     p.add_argument("--output-tokens", type=int, nargs=2, default=(32, 128))
@@ -84,6 +90,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
+    settings = [(b, policy) for b in budgets for policy in args.policies.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         if args.quick:
             args.streams, args.rounds, args.prompt_tokens, args.output_tokens = 4, 1, (8, 40), (2, 6)
@@ -91,31 +98,32 @@ def main(argv=None) -> None:
                                        "tiny" if args.quick else "qwen3-0.6b")
         engine = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", enable_prefix_caching=False))
         engine.generate([[1000] * 64], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
-        results: dict[int, list[dict]] = {b: [] for b in budgets}
+        results: dict[tuple, list[dict]] = {s: [] for s in settings}
         for r in range(args.rounds):
-            order = budgets if r % 2 == 0 else budgets[::-1]
-            for budget in order:
-                # The same requests for every budget in a round: one seed per round.
-                res = one_run(engine, random.Random(args.seed * 1000 + r), args, budget)
-                results[budget].append(res)
-                print(f"round {r} budget {budget:5d}: TTFT p50 {res['ttft_p50']:.2f} s p90 {res['ttft_p90']:.2f} s, "
-                      f"{res['tok_s']:.1f} tok/s, {res['steps']} steps, {res['wall']:.1f} s", flush=True)
+            for budget, policy in settings if r % 2 == 0 else settings[::-1]:
+                # The same requests for every setting in a round: one seed per round.
+                res = one_run(engine, random.Random(args.seed * 1000 + r), args, budget, policy)
+                results[budget, policy].append(res)
+                print(f"round {r} budget {budget:5d} {policy}: TTFT p50 {res['ttft_p50']:.2f} s "
+                      f"p90 {res['ttft_p90']:.2f} s max {res['ttft_max']:.2f} s, {res['tok_s']:.1f} tok/s, "
+                      f"{res['steps']} steps, {res['wall']:.1f} s", flush=True)
         engine.close()
     summary = {}
-    base = results[budgets[0]]
-    for budget in budgets:
-        runs = results[budget]
-        entry = {key: statistics.median(run[key] for run in runs) for key in ("ttft_p50", "ttft_p90", "tok_s")}
-        for key in ("ttft_p50", "ttft_p90", "tok_s"):
+    base = results[settings[0]]
+    keys = ("ttft_p50", "ttft_p90", "ttft_max", "tok_s")
+    for budget, policy in settings:
+        runs = results[budget, policy]
+        entry = {key: statistics.median(run[key] for run in runs) for key in keys}
+        for key in keys:
             entry[f"{key}_ratio"] = statistics.median(run[key] / b[key] for run, b in zip(runs, base))
-        summary[budget] = entry
-        print(f"budget {budget:5d}: TTFT p50 {entry['ttft_p50']:.2f} s ({entry['ttft_p50_ratio']:.2f}x), "
+        summary[f"{budget}/{policy}"] = entry
+        print(f"budget {budget:5d} {policy}: TTFT p50 {entry['ttft_p50']:.2f} s ({entry['ttft_p50_ratio']:.2f}x), "
               f"p90 {entry['ttft_p90']:.2f} s ({entry['ttft_p90_ratio']:.2f}x), "
+              f"max {entry['ttft_max']:.2f} s ({entry['ttft_max_ratio']:.2f}x), "
               f"{entry['tok_s']:.1f} tok/s ({entry['tok_s_ratio']:.2f}x)")
     print(json.dumps({"bench": "load_ttft", "streams": args.streams, "prompt_tokens": list(args.prompt_tokens),
                       "output_tokens": list(args.output_tokens), "threads": torch.get_num_threads(),
-                      "rounds": args.rounds, "budgets": summary}))
-
+                      "rounds": args.rounds, "settings": summary}))
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,8 @@ from services.model_worker.config.engine import EngineConfig, SchedulerLimits, S
 from services.model_worker.config.model import ConfigError
 from services.model_worker.core.client import EngineClient
 from services.model_worker.core.process import CoreStartError
-from services.model_worker.config.engine import CPU_STEP_TOKENS, GPU_STEP_TOKENS, default_step_tokens
+from services.model_worker.config.engine import (CPU_STEP_TOKENS, GPU_STEP_TOKENS, SCHEDULING_POLICIES,
+                                                 default_step_tokens)
 from services.model_worker.host import cpu_affinity
 from services.model_worker.server.metrics import EngineCollector, observe_step
 from services.model_worker.server.servicer import ModelWorkerServicer
@@ -60,6 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
              f"{CPU_STEP_TOKENS} on CPU, where a shorter step gives queued prompts their first tokens sooner, "
              f"{GPU_STEP_TOKENS} on a GPU)")
     add_flag(parser, "--max-waiting", 256, "most queued requests; beyond it requests get RESOURCE_EXHAUSTED")
+    add_flag(parser, "--scheduling-policy", "shortest-first", "the order waiting prompts are admitted in: "
+             "shortest-first (the fewest tokens to compute first, cached prefixes not counted; a prompt overtaken "
+             "by 64 later arrivals goes next) or fcfs (arrival order). Under a burst, shortest-first gives most "
+             "requests their first token sooner; the last one waits about as long", choices=SCHEDULING_POLICIES)
     add_flag(parser, "--prefix-caching", True, "reuse cached KV blocks of shared prompt prefixes")
     add_flag(parser, "--enforce-eager", False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs "
              "captured at start (slower; starts sooner)")
@@ -120,7 +125,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head, int8_activations=args.int8_activations,
         vnni_weights=None if args.vnni_weights else False,  # on: where the CPU and compiler allow
-        limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting),
+        limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting,
+                               args.scheduling_policy),
         speculative=SpeculativeConfig(
             method=args.speculative_method or None, num_speculative_tokens=args.num_speculative_tokens,
             ngram_max=args.ngram_max, ngram_min=args.ngram_min, fixed_k=args.speculative_fixed_k,

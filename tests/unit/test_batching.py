@@ -22,10 +22,12 @@ def checkpoint(tmp_path_factory):
 
 
 def make_engine(checkpoint, num_blocks: int = 256, block_size: int = 4, max_num_seqs: int = 16,
-                max_num_batched_tokens: int = 512, prefix_caching: bool = True) -> LLMEngine:
+                max_num_batched_tokens: int = 512, prefix_caching: bool = True,
+                policy: str = "shortest-first") -> LLMEngine:
     return LLMEngine(checkpoint, EngineConfig(
         device="cpu", dtype="float32", num_blocks=num_blocks, block_size=block_size,
-        enable_prefix_caching=prefix_caching, limits=SchedulerLimits(max_num_seqs, max_num_batched_tokens)))
+        enable_prefix_caching=prefix_caching,
+        limits=SchedulerLimits(max_num_seqs, max_num_batched_tokens, policy=policy)))
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -80,24 +82,31 @@ def reference(checkpoint):
     return lambda reqs: alone(engine, reqs)
 
 
-def test_staggered_requests_match_each_alone(checkpoint, reference):
+# Admission order changes which requests share a step, never what any of them produces.
+POLICIES = pytest.mark.parametrize("policy", ["shortest-first", "fcfs"])
+
+
+@POLICIES
+def test_staggered_requests_match_each_alone(checkpoint, reference, policy):
     reqs = requests(seed=1)
-    engine = make_engine(checkpoint)
+    engine = make_engine(checkpoint, policy=policy)
     together = run_staggered(engine, reqs, seed=1)
     assert together == reference(reqs)
     assert [len(out) for out in together] == [p.max_tokens for _, p in reqs]
     assert len({tuple(out) for out in together}) == len(reqs)  # a degenerate model would prove nothing
 
 
-def test_chunked_prefill_matches(checkpoint, reference):
+@POLICIES
+def test_chunked_prefill_matches(checkpoint, reference, policy):
     reqs = requests(seed=2)
-    engine = make_engine(checkpoint, max_num_batched_tokens=16)  # prompts of up to 49 tokens: 4 chunks
+    engine = make_engine(checkpoint, max_num_batched_tokens=16, policy=policy)  # prompts of up to 49 tokens: 4 chunks
     assert run_staggered(engine, reqs, seed=2) == reference(reqs)
 
 
-def test_preemption_matches(checkpoint, reference):
+@POLICIES
+def test_preemption_matches(checkpoint, reference, policy):
     reqs = requests(seed=3)
-    engine = make_engine(checkpoint, num_blocks=24)  # 96 token slots for 16 requests of up to 72 tokens
+    engine = make_engine(checkpoint, num_blocks=24, policy=policy)  # 96 token slots for 16 requests of up to 72 tokens
     assert run_staggered(engine, reqs, seed=3) == reference(reqs)
     assert engine.scheduler.num_preemptions > 0
 

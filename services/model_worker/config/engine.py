@@ -27,16 +27,24 @@ def default_step_tokens(device: str) -> int:
     return CPU_STEP_TOKENS if device.startswith("cpu") else GPU_STEP_TOKENS
 
 
+# The order waiting prompts are admitted in (Scheduler): fcfs, in arrival order; shortest-first, the fewest
+# tokens first, so a burst's short prompts do not queue behind its long ones (with a bound on overtaking).
+SCHEDULING_POLICIES = ("fcfs", "shortest-first")
+
+
 @dataclass
 class SchedulerLimits:
     max_num_seqs: int = 64              # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens in one step: bounds how long a prefill chunk stalls decoding
     max_waiting: int = 256              # queued requests before new ones are refused
+    policy: str = "shortest-first"      # the order waiting prompts are admitted in: SCHEDULING_POLICIES
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
         # Otherwise a step could not give every running sequence its token.
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

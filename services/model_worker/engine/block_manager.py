@@ -154,6 +154,10 @@ class BlockManager:
             hits.append(self.blocks[block_id])
         return hits
 
+    def num_prefix_hit_tokens(self, seq: Sequence) -> int:
+        """Tokens of a waiting sequence that allocate() would find cached."""
+        return len(self._prefix_hits(seq)) * self.block_size
+
     def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
         """Whether a waiting sequence fits with `reserve` blocks to spare; hits on blocks others hold cost nothing."""
         held = sum(1 for block in self._prefix_hits(seq) if block.ref_count > 0)

@@ -76,7 +76,16 @@ class Scheduler:
     tokens already streaming. A prompt longer than the step's token budget is
     prefilled in chunks across steps. When the cache is full, the newest running
     sequence is preempted: its blocks are freed and it is recomputed later.
+
+    Waiting prompts are admitted in arrival order (policy "fcfs"), or with "shortest-first" the one
+    with the fewest tokens first. When prompts arrive together, the first token of each then waits
+    only for the shorter ones: the median wait falls, and the last first token comes about when it
+    would have anyway, once every prompt is computed. Preempted sequences, already streaming, go
+    ahead of every new prompt, and a prompt overtaken by MAX_BYPASS later arrivals is admitted
+    next, so a steady stream of short prompts cannot hold a long one back for ever.
     """
+
+    MAX_BYPASS = 64
 
     def __init__(self, block_manager: BlockManager, limits: SchedulerLimits):
         self.block_manager = block_manager
@@ -128,12 +137,25 @@ class Scheduler:
             if drafts:
                 batch.num_draft += [0] * (len(batch.seqs) - 1 - len(batch.num_draft)) + [drafts]
 
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            seq = self.waiting[0]
+        if self.waiting and budget and len(self.running) < self.limits.max_num_seqs:
+            self._admit(batch, budget)
+        if batch.num_draft:
+            batch.num_draft += [0] * (len(batch.seqs) - len(batch.num_draft))
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        """Waiting sequences join the batch, in admission order, while the budget, the sequence limit and
+        the free blocks allow."""
+        for seq in self._admission_order():
+            if budget == 0 or len(self.running) >= self.limits.max_num_seqs:
+                break
             # Keep one free block per running sequence so admitting this one doesn't force a preemption next step.
             if not self.block_manager.can_allocate(seq, reserve=len(self.running)):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            for other in self.waiting:
+                if other.arrival < seq.arrival:
+                    other.num_bypassed += 1
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -141,9 +163,19 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(wanted)
             budget -= wanted
-        if batch.num_draft:
-            batch.num_draft += [0] * (len(batch.seqs) - len(batch.num_draft))
-        return batch
+
+    def _admission_order(self) -> list[Sequence]:
+        if self.limits.policy == "fcfs":
+            return list(self.waiting)
+
+        def key(seq: Sequence) -> tuple:
+            # Preempted (already streaming) and long-overtaken sequences first, in arrival order; then the
+            # fewest tokens to compute, prefix-cache hits not counted.
+            if seq.num_preemptions or seq.num_bypassed >= self.MAX_BYPASS:
+                return (0, 0, seq.arrival)
+            return (1, len(seq) - self.block_manager.num_prefix_hit_tokens(seq), seq.arrival)
+
+        return sorted(self.waiting, key=key)
 
     def _fit_draft(self, seq: Sequence, budget: int) -> int:
         """How many of a decoding sequence's proposed tokens this step verifies: what the token budget and the
@@ -162,6 +194,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free_blocks(seq)
         seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

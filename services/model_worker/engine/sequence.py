@@ -51,6 +51,9 @@ class Sequence:
         self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = (
             [None] * len(prompt_ids) if params.prompt_logprobs is not None else None)
         self.arrival = next(_arrival)
+        # For the scheduler's admission order: times preempted, and later arrivals admitted while it waited.
+        self.num_preemptions = 0
+        self.num_bypassed = 0
         # Speculative decoding: the tokens proposed for this step (verified by it, then cleared), the
         # proposal length it adapts (set by the engine's speculator), and its own counts.
         self.draft: list[int] = []
