@@ -178,8 +178,8 @@ static inline void write_row(const results *r, int j) {
  * Each tile is loaded for the next step as soon as this step's last product reading it is issued (the
  * first step's before the loop). Tiles are not renamed: a load waits for the products that read the
  * tile before, so loading every tile at the top of the step left the tile unit waiting on four loads
- * in a row. Over the 0.6B model's four matmuls, in turns with the loads at the top: 0.89-0.93x the
- * time from 32 to 768 rows; in the engine, prefills of 32 / 128 / 512 / 768 tokens took 0.94x / 0.93x
+ * in a row. Over the 0.6B model's four matmuls, in turns with the loads at the top: 0.89-0.90x the
+ * time from 64 to 768 rows; in the engine, prefills of 32 / 128 / 512 / 768 tokens took 0.94x / 0.93x
  * / 0.92x / 0.91x the time. Loading the second weight tile before the second input group did best of
  * the orders tried; products sharing a weight tile first did worse (1.04-1.05x). */
 static inline __attribute__((always_inline)) void
