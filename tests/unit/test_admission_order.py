@@ -7,7 +7,7 @@ from services.model_worker.config.engine import SchedulerLimits
 from services.model_worker.engine.block_manager import BlockManager
 from services.model_worker.engine.scheduler import Scheduler
 from services.model_worker.main import engine_config, parse_args
-from tests.unit.test_block_manager import FakeRunner, expected_output, make_seq
+from tests.unit.test_block_manager import FakeRunner, expected_output, make_seq, two_that_preempt
 
 
 def admissions(scheduler: Scheduler, runner: FakeRunner, arrivals: dict[int, list] | None = None) -> list[str]:
@@ -74,12 +74,7 @@ def test_a_prompt_overtaken_max_bypass_times_goes_next():
 
 
 def test_a_preempted_sequence_goes_before_a_shorter_new_prompt():
-    bm = BlockManager(num_blocks=4, block_size=4)
-    scheduler = Scheduler(bm, SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64))
-    runner = FakeRunner(bm)
-    old, new = make_seq([1, 2, 3], max_tokens=9, name="old"), make_seq([4, 5, 6], max_tokens=9, name="new")
-    scheduler.add(old)
-    scheduler.add(new)
+    _, scheduler, runner, old, new = two_that_preempt()
     tiny = make_seq([9], max_tokens=2, name="tiny")
     readmitted = []
     while scheduler.has_work():

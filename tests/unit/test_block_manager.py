@@ -305,13 +305,19 @@ def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int =
     return steps
 
 
-def test_preemption_frees_the_newest_and_recomputes_it():
+def two_that_preempt() -> tuple[BlockManager, Scheduler, FakeRunner, Sequence, Sequence]:
+    """Two waiting 3-token prompts that each decode 9 tokens, in a pool too small for both: "new" gets
+    preempted."""
     bm = BlockManager(num_blocks=4, block_size=4)
     scheduler = Scheduler(bm, SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64))
-    runner = FakeRunner(bm)
     old, new = make_seq([1, 2, 3], max_tokens=9, name="old"), make_seq([4, 5, 6], max_tokens=9, name="new")
     scheduler.add(old)
     scheduler.add(new)
+    return bm, scheduler, FakeRunner(bm), old, new
+
+
+def test_preemption_frees_the_newest_and_recomputes_it():
+    bm, scheduler, runner, old, new = two_that_preempt()
     preempted_at = None
     while scheduler.has_work():
         batch = scheduler.schedule()
