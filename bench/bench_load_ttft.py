@@ -77,8 +77,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint-dir", type=pathlib.Path, default=DEFAULT_CHECKPOINT)
     p.add_argument("--budgets", default="2048,512", help="step token budgets to compare; ratios are to the first")
-    p.add_argument("--policies", default="fcfs", help="admission orders to compare (fcfs, shortest-first), each "
-                   "at every budget")
+    p.add_argument("--policies", default="shortest-first", help="admission orders to compare (shortest-first, "
+                   "the worker's default, and fcfs), each at every budget")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, nargs=2, default=(32, 512))
     p.add_argument("--output-tokens", type=int, nargs=2, default=(32, 128))
