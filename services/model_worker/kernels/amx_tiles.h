@@ -138,6 +138,52 @@ tile_block(const uint16_t *w0, const uint16_t *w1, int64_t stride, int64_t step,
     }
 }
 
+
+/* A 2 x 2 block of tile products over steps of 32 inputs: result tile 2a + b accumulates A tile 4 + a
+ * times B tile 6 + b, for the A tiles in use (5 too with two_a) and the B tiles (7 too with two_b). A
+ * tiles are 16 rows astride bytes apart, B tiles contiguous kilobytes; step s's tiles sit s * astep
+ * and s * bstep bytes on from a0, a1 and b0, b1.
+ *
+ * load_first_tiles loads step 0's tiles. step_products runs step s's products and, unless s is the
+ * last step, loads each tile with step s + 1's right after the last product reading it. Tiles are not
+ * renamed: a load waits for the products issued before it that read the tile, so loading all of a
+ * step's tiles at its top left the tile unit waiting on them every step. In this order the 0.6B
+ * model's matmuls (vnni_linear.c) took 0.89-0.90x the time and its prompt attention
+ * (prefill_attention.c) 0.95-0.99x; running the two products that share a B tile first did worse
+ * (docs/served-speed.md, item 27). Always inlined, so each call site's constants fold. */
+typedef struct {
+    const char *a0, *a1, *b0, *b1;
+    int64_t astride, astep, bstep;
+    int two_a, two_b;
+} tile_steps;
+
+static inline __attribute__((always_inline)) void load_first_tiles(const tile_steps *t) {
+    _tile_loadd(4, t->a0, t->astride);
+    if (t->two_a) _tile_loadd(5, t->a1, t->astride);
+    _tile_loadd(6, t->b0, 64);
+    if (t->two_b) _tile_loadd(7, t->b1, 64);
+}
+
+static inline __attribute__((always_inline)) void step_products(const tile_steps *t, int64_t s, int64_t steps) {
+    const int more = s + 1 < steps;
+    const int64_t a = (s + 1) * t->astep, b = (s + 1) * t->bstep;
+    _tile_dpbf16ps(0, 4, 6);
+    if (t->two_b) _tile_dpbf16ps(1, 4, 7);
+    if (more) _tile_loadd(4, t->a0 + a, t->astride);
+    if (t->two_a) {
+        _tile_dpbf16ps(2, 5, 6);
+        if (more) _tile_loadd(6, t->b0 + b, 64);
+        if (t->two_b) _tile_dpbf16ps(3, 5, 7);
+        if (more) {
+            if (t->two_b) _tile_loadd(7, t->b1 + b, 64);
+            _tile_loadd(5, t->a1 + a, t->astride);
+        }
+    } else if (more) {
+        _tile_loadd(6, t->b0 + b, 64);
+        if (t->two_b) _tile_loadd(7, t->b1 + b, 64);
+    }
+}
+
 #endif
 
 #endif

@@ -144,10 +144,9 @@ static float softmax_row(const float *s, uint16_t *p, int n, int width, float sc
 /* One block of up to 16 query rows (q0 ..) of query heads h .. h + heads - 1 (one or two, sharing
  * a KV head) against its packed keys and values. Two heads side by side load each key and value
  * tile once for both: the A tiles come from L1, the packed keys and values from L2, and a block of
- * one head loaded a tile from L2 for every multiply. As in vnni_linear.c's block_product, each tile
- * is loaded for the next step right after the last product reading it (tiles are not renamed, so
- * loads at the top of a step waited on the step before): the 0.6B shape's attention over 28 layers
- * took 0.99x, 0.97x and 0.95x the time at 128, 512 and 768 tokens, in turns, with the same bits. */
+ * one head loaded a tile from L2 for every multiply. The products and loads go in amx_tiles.h's
+ * order (step_products): the 0.6B shape's attention over 28 layers took 0.99x, 0.97x and 0.95x the
+ * time of all loads at the top of each step at 128, 512 and 768 tokens, in turns, with the same bits. */
 static inline __attribute__((always_inline)) void
 attend_block(const Rows *q, uint16_t *out, int64_t out_stride, int h, const int heads, int q0, int rows, int lq,
              int lk, int d, float scale, Scratch *w) {
@@ -168,30 +167,11 @@ attend_block(const Rows *q, uint16_t *out, int64_t out_stride, int h, const int 
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        const uint32_t *k0 = w->kp + (int64_t)g0 * steps * 256, *k1 = k0 + (int64_t)steps * 256;
-        const uint16_t *q1 = w->q + 16 * d;
-        _tile_loadd(4, w->q, d * 2);
-        if (heads == 2) _tile_loadd(5, q1, d * 2);
-        _tile_loadd(6, k0, 64);
-        if (two) _tile_loadd(7, k1, 64);
-        for (int s = 0; s < steps; s++) {
-            const int more = s + 1 < steps;
-            _tile_dpbf16ps(0, 4, 6);
-            if (two) _tile_dpbf16ps(1, 4, 7);
-            if (more) _tile_loadd(4, w->q + (s + 1) * 32, d * 2);
-            if (heads == 2) {
-                _tile_dpbf16ps(2, 5, 6);
-                if (more) _tile_loadd(6, k0 + (s + 1) * 256, 64);
-                if (two) _tile_dpbf16ps(3, 5, 7);
-                if (more) {
-                    if (two) _tile_loadd(7, k1 + (s + 1) * 256, 64);
-                    _tile_loadd(5, q1 + (s + 1) * 32, d * 2);
-                }
-            } else if (more) {
-                _tile_loadd(6, k0 + (s + 1) * 256, 64);
-                if (two) _tile_loadd(7, k1 + (s + 1) * 256, 64);
-            }
-        }
+        const uint32_t *k0 = w->kp + (int64_t)g0 * steps * 256;
+        const tile_steps t = {(const char *)w->q, (const char *)(w->q + 16 * d), (const char *)k0,
+                              (const char *)(k0 + (int64_t)steps * 256), d * 2, 64, 1024, heads == 2, two};
+        load_first_tiles(&t);
+        for (int s = 0; s < steps; s++) step_products(&t, s, steps);
         _tile_stored(0, w->s + g0 * 16, s_stride);
         if (two) _tile_stored(1, w->s + (g0 + 1) * 16, s_stride);
         if (heads == 2) {
@@ -213,30 +193,10 @@ attend_block(const Rows *q, uint16_t *out, int64_t out_stride, int h, const int 
         _tile_zero(2);
         _tile_zero(3);
         const uint32_t *v0 = w->vp + (int64_t)c0 * 256;
-        const int64_t vstep = (int64_t)chunks * 256;
-        _tile_loadd(4, w->p, w->width * 2);
-        if (heads == 2) _tile_loadd(5, w->p + head_s, w->width * 2);
-        _tile_loadd(6, v0, 64);
-        _tile_loadd(7, v0 + 256, 64);
-        for (int t = 0; t < pairs; t++) {
-            const int more = t + 1 < pairs;
-            const uint32_t *vn = more ? v0 + (t + 1) * vstep : v0;
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (more) _tile_loadd(4, w->p + (t + 1) * 32, w->width * 2);
-            if (heads == 2) {
-                _tile_dpbf16ps(2, 5, 6);
-                if (more) _tile_loadd(6, vn, 64);
-                _tile_dpbf16ps(3, 5, 7);
-                if (more) {
-                    _tile_loadd(7, vn + 256, 64);
-                    _tile_loadd(5, w->p + head_s + (t + 1) * 32, w->width * 2);
-                }
-            } else if (more) {
-                _tile_loadd(6, vn, 64);
-                _tile_loadd(7, vn + 256, 64);
-            }
-        }
+        const tile_steps t = {(const char *)w->p, (const char *)(w->p + head_s), (const char *)v0,
+                              (const char *)(v0 + 256), w->width * 2, 64, (int64_t)chunks * 1024, heads == 2, 1};
+        load_first_tiles(&t);
+        for (int pair = 0; pair < pairs; pair++) step_products(&t, pair, pairs);
         _tile_stored(0, w->o + c0 * 16, d * 4);
         _tile_stored(1, w->o + (c0 + 1) * 16, d * 4);
         if (heads == 2) {

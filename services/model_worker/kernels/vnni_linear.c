@@ -175,13 +175,11 @@ static inline void write_row(const results *r, int j) {
  * only stored into now->c, for the block after (or the caller) to write. Inlined so each call site's
  * strides fold into its loop.
  *
- * Each tile is loaded for the next step as soon as this step's last product reading it is issued (the
- * first step's before the loop). Tiles are not renamed: a load waits for the products that read the
- * tile before, so loading every tile at the top of the step left the tile unit waiting on four loads
- * in a row. Over the 0.6B model's four matmuls, in turns with the loads at the top: 0.89-0.90x the
- * time from 64 to 768 rows; in the engine, prefills of 32 / 128 / 512 / 768 tokens took 0.94x / 0.93x
- * / 0.92x / 0.91x the time. Loading the second weight tile before the second input group did best of
- * the orders tried; products sharing a weight tile first did worse (1.04-1.05x). */
+ * The products and the next step's loads in amx_tiles.h's order (step_products): over the 0.6B model's
+ * four matmuls, in turns with all four loads at the top of each step, 0.89-0.90x the time from 64 to
+ * 768 rows; in the engine, prefills of 32 / 128 / 512 / 768 tokens took 0.94x / 0.93x / 0.92x / 0.91x
+ * the time. Loading the second weight tile before the second input group did best of the orders tried;
+ * products sharing a weight tile first did worse (1.04-1.05x). */
 static inline __attribute__((always_inline)) void
 block_product(const uint16_t *w0, const uint16_t *w1, const uint16_t *a0, const uint16_t *a1, int64_t astride,
               int64_t astep, int64_t steps, int rows0, int rows1, int prefetch, int64_t next, const results *before,
@@ -191,31 +189,15 @@ block_product(const uint16_t *w0, const uint16_t *w1, const uint16_t *a0, const 
     _tile_zero(2);
     _tile_zero(3);
     const int pending = before ? before->rows : 0;
-    _tile_loadd(6, w0, 64);
-    _tile_loadd(7, w1, 64);
-    _tile_loadd(4, a0, astride);
-    if (rows1) _tile_loadd(5, a1, astride);
+    const tile_steps t = {(const char *)a0, (const char *)a1, (const char *)w0, (const char *)w1,
+                          astride, astep * 2, 1024, rows1 != 0, 1};
+    load_first_tiles(&t);
     for (int64_t s = 0; s < steps; s++) {
         if (prefetch) {
             prefetch_tile(w0 + s * 512, s, steps, prefetch, next);
             prefetch_tile(w1 + s * 512, s, steps, prefetch, next);
         }
-        const int more = s + 1 < steps;
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (more) _tile_loadd(4, a0 + (s + 1) * astep, astride);
-        if (rows1) {
-            _tile_dpbf16ps(2, 5, 6);
-            if (more) _tile_loadd(6, w0 + (s + 1) * 512, 64);
-            _tile_dpbf16ps(3, 5, 7);
-            if (more) {
-                _tile_loadd(7, w1 + (s + 1) * 512, 64);
-                _tile_loadd(5, a1 + (s + 1) * astep, astride);
-            }
-        } else if (more) {
-            _tile_loadd(6, w0 + (s + 1) * 512, 64);
-            _tile_loadd(7, w1 + (s + 1) * 512, 64);
-        }
+        step_products(&t, s, steps);
         if (s < pending) write_row(before, (int)s);
     }
     for (int j = (int)steps; j < pending; j++) write_row(before, j); /* fewer steps than rows (k < 1024) */
