@@ -125,5 +125,6 @@ def main(argv=None) -> None:
                       "output_tokens": list(args.output_tokens), "threads": torch.get_num_threads(),
                       "rounds": args.rounds, "settings": summary}))
 
+
 if __name__ == "__main__":
     main()

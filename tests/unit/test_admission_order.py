@@ -27,9 +27,9 @@ def admissions(scheduler: Scheduler, runner: FakeRunner, arrivals: dict[int, lis
     return order
 
 
-def one_at_a_time(policy: str, num_blocks: int = 64, budget: int = 64) -> tuple[Scheduler, FakeRunner]:
-    bm = BlockManager(num_blocks=num_blocks, block_size=4)
-    return Scheduler(bm, SchedulerLimits(max_num_seqs=1, max_num_batched_tokens=budget, policy=policy)), FakeRunner(bm)
+def one_at_a_time(policy: str) -> tuple[Scheduler, FakeRunner]:
+    bm = BlockManager(num_blocks=64, block_size=4)
+    return Scheduler(bm, SchedulerLimits(max_num_seqs=1, max_num_batched_tokens=64, policy=policy)), FakeRunner(bm)
 
 
 @pytest.mark.parametrize("policy, expected", [("shortest-first", ["b", "d", "e", "c", "a"]),
