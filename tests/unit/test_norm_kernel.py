@@ -118,3 +118,24 @@ def test_fused_norm_and_rotary_equal_the_torch_ops(library, dtype, dim, tokens):
         assert torch.equal(fused, unfused)
         reference = apply_rotary(rms_norm(x.double(), weight.double(), 1e-6), tuple(t.double() for t in rope))
         assert (fused.double() - reference).abs().max().item() <= 1e-5 * reference.abs().max().item()
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_bfloat16_nan_and_overflow_come_out_where_torch_puts_them(library, rotate):
+    """The wide rows' rounding has no NaN case of its own (rms_norm.c, fast_round): a NaN in a row, and
+    a weight so large its products overflow to infinity (whose rotation then subtracts infinities), give
+    NaN and infinity in the places the torch ops give them, and every other value to the bit."""
+    x, weight, rope = rope_case(torch.bfloat16, dim=128, tokens=18)
+    x = x.clone()
+    x[3, 1, 7] = float("nan")  # token 3's second head: NaN throughout
+    weight = weight.clone()
+    weight[0, 5] = 3e38  # the first q head's value 5 (and, rotated, 69) overflow in every token
+    if rotate:
+        from services.model_worker.model.layers.norm import norm_and_rotate
+        from services.model_worker.model.layers.rotary import apply_rotary
+        out, expected = norm_and_rotate(x, weight, 1e-6, rope, library), apply_rotary(rms_norm(x, weight, 1e-6), rope)
+    else:
+        out, expected = cpu_norm.rms_norm(library, x, weight, 1e-6), rms_norm(x, weight, 1e-6)
+    assert out.isnan().any() and out.isinf().any()
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out[~out.isnan()], expected[~expected.isnan()])

@@ -28,6 +28,75 @@ static inline __m512 rounded(__m512 x) { return _mm512_castsi512_ps(round_bf16x1
 static inline void store_bf16x16(uint16_t *p, __m512 x) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
 }
+
+/* The wide rows' loops below (bf16, 32 values a step) take 32 bf16 values in one load as two float32
+ * vectors, the even places (the low halves shifted up) and the odd ones (the high halves masked), and
+ * store two rounded vectors back the same way: two ops where widening and narrowing 16 values took a
+ * cross-lane shuffle each. Elementwise arithmetic does not care which places share a vector, and a
+ * row's other half (the rotation's partner) sits whole vectors away, in the same places.
+ *
+ * They round with fast_round: round_bf16x16 without its NaN case. Every NaN these loops round comes
+ * from a bf16 value widened (its low 16 bits zero, kept by the products: a NaN operand's payload
+ * passes through) or is the default NaN (low bits zero too), so adding at most 0x8000 cannot carry
+ * out of the low half, and the NaN stays a NaN. The rounding is otherwise round_bf16x16's, bit for
+ * bit. The loads' and stores' shuffles and the NaN blends were most of a 128-token prefill's 11 ms of
+ * q/k norm and rotation. */
+typedef struct {
+    __m512 even, odd;
+} bf16x32;
+
+static inline bf16x32 load_bf16x32(const uint16_t *p) {
+    const __m512i v = _mm512_loadu_si512(p);
+    return (bf16x32){_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
+                     _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)))};
+}
+
+static inline __m512 fast_round(__m512 x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i sum = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    return _mm512_castsi512_ps(_mm512_and_si512(sum, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline void store_bf16x32(uint16_t *p, bf16x32 v) { /* v: rounded (low halves zero) */
+    _mm512_storeu_si512(p, _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(v.even), 16),
+                                           _mm512_castps_si512(v.odd)));
+}
+
+/* round(w * round(x * scale)) on 32 values: norm_row's arithmetic. */
+static inline bf16x32 norm32(bf16x32 x, bf16x32 w, __m512 scale) {
+    return (bf16x32){fast_round(_mm512_mul_ps(w.even, fast_round(_mm512_mul_ps(x.even, scale)))),
+                     fast_round(_mm512_mul_ps(w.odd, fast_round(_mm512_mul_ps(x.odd, scale))))};
+}
+
+/* round(round(y * c) + round(partner * s)) on 32 values: rotate_row's arithmetic. */
+static inline __m512 rotate16(__m512 y, __m512 partner, __m512 c, __m512 s) {
+    return fast_round(_mm512_add_ps(fast_round(_mm512_mul_ps(y, c)), fast_round(_mm512_mul_ps(partner, s))));
+}
+
+/* Most values a row rotated in registers may have (128 is Qwen3's head size). */
+#define WIDE_ROTATE_MAX 256
+
+/* One bf16 row normalised (and rotated, where cos is not NULL) straight from x into out, given its sum
+ * of squares: dim a multiple of 32 (64 with rotation, at most WIDE_ROTATE_MAX). */
+__attribute__((optimize("fp-contract=off")))
+static inline void wide_row(const uint16_t *x, const uint16_t *w, const uint16_t *cos, const uint16_t *signed_sin,
+                            uint16_t *out, int dim, float eps, float sum) {
+    const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(sum / (float)dim + eps));
+    if (!cos) {
+        for (int d = 0; d < dim; d += 32) store_bf16x32(out + d, norm32(load_bf16x32(x + d), load_bf16x32(w + d), scale));
+        return;
+    }
+    bf16x32 y[WIDE_ROTATE_MAX / 32];
+    const int n = dim / 32, half = n / 2;
+    for (int i = 0; i < n; i++) y[i] = norm32(load_bf16x32(x + i * 32), load_bf16x32(w + i * 32), scale);
+    for (int i = 0; i < n; i++) {
+        const bf16x32 c = load_bf16x32(cos + i * 32), s = load_bf16x32(signed_sin + i * 32);
+        const bf16x32 partner = y[i < half ? i + half : i - half];
+        store_bf16x32(out + i * 32, (bf16x32){rotate16(y[i].even, partner.even, c.even, s.even),
+                                              rotate16(y[i].odd, partner.odd, c.odd, s.odd)});
+    }
+}
 #endif
 
 /* Rows split across threads from this many values: a decode step of 8 sequences (8 x 1024) and up;
@@ -198,6 +267,30 @@ static void normalise(const void *x, int64_t group_stride, int group_rows, const
     const int chunk = rows >= WIDE_ROWS && is_bf16 && dim % 16 == 0 ? 16 : SUM_ROWS;
 #else
     const int chunk = SUM_ROWS;
+#endif
+#ifdef __AVX512F__
+    if (is_bf16 && dim % 32 == 0 && (!cos || (dim % 64 == 0 && dim <= WIDE_ROTATE_MAX))) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_VALUES)
+        for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+            const int count = rows - r0 < chunk ? (int)(rows - r0) : chunk;
+            int64_t base[16];
+            float sums[16];
+            for (int i = 0; i < count; i++) base[i] = row_base(r0 + i, group_stride, group_rows, dim);
+            if (count == 16 && chunk == 16)
+                row_sums16((const uint16_t *)x, base, dim, sums);
+            else
+                for (int i = 0; i < count; i += SUM_ROWS)
+                    row_sums(x, base + i, count - i < SUM_ROWS ? count - i : SUM_ROWS, dim, 1, sums + i);
+            for (int i = 0; i < count; i++) {
+                const int64_t r = r0 + i, t = r / group_rows;
+                wide_row((const uint16_t *)x + base[i], (const uint16_t *)weight + (r % weight_rows) * (int64_t)dim,
+                         cos ? (const uint16_t *)cos + t * dim : NULL,
+                         cos ? (const uint16_t *)signed_sin + t * dim : NULL, (uint16_t *)out + r * dim, dim, eps,
+                         sums[i]);
+            }
+        }
+        return;
+    }
 #endif
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_VALUES)
     for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
