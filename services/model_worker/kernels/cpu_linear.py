@@ -35,10 +35,10 @@ def load_amx() -> ctypes.CDLL | None:
     return library
 
 
-def load_vnni() -> ctypes.CDLL | None:
+def load_vnni(source: pathlib.Path = VNNI_SOURCE) -> ctypes.CDLL | None:
     """The kernels on VNNI-ordered weights; None where they cannot be built, the CPU has no AMX-BF16 or
-    the OS refuses its tile state."""
-    library = build.load(VNNI_SOURCE, "VNNI linear")
+    the OS refuses its tile state. source: another copy of vnni_linear.c (a benchmark's older one)."""
+    library = build.load(source, "VNNI linear")
     if library is None or not library.vnni_linear_supported():
         return None
     library.vnni_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]

@@ -12,9 +12,10 @@ SOURCE = pathlib.Path(__file__).with_name("rms_norm.c")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (with a warning) where it cannot be built."""
-    library = build.load(SOURCE, "RMSNorm")
+def load(source: pathlib.Path = SOURCE) -> ctypes.CDLL | None:
+    """The compiled kernel, or None (with a warning) where it cannot be built. source: another copy of
+    rms_norm.c (a benchmark's older one)."""
+    library = build.load(source, "RMSNorm")
     if library is not None:
         library.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_int]
