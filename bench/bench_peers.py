@@ -7,8 +7,8 @@ through the same OpenAI HTTP route, `POST /v1/completions` streamed, with token-
   - mixed16: 16 concurrent streams, prompts 32-512 tokens, outputs 32-128: TTFT p50/p90, tok/s;
   - burst64: 64 requests sent at once (prompts and outputs as --burst-*): TTFT p50/p90, tok/s.
 Start-up time is from launching a system to its first completed request. Each round runs every
-system once (the order reversed every other round) on the same requests; medians over rounds,
-ratios ours / peer are medians of per-round ratios.
+system once (the order reversed every other round) on the same requests, the single stream request
+by request in turns; medians over rounds, ratios ours / peer are medians of per-round ratios.
 
 Placements (`--placement`): `split` pins each engine's compute to one CPU (`--engine-cpu`, ours
 through `--engine-cpus`, vLLM through VLLM_CPU_OMP_THREADS_BIND) and runs the fronts and this
@@ -105,14 +105,15 @@ def run_concurrent(port: int, model: str, requests: list[tuple[list[int], int]])
             "tok_s": sum(r["tokens"] for r in results) / wall, "wall": wall}
 
 
+def single_figures(results: list[dict]) -> dict:
+    """Streams run one at a time: median TTFT and decode tok/s (tokens after the first over their time)."""
+    return {"ttft": statistics.median(r["first"] - r["start"] for r in results),
+            "decode_tok_s": statistics.median((r["tokens"] - 1) / (r["end"] - r["first"]) for r in results)}
+
+
 def run_single(port: int, model: str, requests: list[tuple[list[int], int]]) -> dict:
-    """One stream at a time: median TTFT and decode tok/s (tokens after the first over their time)."""
-    ttft, decode = [], []
-    for prompt, max_tokens in requests:
-        r = stream_completion(port, prompt, max_tokens, model)
-        ttft.append(r["first"] - r["start"])
-        decode.append((r["tokens"] - 1) / (r["end"] - r["first"]))
-    return {"ttft": statistics.median(ttft), "decode_tok_s": statistics.median(decode)}
+    """One stream at a time: single_figures."""
+    return single_figures([stream_completion(port, prompt, max_tokens, model) for prompt, max_tokens in requests])
 
 
 # -- the served systems -------------------------------------------------------------------------------
@@ -264,8 +265,40 @@ def workloads(args) -> dict:
     }
 
 
+def warm(system: Served, timeout: float = 60) -> None:
+    """One short untimed request, retried while the server answers 503: a system just resumed reconnects
+    its own channels, and our gateway answers "retry shortly" until its health check of the worker,
+    frozen with it, has run again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            stream_completion(system.port, [VOCAB_LOW] * 8, 2, system.model)
+            return
+        except RuntimeError as e:
+            if not str(e).startswith("HTTP 503") or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def alone(systems: dict[str, Served], name: str, run):
+    """run(system) with every other system paused, after warm()."""
+    others = [s for n, s in systems.items() if n != name]
+    for other in others:
+        other.pause()
+    try:
+        warm(systems[name])
+        return run(systems[name])
+    finally:
+        for other in others:
+            other.resume()
+
+
 def serve_rounds(systems: dict[str, Served], args) -> dict:
-    """Every workload, every round, every system in turn on the same requests."""
+    """Every workload, every round, every system in turn on the same requests.
+
+    The single stream takes turns request by request (the order flipping each request): this machine's
+    speed drifts over seconds, its matrix unit's most (docs/peers.md, "What is left"), and all of one
+    system's requests and then all of the other's met two different machines."""
     figures: dict[str, dict[str, list[dict]]] = {name: {w: [] for w in args.workloads} for name in systems}
     names = list(systems)
     for r in range(args.rounds):
@@ -273,17 +306,17 @@ def serve_rounds(systems: dict[str, Served], args) -> dict:
             run, spec = workloads(args)[w]
             requests = make_requests(random.Random(f"{args.seed}-{r}-{w}"), spec["count"], spec["prompt"],
                                      spec["output"])
-            for name in (names if r % 2 == 0 else names[::-1]):
-                others = [s for n, s in systems.items() if n != name]
-                for other in others:
-                    other.pause()
-                try:
-                    # One short untimed request first: a system just resumed reconnects its own channels.
-                    stream_completion(systems[name].port, [VOCAB_LOW] * 8, 2, systems[name].model)
-                    res = run(systems[name].port, systems[name].model, requests)
-                finally:
-                    for other in others:
-                        other.resume()
+            order = names if r % 2 == 0 else names[::-1]
+            if run is run_single:
+                streams: dict[str, list[dict]] = {name: [] for name in order}
+                for j, (prompt, max_tokens) in enumerate(requests):
+                    for name in (order if j % 2 == 0 else order[::-1]):
+                        streams[name].append(alone(systems, name, lambda s, p=prompt, m=max_tokens: stream_completion(
+                            s.port, p, m, s.model)))
+                results = {name: single_figures(streams[name]) for name in order}
+            else:
+                results = {name: alone(systems, name, lambda s, q=requests: run(s.port, s.model, q)) for name in order}
+            for name, res in results.items():
                 figures[name][w].append(res)
                 print(f"round {r} {w:8s} {name:5s} " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
     return figures
