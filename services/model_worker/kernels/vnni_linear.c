@@ -59,8 +59,8 @@
 /* Up to this many group pairs (prompts of up to 128 rows), every pair of a block pulls a share of
  * the next block into L2 (prefetch_share), so the block's first pair finds it there instead of
  * streaming it from memory while the tile unit waits. Over the 0.6B model's four matmuls, in turns:
- * 0.92-0.94x the time at 96 and 128 rows, 0.97x at 64; a 128-token prefill took 0.93x. With more
- * pairs the next block crowded the pass's input tiles out of L2: 1.08-1.34x the time from 192 rows. */
+ * 0.92-0.97x the time at 64-128 rows. With more pairs the next block crowded the pass's input tiles out
+ * of L2: 1.08-1.34x the time from 192 rows. What is left at 128 rows: docs/served-speed.md, item 28. */
 #define AHEAD_MAX_PAIRS 4
 
 int vnni_linear_supported(void) { return request_tile_state(); }
