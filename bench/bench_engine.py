@@ -108,6 +108,12 @@ def random_prompt(length: int, vocab: int, generator: torch.Generator) -> list[i
     return torch.randint(0, vocab, (length,), generator=generator).tolist()
 
 
+def paired_medians(runs: dict[str, list[float]], mine: str, base: str) -> tuple[float, dict[str, float]]:
+    """For paths timed in turns: the median of per-round ratios mine / base, and each path's median."""
+    ratio = statistics.median(a / b for a, b in zip(runs[mine], runs[base]))
+    return ratio, {name: statistics.median(t) for name, t in runs.items()}
+
+
 def run_ours(engine: LLMEngine, prompt: list[int], new_tokens: int) -> Run:
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     request_id = f"bench-{time.monotonic_ns()}"

@@ -17,7 +17,6 @@ import argparse
 import json
 import pathlib
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.bench_engine import DEFAULT_CHECKPOINT, ensure_checkpoint, run_ours  # noqa: E402
+from bench.bench_engine import DEFAULT_CHECKPOINT, ensure_checkpoint, paired_medians, run_ours  # noqa: E402
 from services.model_worker.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from services.model_worker.kernels import cpu_linear, cpu_norm  # noqa: E402
 from services.model_worker.model.layers.norm import RMSNorm  # noqa: E402
@@ -113,8 +112,7 @@ def main(argv=None) -> None:
                   f"  tree/rev {runs['tree'][-1] / runs['rev'][-1]:.3f}", flush=True)
     results = {}
     for tokens, runs in times.items():
-        ratio = statistics.median(a / b for a, b in zip(runs["tree"], runs["rev"]))
-        med = {name: statistics.median(t) for name, t in runs.items()}
+        ratio, med = paired_medians(runs, "tree", "rev")
         print(f"prefill {tokens:4d}: tree {med['tree'] * 1e3:7.1f} ms  rev {med['rev'] * 1e3:7.1f} ms  "
               f"tree/rev {ratio:.3f}x  first tokens agreed {agreed[tokens]}/{args.rounds}", flush=True)
         results[tokens] = {"tree_s": med["tree"], "rev_s": med["rev"], "ratio": ratio, "agreed": agreed[tokens]}

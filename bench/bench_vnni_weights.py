@@ -16,7 +16,6 @@ import argparse
 import json
 import pathlib
 import random
-import statistics
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -25,7 +24,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.bench_engine import DEFAULT_CHECKPOINT, ensure_checkpoint, run_ours, run_ours_streams  # noqa: E402
+from bench.bench_engine import (DEFAULT_CHECKPOINT, ensure_checkpoint, paired_medians, run_ours,  # noqa: E402
+                                run_ours_streams)
 from services.model_worker.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from services.model_worker.model.layers.linear import VnniLinearMethod  # noqa: E402
 
@@ -78,8 +78,7 @@ def main(argv=None) -> None:
                   f"vnni/plain {runs['vnni'][-1] / runs['plain'][-1]:.3f}", flush=True)
     results = {}
     for workload, runs in times.items():
-        ratio = statistics.median(a / b for a, b in zip(runs["vnni"], runs["plain"]))
-        med = {name: statistics.median(t) for name, t in runs.items()}
+        ratio, med = paired_medians(runs, "vnni", "plain")
         unit = "tok/s" if workload == "decode" else "ms"
         scale = 1 if workload == "decode" else 1e3
         print(f"{workload:12s}: vnni {med['vnni'] * scale:8.1f} {unit}  plain {med['plain'] * scale:8.1f} {unit}  "
