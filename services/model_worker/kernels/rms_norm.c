@@ -185,14 +185,12 @@ static inline int64_t row_base(int64_t r, int64_t group_stride, int group_rows, 
     return r / group_rows * group_stride + r % group_rows * (int64_t)dim;
 }
 
-/* Rows r0 .. r0 + count - 1 (count: at most `chunk`, fewer at the end) normalised into
- * y[i * dim ...] by norm_row, their sums of squares added side by side (16 rows by row_sums16 where
- * chunk is 16, else SUM_ROWS at a time by row_sums); returns count. */
-static inline int norm_rows(const void *x, int64_t r0, int64_t rows, int chunk, int64_t group_stride, int group_rows,
-                            const void *weight, int weight_rows, int dim, float eps, int is_bf16, float *y) {
+/* Where rows r0 .. r0 + count - 1 start in x (base) and their sums of squares, added side by side (16
+ * rows by row_sums16 where chunk is 16, else SUM_ROWS at a time by row_sums); count is at most `chunk`,
+ * fewer at the end. Returns count. */
+static inline int chunk_sums(const void *x, int64_t r0, int64_t rows, int chunk, int64_t group_stride, int group_rows,
+                             int dim, int is_bf16, int64_t base[16], float sums[16]) {
     const int count = rows - r0 < chunk ? (int)(rows - r0) : chunk;
-    int64_t base[16];
-    float sums[16];
     for (int i = 0; i < count; i++) base[i] = row_base(r0 + i, group_stride, group_rows, dim);
 #ifdef __AVX512F__
     if (count == 16 && chunk == 16)
@@ -201,6 +199,16 @@ static inline int norm_rows(const void *x, int64_t r0, int64_t rows, int chunk, 
 #endif
         for (int i = 0; i < count; i += SUM_ROWS)
             row_sums(x, base + i, count - i < SUM_ROWS ? count - i : SUM_ROWS, dim, is_bf16, sums + i);
+    return count;
+}
+
+/* Rows r0 .. r0 + count - 1 normalised into y[i * dim ...] by norm_row, their sums by chunk_sums;
+ * returns count. */
+static inline int norm_rows(const void *x, int64_t r0, int64_t rows, int chunk, int64_t group_stride, int group_rows,
+                            const void *weight, int weight_rows, int dim, float eps, int is_bf16, float *y) {
+    int64_t base[16];
+    float sums[16];
+    const int count = chunk_sums(x, r0, rows, chunk, group_stride, group_rows, dim, is_bf16, base, sums);
     for (int i = 0; i < count; i++)
         norm_row(x, base[i], weight, ((r0 + i) % weight_rows) * (int64_t)dim, dim, eps, is_bf16, sums[i],
                  y + (size_t)i * dim);
@@ -272,15 +280,9 @@ static void normalise(const void *x, int64_t group_stride, int group_rows, const
     if (is_bf16 && dim % 32 == 0 && (!cos || (dim % 64 == 0 && dim <= WIDE_ROTATE_MAX))) {
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_VALUES)
         for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
-            const int count = rows - r0 < chunk ? (int)(rows - r0) : chunk;
             int64_t base[16];
             float sums[16];
-            for (int i = 0; i < count; i++) base[i] = row_base(r0 + i, group_stride, group_rows, dim);
-            if (count == 16 && chunk == 16)
-                row_sums16((const uint16_t *)x, base, dim, sums);
-            else
-                for (int i = 0; i < count; i += SUM_ROWS)
-                    row_sums(x, base + i, count - i < SUM_ROWS ? count - i : SUM_ROWS, dim, 1, sums + i);
+            const int count = chunk_sums(x, r0, rows, chunk, group_stride, group_rows, dim, 1, base, sums);
             for (int i = 0; i < count; i++) {
                 const int64_t r = r0 + i, t = r / group_rows;
                 wide_row((const uint16_t *)x + base[i], (const uint16_t *)weight + (r % weight_rows) * (int64_t)dim,
