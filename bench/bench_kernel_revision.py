@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from bench.bench_engine import DEFAULT_CHECKPOINT, ensure_checkpoint, paired_medians, run_ours  # noqa: E402
 from services.model_worker.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from services.model_worker.kernels import cpu_linear, cpu_norm  # noqa: E402
-from services.model_worker.model.layers.norm import RMSNorm  # noqa: E402
+from services.model_worker.model.layers.norm import use_norm_kernel  # noqa: E402
 
 KERNEL_DIR = "services/model_worker/kernels"
 
@@ -43,16 +43,8 @@ def use_vnni(model: torch.nn.Module, library) -> int:
     return len(layers)
 
 
-def use_norm(model: torch.nn.Module, library) -> int:
-    """Point every RMSNorm on the C kernel (q/k norms and rotation included) at `library`; returns how many."""
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm) and m.kernel is not None]
-    for norm in norms:
-        norm.kernel = library
-    return len(norms)
-
-
 # name: (the loader, taking the source path; what points a model at the library)
-KERNELS = {"vnni_linear": (cpu_linear.load_vnni, use_vnni), "rms_norm": (cpu_norm.load, use_norm)}
+KERNELS = {"vnni_linear": (cpu_linear.load_vnni, use_vnni), "rms_norm": (cpu_norm.load, use_norm_kernel)}
 
 
 def sources_at(rev: str, directory: pathlib.Path) -> None:
