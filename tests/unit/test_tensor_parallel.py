@@ -121,9 +121,9 @@ def test_sizes_that_do_not_divide_are_refused_naming_the_numbers(tmp_path):
 
 GROUPS_PROBE = """
 import torch, torch.distributed as dist
-from services.model_worker.distributed.group import _join
+from services.model_worker.distributed.group import _join, private_store
 from services.model_worker.distributed.parallel import TensorParallel
-store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+store, _ = private_store(1)  # the rendezvous the worker's ranks use
 tp = TensorParallel(0, 1)
 _join(store, tp, torch.device("cpu"))
 tp.size = 2  # one process, but take the collective paths a real group takes
@@ -139,6 +139,9 @@ try:
     out["min_on_default"] = "ran"
 except RuntimeError as e:
     out["min_on_default"] = str(e)
+# Without this, the groups' threads are torn down by the interpreter's exit, which now and then
+# aborts the process ("terminate called without an active exception") after the result is printed.
+dist.destroy_process_group()
 print(json.dumps(out))
 """
 
