@@ -14,13 +14,14 @@ from tests.checkpoints import make_checkpoint
 from tests.unit.test_optimize import as_layer
 from tests.unit.test_small_batch_linear import rounding_bound
 
-pytestmark = pytest.mark.skipif("amx_bf16" not in build.cpu_features(), reason="the CPU has no AMX-BF16")
+pytestmark = pytest.mark.skipif("avx512_bf16" not in build.cpu_features(), reason="the CPU has no AVX512-BF16")
+AMX = "amx_bf16" in build.cpu_features()
 
 
 @pytest.fixture(scope="module")
 def vnni():
     library = cpu_linear.load_vnni()
-    assert library is not None, "the VNNI kernels must build and run on a CPU with AMX-BF16"
+    assert library is not None, "the VNNI kernels must build and run on a CPU with AVX512-BF16"
     return library
 
 
@@ -73,6 +74,38 @@ def test_one_and_two_rows_sum_each_output_in_input_order(vnni):
     assert expected.abs().max() < 256
     assert torch.equal(cpu_linear.vnni_linear(vnni, x[:1], packed).double(), expected[:1])
     assert torch.equal(cpu_linear.vnni_linear(vnni, x, packed).double(), expected)
+
+
+@pytest.mark.parametrize("rows", [3, 4, 6, 7, 13, 64, 130])
+@pytest.mark.parametrize("out_features,in_features", [(32, 32), (96, 288), (352, 1024), (64, 3072)])
+def test_register_tiles_without_amx_match_float64_and_give_each_row_its_own_bits(vnni, rows, out_features,
+                                                                                   in_features):
+    """What a CPU without AMX runs from three rows (AVX512-BF16 register tiles of 6 rows by 64 outputs, 32 at
+    the edge): each output's input pairs added in order, as the one-row kernel adds them, so every row gets
+    the bits it gets alone, whatever rows share the call (a decode step's or a prompt's)."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    packed = cpu_linear.vnni_pack_(vnni, w.clone())
+    out = cpu_linear.vnni_linear_avx512(vnni, x, packed)
+    reference = x.double() @ w.double().T
+    assert out.shape == (rows, out_features)
+    assert (out.double() - reference).abs().max().item() <= (F.linear(x, w).double() - reference).abs().max() * 2
+    alone = torch.cat([cpu_linear.vnni_linear_avx512(vnni, x[i:i + 1], packed) for i in range(rows)])
+    assert torch.equal(out, alone)
+    if not AMX:  # what vnni_linear runs here
+        assert torch.equal(cpu_linear.vnni_linear(vnni, x, packed), out)
+
+
+def test_register_tiles_sum_each_output_in_input_order(vnni):
+    """Small integers: exact in any order, so a misplaced pair, row or output shows as a wrong integer."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randint(-3, 4, (13, 256), generator=gen).bfloat16()
+    w = torch.randint(-3, 4, (96, 256), generator=gen).bfloat16()
+    expected = x.double() @ w.double().T
+    assert expected.abs().max() < 256
+    out = cpu_linear.vnni_linear_avx512(vnni, x, cpu_linear.vnni_pack_(vnni, w.clone()))
+    assert torch.equal(out.double(), expected)
 
 
 def test_leading_shapes_and_bad_inputs(vnni):
@@ -207,8 +240,9 @@ def test_the_engine_reorders_the_decoder_and_keeps_the_tied_head_on_the_embeddin
 
 
 def test_reordered_and_plain_engines_generate_alike(tied_checkpoint):
-    """From 3 rows the reordered weights give the AMX kernel's very bits; 1-2 rows sum in another order, so
-    greedy tokens may part at a near-tie: they must agree at first, and the logits within bf16 rounding."""
+    """From 3 rows the reordered weights give the AMX kernel's very bits (without AMX, oneDNN's to rounding);
+    1-2 rows sum in another order, so greedy tokens may part at a near-tie: they must agree at first, and
+    the logits within bf16 rounding."""
     from services.model_worker.config.sampling import SamplingParams
     from tests.unit.test_engine_reference import forward, random_prompt
 
@@ -216,7 +250,10 @@ def test_reordered_and_plain_engines_generate_alike(tied_checkpoint):
                                                        vnni_weights=flag)) for flag in (None, False)]
     prompts = [random_prompt(n, seed=40 + n) for n in (5, 40)]
     prefill = [forward(engine, prompts) for engine in engines]
-    assert all(torch.equal(a, b) for a, b in zip(*prefill))  # prefill rows: AMX on both, the same bits
+    if AMX:
+        assert all(torch.equal(a, b) for a, b in zip(*prefill))  # prefill rows: AMX on both, the same bits
+    else:  # the register tiles against oneDNN: the same products, summed in another order
+        assert all((a.float() - b.float()).abs().max() <= 0.05 * b.float().abs().max() for a, b in zip(*prefill))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     vnni, plain = (engine.generate([prompts[0]], params)[0] for engine in engines)
     assert len(vnni) == 12 and vnni[:4] == plain[:4]

@@ -1,6 +1,7 @@
 """The bf16 matmul C kernels, called through ctypes: on the plain weight, a few rows
 (small_batch_linear.c, AVX512-BF16) and up to a few hundred (amx_linear.c, AMX tiles); on a weight
-reordered into AMX's VNNI layout, every row count (vnni_linear.c)."""
+reordered into AMX's VNNI layout, every row count (vnni_linear.c: AMX tiles, or AVX512-BF16 register
+tiles on CPUs without AMX)."""
 from __future__ import annotations
 
 import ctypes
@@ -36,15 +37,18 @@ def load_amx() -> ctypes.CDLL | None:
 
 
 def load_vnni(source: pathlib.Path = VNNI_SOURCE) -> ctypes.CDLL | None:
-    """The kernels on VNNI-ordered weights; None where they cannot be built, the CPU has no AMX-BF16 or
-    the OS refuses its tile state. source: another copy of vnni_linear.c (a benchmark's older one)."""
+    """The kernels on VNNI-ordered weights; None where they cannot be built, the CPU has no AVX512-BF16, or
+    it has AMX-BF16 and the OS refuses its tile state. source: another copy of vnni_linear.c (a benchmark's
+    older one)."""
     library = build.load(source, "VNNI linear")
     if library is None or not library.vnni_linear_supported():
         return None
-    library.vnni_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    library.vnni_linear.restype = ctypes.c_int
-    library.vnni_linear_silu.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    library.vnni_linear_silu.restype = ctypes.c_int
+    kernels = ["vnni_linear", "vnni_linear_silu"]
+    if hasattr(library, "vnni_linear_avx512"):  # an older copy may not have it
+        kernels.append("vnni_linear_avx512")
+    for name in kernels:
+        getattr(library, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        getattr(library, name).restype = ctypes.c_int
     library.vnni_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     library.vnni_pack.restype = ctypes.c_int
     return library
@@ -83,6 +87,12 @@ def amx_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> t
 def vnni_linear(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x: (..., K) bf16; packed: a weight from vnni_pack_, (N / 16, K / 2, 16, 2). Returns x @ W.T, (..., N) bf16."""
     return _call(library.vnni_linear, x, packed, packed.shape[0] * 16, packed.shape[1] * 2)
+
+
+def vnni_linear_avx512(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """vnni_linear as a CPU without AMX runs it (AVX512-BF16 register tiles from three rows), on any CPU
+    with AVX512-BF16."""
+    return _call(library.vnni_linear_avx512, x, packed, packed.shape[0] * 16, packed.shape[1] * 2)
 
 
 def vnni_linear_silu(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -43,9 +43,13 @@
 #include "amx_tiles.h"
 #include "silu.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define VNNI_AMX 1
+#endif
 
 #define ONE_ROW_BLOCKS 8  /* 16-output blocks in flight for one row: 4 streamed alike, 16 slower */
 #define TWO_ROW_BLOCKS 4  /* for two rows: 8 accumulators */
@@ -63,7 +67,11 @@
  * of L2: 1.08-1.34x the time from 192 rows. What is left at 128 rows: docs/served-speed.md, item 28. */
 #define AHEAD_MAX_PAIRS 4
 
+#ifdef VNNI_AMX
 int vnni_linear_supported(void) { return request_tile_state(); }
+#else
+int vnni_linear_supported(void) { return 1; }
+#endif
 
 /* Pull into cache the 16 lines of the tile `ahead` steps on: in this block, or past its end in the block
  * this thread reads next, `next` values on (so a new block does not start on a miss). Always inlined:
@@ -128,6 +136,65 @@ static void two_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_
     }
 }
 
+/* Three rows and more without AMX (AVX512-BF16 alone, as on AMD's Zen 4): register tiles of RT_ROWS
+ * input rows by RT_BLOCKS 16-output blocks, 24 float32 accumulators. Each input pair step loads one
+ * 64-byte line of each block and multiplies it by each row's broadcast pair: 24 dot products for 4
+ * line loads and 6 broadcasts, so the products, not the loads, set the pace. Every output adds its
+ * input pairs in order from zero, as one_row and two_rows do, and is rounded once the same way: a row
+ * gets the same bits whatever rows share its call (a decode step's, a prompt's). The block group's
+ * weights (64 k bytes a block) stay in L2 while every row tile passes over them; the first pass
+ * streams them from memory. */
+#define RT_ROWS 6
+#define RT_BLOCKS 4
+#define RT_PREFETCH_PAIRS 16 /* weight lines ahead in each block's stream (1 KB) */
+
+static inline __attribute__((always_inline)) void row_tile(const uint32_t *pairs, int64_t k, const uint16_t *w,
+                                                           uint16_t *out, int64_t n, const int rows, const int nb) {
+    __m512 acc[RT_ROWS][RT_BLOCKS];
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < nb; b++) acc[r][b] = _mm512_setzero_ps();
+    const int64_t steps = k / 2;
+    for (int64_t p = 0; p < steps; p++) {
+        __m512bh line[RT_BLOCKS];
+        for (int b = 0; b < nb; b++) {
+            const uint16_t *at = w + b * 16 * k + p * 32;
+            _mm_prefetch((const char *)(at + RT_PREFETCH_PAIRS * 32), _MM_HINT_T0);
+            line[b] = (__m512bh)_mm512_loadu_si512(at);
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)pairs[r * steps + p]);
+            for (int b = 0; b < nb; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], line[b], pair);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < nb; b++)
+            _mm256_storeu_si256((__m256i *)(out + r * n + b * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][b]));
+}
+
+/* row_tile with its row and block counts constants, so each tile's loops unroll into registers. */
+#define ROW_TILE_CASE(r) \
+    case r: nb == RT_BLOCKS ? row_tile(pairs, k, w, out, n, r, RT_BLOCKS) : row_tile(pairs, k, w, out, n, r, 2); break;
+
+static void row_tile_of(const uint32_t *pairs, int64_t k, const uint16_t *w, uint16_t *out, int64_t n, int rows,
+                        int nb) {
+    switch (rows) {
+        ROW_TILE_CASE(1) ROW_TILE_CASE(2) ROW_TILE_CASE(3) ROW_TILE_CASE(4) ROW_TILE_CASE(5) ROW_TILE_CASE(6)
+    }
+}
+
+static void avx512_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
+    const int64_t blocks = n / 16;
+    const uint32_t *pairs = (const uint32_t *)x;
+#pragma omp parallel for schedule(static)
+    for (int64_t b0 = 0; b0 < blocks; b0 += RT_BLOCKS) {
+        const int nb = blocks - b0 < RT_BLOCKS ? (int)(blocks - b0) : RT_BLOCKS; /* 2: n is a multiple of 32 */
+        for (int m0 = 0; m0 < m; m0 += RT_ROWS)
+            row_tile_of(pairs + (int64_t)m0 * (k / 2), k, w + b0 * 16 * k, out + (int64_t)m0 * n + b0 * 16, n,
+                        m - m0 < RT_ROWS ? m - m0 : RT_ROWS, nb);
+    }
+}
+
+#ifdef VNNI_AMX
 /* Tiles 0-3: results, 2g + j for input group g and weight block j; 4-5: the two input groups (rows0,
  * rows1 rows of 32 inputs); 6-7: the two weight blocks' tiles (16 input pairs by 16 outputs). */
 static void configure_vnni(int rows0, int rows1) {
@@ -303,13 +370,29 @@ static int amx_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, 
     return 0;
 }
 
+#endif /* VNNI_AMX */
+
 /* x: (m, k) bf16; w: the weight in VNNI order (vnni_pack); out: (m, n) bf16. n and k multiples of 32.
  * Returns 0; -1 for a shape it does not take; -2 out of memory. */
 int vnni_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
     if (m < 1 || n % 32 || k % 32) return -1;
     if (m == 1) one_row(x, w, out, n, k);
     else if (m == 2) two_rows(x, w, out, n, k);
+#ifdef VNNI_AMX
     else return amx_rows(x, w, out, m, n, k, 0);
+#else
+    else avx512_rows(x, w, out, m, n, k);
+#endif
+    return 0;
+}
+
+/* vnni_linear without AMX at every row count: three rows and more on the AVX-512 register tiles that
+ * CPUs without AMX take (so CPUs with AMX can test them too). */
+int vnni_linear_avx512(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
+    if (m < 1 || n % 32 || k % 32) return -1;
+    if (m == 1) one_row(x, w, out, n, k);
+    else if (m == 2) two_rows(x, w, out, n, k);
+    else avx512_rows(x, w, out, m, n, k);
     return 0;
 }
 
@@ -321,11 +404,14 @@ int vnni_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int6
  * take; -2 out of memory. */
 int vnni_linear_silu(const uint16_t *x, const uint16_t *w, uint16_t *act, int m, int64_t n, int64_t k) {
     if (m < 1 || n % 16 || k % 32) return -1;
+#ifdef VNNI_AMX
     if (m >= 3) return amx_rows(x, w, act, m, n, k, 1);
+#endif
     uint16_t *gate_up = malloc((size_t)m * 2 * n * sizeof(uint16_t));
     if (!gate_up) return -2;
     if (m == 1) one_row(x, w, gate_up, 2 * n, k);
-    else two_rows(x, w, gate_up, 2 * n, k);
+    else if (m == 2) two_rows(x, w, gate_up, 2 * n, k);
+    else avx512_rows(x, w, gate_up, m, 2 * n, k);
     for (int r = 0; r < m; r++) silu_and_mul_row(gate_up + (int64_t)r * 2 * n, act + (int64_t)r * n, n);
     free(gate_up);
     return 0;
@@ -342,6 +428,11 @@ int vnni_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int6
 
 int vnni_linear_silu(const uint16_t *x, const uint16_t *w, uint16_t *act, int m, int64_t n, int64_t k) {
     (void)x, (void)w, (void)act, (void)m, (void)n, (void)k;
+    return -1;
+}
+
+int vnni_linear_avx512(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
+    (void)x, (void)w, (void)out, (void)m, (void)n, (void)k;
     return -1;
 }
 
