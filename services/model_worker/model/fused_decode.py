@@ -55,12 +55,13 @@ class FusedDecode:
                 # VNNI takes up to GEMV_MAX_ROWS, the widening kernels above: decoder.c routes one kernel there.
                 self.max_rows = EightBitLinearMethod.GEMV_MAX_ROWS
             self.small_library = self.amx_library = None
-        else:
-            self.max_rows = SmallBatchLinearMethod.AMX_MAX_ROWS if all(m.amx is not None for m in linears) \
-                else SmallBatchLinearMethod.MAX_ROWS
-            self.small_library, self.amx_library = linears[0].kernel, linears[0].method.amx
-        # Weights in VNNI order (VnniLinearMethod): vnni_linear takes every row count, in place of both kernels.
+        # Weights in VNNI order (VnniLinearMethod): vnni_linear takes every row count, in place of both kernels
+        # (AMX tiles, or AVX512-BF16 register tiles on CPUs without AMX).
         self.vnni = getattr(linears[0], "vnni", None)
+        if self.q8 is None:
+            self.max_rows = SmallBatchLinearMethod.AMX_MAX_ROWS \
+                if self.vnni is not None or all(m.amx is not None for m in linears) else SmallBatchLinearMethod.MAX_ROWS
+            self.small_library, self.amx_library = linears[0].kernel, linears[0].method.amx
         self.norm_library = first.input_layernorm.kernel
         self.shape = dict(hidden=first.input_layernorm.weight.shape[0], heads=attn.num_heads,
                           kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=mlp.intermediate_size,
@@ -156,7 +157,7 @@ class FusedDecode:
                     flags = [int(m.q8_amx or m.w8a8_amx) for m in linears]
                     extra = [s.data_ptr() for s in scales] + [int(linears[0].weight.dtype == torch.float8_e4m3fn)]
                 else:
-                    flags = [int(m.amx is not None) for m in linears]
+                    flags = [int(m.amx is not None or self.vnni is not None) for m in linears]
                     extra = [None] * 4 + [0]
                 array[i] = cpu_decoder.Layer(*(t.data_ptr() for t in tensors), k_cache.data_ptr(), v_cache.data_ptr(),
                                              *flags, *extra)
