@@ -25,15 +25,16 @@
  *
  * One or two rows (a decode step of one or two sequences) only stream the weights: AVX512-BF16
  * multiplies each 64-byte line by a broadcast input pair, 16 outputs at once, with ONE_ROW_BLOCKS
- * blocks in flight, each a contiguous stream prefetched PREFETCH_STEPS tiles ahead. Each output
- * accumulates its input pairs in order in float32 and is rounded to bf16 once, to nearest even, as
- * torch rounds. (A loop over 16-row tiles of the plain weight, one or two streams, took 1.14-1.23x
- * small_batch_linear's time; this one took 1.00x at one row and 0.90x at two, on the 0.6B model.)
- * Three rows and more go to AMX, whose tile products add each output's input pairs in the same order
- * as amx_linear's (the same bits, tested).
+ * blocks in flight (8 on Xeons with AMX, one on Zen 4), each a contiguous stream prefetched
+ * PREFETCH_STEPS tiles ahead. Each output accumulates its input pairs in order in float32 and is
+ * rounded to bf16 once, to nearest even, as torch rounds. (On a Xeon, a loop over 16-row tiles of the
+ * plain weight, one or two streams, took 1.14-1.23x small_batch_linear's time; this one took 1.00x at
+ * one row and 0.90x at two, on the 0.6B model.) Three rows and more go to AMX, whose tile products add
+ * each output's input pairs in the same order as amx_linear's (the same bits, tested), or without AMX
+ * to AVX512-BF16 register tiles (avx512_rows), which add them in the same order too.
  *
- * Built only where the compiler targets AMX-BF16; vnni_linear_supported() also asks the kernel for
- * the tile state (Linux's arch_prctl).
+ * Built where the compiler targets AVX512-BF16, with the AMX paths where it targets AMX-BF16 too; there
+ * vnni_linear_supported() also asks the kernel for the tile state (Linux's arch_prctl).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -51,8 +52,23 @@
 #define VNNI_AMX 1
 #endif
 
-#define ONE_ROW_BLOCKS 8  /* 16-output blocks in flight for one row: 4 streamed alike, 16 slower */
-#define TWO_ROW_BLOCKS 4  /* for two rows: 8 accumulators */
+/* 16-output blocks in flight for one row. On Xeons with AMX: 8 (4 streamed alike, 16 slower). On AMD's
+ * Zen 4 (no AMX), one block at a time, so each thread reads one stream straight through: over the 0.6B
+ * model's 112 decoder weights on one core, the fastest of seven passes took 30-35 ms (25-29 GB/s) against
+ * 66-74 ms with 8 blocks, 48-53 ms with 4 and 41 ms with 2 (1 to 16 tiles ahead: alike): a core there
+ * streams one run of consecutive lines fastest. */
+#ifdef VNNI_AMX
+#define ONE_ROW_BLOCKS 8
+#else
+#define ONE_ROW_BLOCKS 1
+#endif
+/* For two rows: 4 on Xeons with AMX (8 accumulators); one on Zen 4, as ONE_ROW_BLOCKS (two rows over the
+ * 112 weights: 48 ms against 60 ms with 4, medians of five passes in turns). */
+#ifdef VNNI_AMX
+#define TWO_ROW_BLOCKS 4
+#else
+#define TWO_ROW_BLOCKS 1
+#endif
 #define PREFETCH_STEPS 2  /* 1 KB tiles ahead: 0, 1, 4 and 8 streamed slower */
 /* Input rows per pass over the weights: as many groups of 32 as keep their tiles (64 k bytes a group)
  * within PASS_BYTES, half of a core's L2 here, from 64 rows to 256. Measured on the 0.6B model's four
@@ -142,14 +158,18 @@ static void two_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_
  * line loads and 6 broadcasts, so the products, not the loads, set the pace. Every output adds its
  * input pairs in order from zero, as one_row and two_rows do, and is rounded once the same way: a row
  * gets the same bits whatever rows share its call (a decode step's, a prompt's). The block group's
- * weights (64 k bytes a block) stay in L2 while every row tile passes over them; the first pass
- * streams them from memory. */
+ * weights (32 k bytes a block) stay in L2 while every row tile passes over them; the first pass
+ * streams them from memory, and the second pulls the next group into L2 at the pace it reads its own
+ * (a line a block per pair step), so the next group's first pass need not wait on memory. Over the 0.6B
+ * model's 112 decoder weights on one core, medians of five passes in turns: 58 ms against 67 ms at 8
+ * rows, 62 against 79 at 12, 79 against 102 at 16 and 146 against 165 at 32; alike at 128 and 512. */
 #define RT_ROWS 6
 #define RT_BLOCKS 4
 #define RT_PREFETCH_PAIRS 16 /* weight lines ahead in each block's stream (1 KB) */
 
 static inline __attribute__((always_inline)) void row_tile(const uint32_t *pairs, int64_t k, const uint16_t *w,
-                                                           uint16_t *out, int64_t n, const int rows, const int nb) {
+                                                           uint16_t *out, int64_t n, const int rows, const int nb,
+                                                           const uint16_t *next) {
     __m512 acc[RT_ROWS][RT_BLOCKS];
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < nb; b++) acc[r][b] = _mm512_setzero_ps();
@@ -160,6 +180,7 @@ static inline __attribute__((always_inline)) void row_tile(const uint32_t *pairs
             const uint16_t *at = w + b * 16 * k + p * 32;
             _mm_prefetch((const char *)(at + RT_PREFETCH_PAIRS * 32), _MM_HINT_T0);
             line[b] = (__m512bh)_mm512_loadu_si512(at);
+            if (next) _mm_prefetch((const char *)(next + b * 16 * k + p * 32), _MM_HINT_T1);
         }
         for (int r = 0; r < rows; r++) {
             const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)pairs[r * steps + p]);
@@ -173,10 +194,11 @@ static inline __attribute__((always_inline)) void row_tile(const uint32_t *pairs
 
 /* row_tile with its row and block counts constants, so each tile's loops unroll into registers. */
 #define ROW_TILE_CASE(r) \
-    case r: nb == RT_BLOCKS ? row_tile(pairs, k, w, out, n, r, RT_BLOCKS) : row_tile(pairs, k, w, out, n, r, 2); break;
+    case r: nb == RT_BLOCKS ? row_tile(pairs, k, w, out, n, r, RT_BLOCKS, next) \
+          : nb == 2 ? row_tile(pairs, k, w, out, n, r, 2, next) : row_tile(pairs, k, w, out, n, r, 1, next); break;
 
 static void row_tile_of(const uint32_t *pairs, int64_t k, const uint16_t *w, uint16_t *out, int64_t n, int rows,
-                        int nb) {
+                        int nb, const uint16_t *next) {
     switch (rows) {
         ROW_TILE_CASE(1) ROW_TILE_CASE(2) ROW_TILE_CASE(3) ROW_TILE_CASE(4) ROW_TILE_CASE(5) ROW_TILE_CASE(6)
     }
@@ -185,12 +207,17 @@ static void row_tile_of(const uint32_t *pairs, int64_t k, const uint16_t *w, uin
 static void avx512_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
     const int64_t blocks = n / 16;
     const uint32_t *pairs = (const uint32_t *)x;
+    /* Rows that fit one tile make one pass, which only streams the weights: one block at a time, one
+     * stream, as one_row (3-5 rows over the 112 weights: 43-46 ms against 48-52 ms with 4 blocks in
+     * flight, alike at 6). More rows pass over each group of RT_BLOCKS blocks from L2. */
+    const int group = m <= RT_ROWS ? 1 : RT_BLOCKS;
 #pragma omp parallel for schedule(static)
-    for (int64_t b0 = 0; b0 < blocks; b0 += RT_BLOCKS) {
-        const int nb = blocks - b0 < RT_BLOCKS ? (int)(blocks - b0) : RT_BLOCKS; /* 2: n is a multiple of 32 */
+    for (int64_t b0 = 0; b0 < blocks; b0 += group) {
+        const int nb = blocks - b0 < group ? (int)(blocks - b0) : group; /* not 3: n is a multiple of 32 */
         for (int m0 = 0; m0 < m; m0 += RT_ROWS)
             row_tile_of(pairs + (int64_t)m0 * (k / 2), k, w + b0 * 16 * k, out + (int64_t)m0 * n + b0 * 16, n,
-                        m - m0 < RT_ROWS ? m - m0 : RT_ROWS, nb);
+                        m - m0 < RT_ROWS ? m - m0 : RT_ROWS, nb,
+                        m0 == RT_ROWS && b0 + RT_BLOCKS < blocks ? w + (b0 + RT_BLOCKS) * 16 * k : NULL);
     }
 }
 
