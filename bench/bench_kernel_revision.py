@@ -1,14 +1,17 @@
-"""Prefill in the engine with its CPU kernels built from another commit, against the engine as this tree
-builds them, side by side in one process on the random Qwen3-0.6B checkpoint: what a kernel change did
-to the time to the first token.
+"""Prefill and decode steps in the engine with its CPU kernels built from another commit, against the engine
+as this tree builds them, side by side in one process on the random Qwen3-0.6B checkpoint: what a kernel
+change did to the time to the first token and to a decode step.
 
-The other engine's VNNI matmul and RMSNorm kernels (kernels/vnni_linear.c and kernels/rms_norm.c, each
-with the headers beside it at that commit) are compiled from `--rev`. The weights stay in this tree's
-layout, so the revision's matmul kernel must read the same one (every commit since the VNNI order does).
-Per round, the two engines take turns (the first flipped each round) on the same fresh prompt of each
-length, one output token. Prints each round, the median times to the first token, the median of
-per-round ratios (tree / rev), and how many pairs agreed on the first token (all of them, for a change
-that keeps the bits), then one JSON line. Pin it to one CPU for the engine's one-CPU placement:
+The other engine's VNNI matmul, small-batch matmul (the vocabulary projection's, on the plain weight tied to
+the embedding) and RMSNorm kernels (kernels/vnni_linear.c, small_batch_linear.c and rms_norm.c, each with
+the headers beside it at that commit) are compiled from `--rev`, and its fused decode loop is pointed at
+them. The weights stay in this tree's layout, so the revision's matmul kernel must read the same one
+(every commit since the VNNI order does). Per round, the two engines take turns (the first flipped each
+round) on the same fresh prompt of each length, one output token; then on the same batches of fresh
+64-token prompts, one batch of each size in `--decode-batches`, whose decode steps (every sequence
+decoding) are timed. Prints each round, the median times, the median of per-round ratios (tree / rev),
+and how many pairs agreed on their tokens (all of them, for a change that keeps the bits), then one JSON
+line. Pin it to one CPU for the engine's one-CPU placement:
     taskset -c 1 python -m bench.bench_kernel_revision --threads 1 --rev HEAD~1
 """
 from __future__ import annotations
@@ -17,9 +20,11 @@ import argparse
 import json
 import pathlib
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -28,8 +33,10 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from bench.bench_engine import DEFAULT_CHECKPOINT, ensure_checkpoint, paired_medians, run_ours  # noqa: E402
+from services.model_worker.config.sampling import SamplingParams  # noqa: E402
 from services.model_worker.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from services.model_worker.kernels import cpu_linear, cpu_norm  # noqa: E402
+from services.model_worker.model.fused_decode import use_fused_decode  # noqa: E402
 from services.model_worker.model.layers.norm import use_norm_kernel  # noqa: E402
 
 KERNEL_DIR = "services/model_worker/kernels"
@@ -43,8 +50,37 @@ def use_vnni(model: torch.nn.Module, library) -> int:
     return len(layers)
 
 
+def use_small_batch(model: torch.nn.Module, library) -> int:
+    """Point every layer on the small-batch matmul kernel (the plain weights') at `library`; returns how many."""
+    layers = [m for m in model.modules() if getattr(m, "kernel", None) is not None and hasattr(m, "amx")]
+    for layer in layers:
+        layer.kernel = library
+    return len(layers)
+
+
 # name: (the loader, taking the source path; what points a model at the library)
-KERNELS = {"vnni_linear": (cpu_linear.load_vnni, use_vnni), "rms_norm": (cpu_norm.load, use_norm_kernel)}
+KERNELS = {"vnni_linear": (cpu_linear.load_vnni, use_vnni), "small_batch_linear": (cpu_linear.load, use_small_batch),
+           "rms_norm": (cpu_norm.load, use_norm_kernel)}
+
+
+def decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
+    """The median time of the steps in which every one of the prompts' sequences decodes, and their tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    ids = [f"decode-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    times = []
+    while engine.has_work():
+        started = all(tokens.values())  # every sequence past its prompt: a pure decode step
+        start = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - start
+        for out in outputs:
+            tokens[out.request_id].append(out.token_id)
+        if started and len(outputs) == len(prompts):
+            times.append(elapsed)
+    return statistics.median(times), [tokens[i] for i in ids]
 
 
 def sources_at(rev: str, directory: pathlib.Path) -> None:
@@ -64,6 +100,8 @@ def main(argv=None) -> None:
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=DEFAULT_CHECKPOINT)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prefill-tokens", default="32,128,512")
+    parser.add_argument("--decode-batches", default="1,2,4,8,16", help="sequences per timed decode batch ('' for none)")
+    parser.add_argument("--decode-steps", type=int, default=16, help="decode steps per batch")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
     kernels = [k for k in args.kernels.split(",") if k]
@@ -82,37 +120,55 @@ def main(argv=None) -> None:
                 raise SystemExit(f"{name} at {args.rev} does not build or run here")
             if use(engines["rev"].model, library) == 0:
                 raise SystemExit(f"no layer of this engine runs {name} here")
+    inner = engines["rev"].model.model
+    if inner.fused_decode is not None:  # its kernel table points at the tree's kernels: build it anew
+        use_fused_decode(inner, inner.fused_decode.library)
     lengths = [int(t) for t in args.prefill_tokens.split(",") if t]
+    batches = [int(b) for b in args.decode_batches.split(",") if b]
     rng = random.Random(0)
+
+    def fresh(tokens: int) -> list[int]:
+        return [rng.randrange(1000, 100000) for _ in range(tokens)]
+
     for engine in engines.values():
         for tokens in lengths:  # warm both: kernels built, caches touched
-            run_ours(engine, [rng.randrange(1000, 100000) for _ in range(tokens)], 1)
-    times = {t: {name: [] for name in engines} for t in lengths}
-    agreed = dict.fromkeys(lengths, 0)
+            run_ours(engine, fresh(tokens), 1)
+        for batch in batches:
+            decode_steps(engine, [fresh(64) for _ in range(batch)], 2)
+    cases = [("prefill", t) for t in lengths] + [("decode", b) for b in batches]
+    times = {case: {name: [] for name in engines} for case in cases}
+    agreed = dict.fromkeys(cases, 0)
     names = list(engines)
     for r in range(args.rounds):
-        for tokens in lengths:
-            prompt = [rng.randrange(1000, 100000) for _ in range(tokens)]
-            first = {}
+        for case in cases:
+            kind, size = case
+            prompts = [fresh(size)] if kind == "prefill" else [fresh(64) for _ in range(size)]
+            got = {}
             for name in names if r % 2 == 0 else names[::-1]:
-                run = run_ours(engines[name], prompt, 1)
-                times[tokens][name].append(run.ttft)
-                first[name] = run.tokens[0]
-            agreed[tokens] += first["tree"] == first["rev"]
-            runs = times[tokens]
-            print(f"round {r} prefill {tokens:4d}: tree {runs['tree'][-1] * 1e3:7.1f} ms  rev {runs['rev'][-1] * 1e3:7.1f} ms"
+                if kind == "prefill":
+                    run = run_ours(engines[name], prompts[0], 1)
+                    times[case][name].append(run.ttft)
+                    got[name] = run.tokens
+                else:
+                    step, got[name] = decode_steps(engines[name], prompts, args.decode_steps)
+                    times[case][name].append(step)
+            agreed[case] += got["tree"] == got["rev"]
+            runs = times[case]
+            print(f"round {r} {kind} {size:4d}: tree {runs['tree'][-1] * 1e3:7.1f} ms  rev {runs['rev'][-1] * 1e3:7.1f} ms"
                   f"  tree/rev {runs['tree'][-1] / runs['rev'][-1]:.3f}", flush=True)
-    results = {}
-    for tokens, runs in times.items():
+    results = {"prefill": {}, "decode": {}}
+    for (kind, size), runs in times.items():
         ratio, med = paired_medians(runs, "tree", "rev")
-        print(f"prefill {tokens:4d}: tree {med['tree'] * 1e3:7.1f} ms  rev {med['rev'] * 1e3:7.1f} ms  "
-              f"tree/rev {ratio:.3f}x  first tokens agreed {agreed[tokens]}/{args.rounds}", flush=True)
-        results[tokens] = {"tree_s": med["tree"], "rev_s": med["rev"], "ratio": ratio, "agreed": agreed[tokens]}
+        what = "first tokens" if kind == "prefill" else "tokens"
+        print(f"{kind} {size:4d}: tree {med['tree'] * 1e3:7.1f} ms  rev {med['rev'] * 1e3:7.1f} ms  "
+              f"tree/rev {ratio:.3f}x  {what} agreed {agreed[(kind, size)]}/{args.rounds}", flush=True)
+        results[kind][size] = {"tree_s": med["tree"], "rev_s": med["rev"], "ratio": ratio,
+                               "agreed": agreed[(kind, size)]}
     for engine in engines.values():
         engine.close()
     print(json.dumps({"bench": "kernel_revision", "rev": args.rev, "kernels": kernels, "threads": args.threads,
-                      "rounds": args.rounds, "results": results}))
-
+                      "rounds": args.rounds, "decode_steps": args.decode_steps, "results": results["prefill"],
+                      "decode": results["decode"]}))
 
 if __name__ == "__main__":
     main()
