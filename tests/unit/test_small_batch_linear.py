@@ -42,7 +42,7 @@ def test_any_leading_shape_or_stride_gives_the_rows_of_the_flat_call(library):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 12, 13, 25])
 @pytest.mark.parametrize("out_features,in_features", [(7, 32), (333, 1024), (1000, 96)])
 def test_kernel_matches_float64(library, rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows * out_features)
@@ -54,6 +54,8 @@ def test_kernel_matches_float64(library, rows, out_features, in_features):
     assert (out.double() - reference).abs().max().item() <= rounding_bound(reference)
     # Each output is the float32 sum rounded once: within half a bf16 step of the exact value, as F.linear's.
     assert (out.double() - reference).abs().max().item() <= (F.linear(x, w).double() - reference).abs().max() * 2
+    # Every row count sums each output's products in one order: a row gets the bits it gets alone.
+    assert torch.equal(out, torch.cat([cpu_linear.small_batch_linear(library, x[i:i + 1], w) for i in range(rows)]))
 
 
 @needs_kernel
@@ -61,12 +63,31 @@ def test_module_routes_few_rows_to_the_kernel_and_many_to_oneDNN(library):
     torch.manual_seed(0)
     linear = nn.Linear(64, 48, bias=True).bfloat16()
     module = as_layer(linear, SmallBatchLinearMethod(library))
-    many = torch.randn(2, 3, 64).bfloat16()  # 6 rows: over MAX_ROWS, plain F.linear bit for bit
+    assert module.small_rows >= SmallBatchLinearMethod.MAX_ROWS
+    many = torch.randn(1, module.small_rows + 1, 64).bfloat16()  # over the kernel's rows: F.linear bit for bit
     assert torch.equal(module(many), F.linear(many, linear.weight, linear.bias))
     few = torch.randn(3, 64).bfloat16()
     reference = few.double() @ linear.weight.double().T + linear.bias.double()
     assert (module(few).double() - reference).abs().max().item() <= rounding_bound(reference) * 2
     assert module.weight is linear.weight  # no copy of the weights
+
+
+@needs_kernel
+@pytest.mark.parametrize("in_features", [64, 1024, 2048, 3072])
+def test_the_kernel_takes_as_many_rows_as_it_is_faster_for_and_each_row_gets_its_bits_alone(library, in_features):
+    rows = cpu_linear.small_batch_max_rows(library, in_features)
+    if "amx_tile" in build.cpu_features():
+        assert rows == 4  # measured there: oneDNN is faster from 8 rows
+    else:  # one tile of rows whose inputs fit 24 KB of L1 (at most 12), at least 4
+        assert rows == max(4, min(12, 24 * 1024 // (2 * in_features)))
+    gen = torch.Generator().manual_seed(in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = torch.randn(80, in_features, generator=gen).bfloat16()
+    together = cpu_linear.small_batch_linear(library, x, w)
+    alone = torch.cat([cpu_linear.small_batch_linear(library, x[i:i + 1], w) for i in range(rows)])
+    assert torch.equal(together, alone)
+    reference = x.double() @ w.double().T
+    assert (together.double() - reference).abs().max().item() <= rounding_bound(reference)
 
 
 @needs_kernel

@@ -16,14 +16,25 @@ AMX_SOURCE = pathlib.Path(__file__).with_name("amx_linear.c")
 VNNI_SOURCE = pathlib.Path(__file__).with_name("vnni_linear.c")
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel; None where it cannot be built or the CPU has no AVX512-BF16."""
-    library = build.load(SOURCE, "small-batch linear")
+def load(source: pathlib.Path = SOURCE) -> ctypes.CDLL | None:
+    """The compiled kernel; None where it cannot be built or the CPU has no AVX512-BF16. source: another copy
+    of small_batch_linear.c (a benchmark's older one)."""
+    library = build.load(source, "small-batch linear")
     if library is None or not library.small_batch_linear_supported():
         return None
     library.small_batch_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     library.small_batch_linear.restype = ctypes.c_int
+    if hasattr(library, "small_batch_linear_max_rows"):  # an older copy may not have it
+        library.small_batch_linear_max_rows.argtypes = [ctypes.c_int64]
+        library.small_batch_linear_max_rows.restype = ctypes.c_int
     return library
+
+
+def small_batch_max_rows(library: ctypes.CDLL, in_features: int) -> int:
+    """The most rows of in_features inputs for which the small-batch kernel beats oneDNN on this CPU."""
+    if not hasattr(library, "small_batch_linear_max_rows"):
+        return 4
+    return library.small_batch_linear_max_rows(in_features)
 
 
 def load_amx() -> ctypes.CDLL | None:

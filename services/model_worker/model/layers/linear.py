@@ -120,7 +120,9 @@ class SmallBatchLinearMethod(LinearMethod):
     """
 
     name = "small-batch"
-    MAX_ROWS = 4       # the AVX512-BF16 kernel: faster than oneDNN up to 4 rows here, slower from 8
+    # The AVX512-BF16 kernel in the fused decode loop: faster than oneDNN up to 4 rows, slower from 8. Layer
+    # by layer, the kernel says how many rows it takes at a layer's input width (more without AMX).
+    MAX_ROWS = 4
     AMX_MIN_ROWS = 3   # measured: the AMX kernel beats the AVX512-BF16 one from 3 rows
     # The fused decode loop (model/fused_decode.py) takes decode batches up to this many rows.
     AMX_MAX_ROWS = 128
@@ -136,6 +138,8 @@ class SmallBatchLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer):
         layer.kernel = self.library if cpu_linear.supports(layer.weight) else None
+        layer.small_rows = cpu_linear.small_batch_max_rows(layer.kernel, layer.weight.shape[1]) \
+            if layer.kernel is not None else 0
         # AMX tiles cover 32 outputs at a time.
         layer.amx = self.amx if layer.kernel is not None and layer.weight.shape[0] % 32 == 0 else None
 
@@ -143,7 +147,7 @@ class SmallBatchLinearMethod(LinearMethod):
         rows = x.numel() // x.shape[-1]
         if layer.amx is not None and self.AMX_MIN_ROWS <= rows <= self.AMX_PREFILL_MAX_ROWS:
             out = cpu_linear.amx_linear(layer.amx, x, layer.weight)
-        elif layer.kernel is not None and rows <= self.MAX_ROWS:
+        elif layer.kernel is not None and rows <= layer.small_rows:
             out = cpu_linear.small_batch_linear(layer.kernel, x, layer.weight)
         else:
             return F.linear(x, layer.weight, layer.bias)
