@@ -51,10 +51,12 @@ def use_vnni(model: torch.nn.Module, library) -> int:
 
 
 def use_small_batch(model: torch.nn.Module, library) -> int:
-    """Point every layer on the small-batch matmul kernel (the plain weights') at `library`; returns how many."""
+    """Point every layer on the small-batch matmul kernel (the plain weights') at `library`, with the rows it takes;
+    returns how many."""
     layers = [m for m in model.modules() if getattr(m, "kernel", None) is not None and hasattr(m, "amx")]
     for layer in layers:
         layer.kernel = library
+        layer.small_rows = cpu_linear.small_batch_max_rows(library, layer.in_features)
     return len(layers)
 
 
