@@ -203,8 +203,7 @@ def test_method_reorders_in_place_routes_every_row_count_and_leaves_odd_layers_p
     assert calls == [1, 2, 3, 32, 257, 600]  # never F.linear: there is no plain weight left
     odd = as_layer(nn.Linear(64, 48).bfloat16(), method)
     assert odd.vnni is None and odd.weight is not None and odd.amx is None  # 48 outputs: plain, as before
-    assert isinstance(method.head_method(), SmallBatchLinearMethod)
-    assert not isinstance(method.head_method(), VnniLinearMethod)
+    assert method.head_method() is method  # the vocab projection is reordered too
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +213,7 @@ def tied_checkpoint(tmp_path_factory):
     return path
 
 
-def test_the_engine_reorders_the_decoder_and_keeps_the_tied_head_on_the_embedding(tied_checkpoint):
+def test_the_engine_reorders_the_decoder_and_the_tied_head_whose_embedding_reads_the_same_storage(tied_checkpoint):
     from safetensors.torch import load_file
 
     assert isinstance(cpu_linear_method(torch.device("cpu"), torch.bfloat16, None, None), VnniLinearMethod)
@@ -223,11 +222,19 @@ def test_the_engine_reorders_the_decoder_and_keeps_the_tied_head_on_the_embeddin
     body = linear_layers(model, include_lm_head=False)
     assert body and all(isinstance(m.method, VnniLinearMethod) and m.vnni is not None for _, m in body)
     assert model.model.fused_decode.vnni is body[0][1].vnni  # the decode loop calls vnni_linear too
-    head = model.lm_head
-    assert type(head.method) is SmallBatchLinearMethod and head.weight is model.model.embed_tokens.weight
-    # The embedding (and so the tied head) is the checkpoint's table, not reordered.
+    head, embedding = model.lm_head, model.model.embed_tokens
+    assert isinstance(head.method, VnniLinearMethod) and head.vnni is not None and head.weight is None
+    # One table, reordered in place: the embedding holds the head's tensor, and looks its rows up in that order.
+    assert embedding.weight is head.vnni_weight
     tensors = load_file(str(tied_checkpoint / "model.safetensors"))
-    assert torch.equal(model.model.embed_tokens.weight, tensors["model.embed_tokens.weight"].bfloat16())
+    table = tensors["model.embed_tokens.weight"].bfloat16()
+    assert torch.equal(head.vnni_weight, reordered(table))
+    ids = torch.tensor([0, 1, 15, 16, 17, 31, table.shape[0] - 1] + torch.randint(0, table.shape[0], (9,)).tolist())
+    assert torch.equal(embedding(ids), table[ids])
+    assert torch.equal(embedding(ids.view(2, 8)), table[ids].view(2, 8, -1))
+    x = torch.randn(5, table.shape[1]).bfloat16()
+    reference = x.double() @ table.double().T
+    assert (head(x).double() - reference).abs().max().item() <= rounding_bound(reference) * 2
     # A fused layer's weight is its checkpoint parts, stacked, then reordered.
     parts = [tensors[f"model.layers.1.self_attn.{p}_proj.weight"].bfloat16() for p in "qkv"]
     assert torch.equal(model.model.layers[1].self_attn.qkv_proj.vnni_weight, reordered(torch.cat(parts)))

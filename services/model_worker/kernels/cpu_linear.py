@@ -73,8 +73,8 @@ def vnni_supports(weight: torch.Tensor) -> bool:
 def vnni_pack_(library: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
     """Reorder weight (N, K) in place into VNNI order; returns it viewed as (N / 16, K / 2, 16, 2).
 
-    In place: the weight's storage now holds the new order, so it must not be shared (a head tied to the
-    embedding keeps its plain weight)."""
+    In place: the weight's storage now holds the new order, so whatever shares it must read that order (a
+    head tied to the embedding: VocabParallelEmbedding.share_with_head)."""
     n, k = weight.shape
     if library.vnni_pack(weight.data_ptr(), n, k) != 0:
         raise MemoryError(f"vnni_pack: no memory for a {16 * k * 2}-byte buffer")

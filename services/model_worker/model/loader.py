@@ -184,6 +184,8 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()  # the layer's weight format (model/layers/linear.py)
+    if config.tie_word_embeddings:
+        model.model.embed_tokens.share_with_head(model.lm_head)  # the head may have reordered their weight
     if huge_pages and device.type == "cpu" and any(p.data_ptr() not in loaded for p in model.parameters()):
         hugepages.rehome_parameters(model)  # weights replaced after loading (quantized): free the loaded ones
     log.info("loaded %d tensors (%.2f GB) from %s to %s as %s in %.1f s", len(seen), total_bytes / 1e9,

@@ -23,10 +23,23 @@ class VocabParallelEmbedding(nn.Module):
         """This rank's rows of the table (the head tied to it shares them)."""
         self.weight.data.copy_(split_rows(source, self.weight.data, 0, self.tp))
 
+    def share_with_head(self, head: nn.Module) -> None:
+        """After loading, for a head tied to this table: where the head's method reordered their shared weight in
+        place into VNNI order (VnniLinearMethod), look the rows up in that order, from the same storage."""
+        packed = getattr(head, "vnni_weight", None)
+        if packed is not None and packed.data_ptr() == self.weight.data_ptr():
+            self.weight = packed
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight.dim() == 4:
+            # (rows / 16, hidden / 2, 16, 2): row i is lane i % 16 of block i // 16, its pairs in order.
+            return self.weight[ids // 16, :, ids % 16].reshape(*ids.shape, -1)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.rows)
-        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        hidden = self.lookup(local.masked_fill(outside, 0))
         return self.tp.all_reduce(hidden.masked_fill_(outside[:, None], 0))

@@ -172,9 +172,10 @@ class VnniLinearMethod(SmallBatchLinearMethod):
     oneDNN takes on its own reordered copy (0.94x, 0.95x). One or two rows stream the reordered weight
     at 1.00x and 0.90x the small-batch kernel's time on the plain one. So no plain copy is kept: the
     reorder is in place and no memory is added. A layer the kernel does not take (outputs not a
-    multiple of 32) stays plain on SmallBatchLinearMethod's kernels; so does the vocab projection
-    (head_method), whose weight a tied embedding shares. The MLP's gate/up layer also has the fused
-    pass with its activation (apply_silu_and_mul).
+    multiple of 32) stays plain on SmallBatchLinearMethod's kernels. The vocab projection is reordered
+    too; a tied embedding then looks its rows up in the same storage, in VNNI order
+    (VocabParallelEmbedding.share_with_head). The MLP's gate/up layer also has the fused pass with its
+    activation (apply_silu_and_mul).
     """
 
     name = "amx-vnni"
@@ -206,8 +207,6 @@ class VnniLinearMethod(SmallBatchLinearMethod):
             return None
         return cpu_linear.vnni_linear_silu(layer.vnni, x, layer.vnni_weight)
 
-    def head_method(self) -> LinearMethod:
-        return SmallBatchLinearMethod(self.library, self.amx)
 
 
 class LinearBase(nn.Module):
