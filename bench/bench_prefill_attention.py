@@ -1,4 +1,4 @@
-"""Prefill attention on the CPU: the AMX kernel (kernels/prefill_attention.c) against SDPA, side by side.
+"""Prefill attention on the CPU: our kernel (kernels/prefill_attention.c: AMX tiles, or AVX512-BF16 without AMX) against SDPA, side by side.
 
 1. One layer's attention at Qwen3-0.6B's shape (16 query heads over 8 KV heads of 128, bf16, a fresh
    causal prompt), per prompt length, the two taking turns call by call.
@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     library = cpu_prefill_attention.load()
     if library is None:
-        raise SystemExit("the AMX prefill kernel does not run here (needs AMX-BF16 and a C compiler)")
+        raise SystemExit("the prefill kernel does not run here (needs AVX512-BF16 and a C compiler)")
     results = {"layer": {}, "engine": {}}
     for tokens in (int(t) for t in args.tokens.split(",") if t):
         results["layer"][tokens] = layer(library, tokens, args.rounds)

@@ -1,4 +1,5 @@
-"""The AMX prefill attention kernel against a float64 reference, and how the CPU backend routes prompts to it."""
+"""The prefill attention kernel (AMX tiles, or AVX512-BF16 register tiles without AMX) against a float64
+reference, and how the CPU backend routes prompts to it."""
 import random
 
 import pytest
@@ -17,7 +18,7 @@ BLOCK = 16
 def library():
     library = cpu_prefill_attention.load()
     if library is None:
-        pytest.skip("needs a CPU with AMX-BF16 (and an OS that grants its tile state)")
+        pytest.skip("needs a CPU with AVX512-BF16 (and, with AMX, an OS that grants its tile state)")
     return library
 
 

@@ -1,4 +1,5 @@
-"""The prefill attention AMX kernel (prefill_attention.c), called through ctypes."""
+"""The prefill attention kernel (prefill_attention.c: AMX tiles, or AVX512-BF16 register tiles on CPUs
+without AMX), called through ctypes."""
 from __future__ import annotations
 
 import ctypes
@@ -14,7 +15,8 @@ _ARGTYPES = ([ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_
 
 
 def load() -> ctypes.CDLL | None:
-    """The kernel; None where it cannot be built, the CPU has no AMX-BF16 or the OS refuses its tile state."""
+    """The kernel; None where it cannot be built, the CPU has no AVX512-BF16, or it has AMX-BF16 and the OS
+    refuses its tile state."""
     library = build.load(SOURCE, "prefill attention")
     if library is None or not library.prefill_attention_supported():
         return None

@@ -1,4 +1,4 @@
-/* Causal attention of one prompt's new rows on AMX tiles, bf16, for a prefill on the CPU.
+/* Causal attention of one prompt's new rows on AMX tiles (or AVX512-BF16), bf16, for a prefill on the CPU.
  *
  * torch's SDPA ran a 0.6B-model layer's attention at 80-140 GFLOP/s on one CPU: 0.8 ms a layer for
  * 128 tokens, 8-10 ms for 512, a fifth of a 512-token prompt's prefill. Here both products run on
@@ -13,8 +13,14 @@
  * the result times each row's reciprocal sum, rounded to bf16. A row's arithmetic depends on its
  * own query and keys only, never on its block's other rows or on other prompts.
  *
- * Built where the compiler targets AMX-BF16; prefill_attention_supported() also asks the kernel for
- * the tile state (Linux's arch_prctl), which a process must do once before using AMX.
+ * Without AMX (AMD's Zen 4) the same steps run on AVX512-BF16 register tiles (attend_rows), where SDPA
+ * took 2.7 ms a layer for 128 tokens and 34 ms for 512 (26-38 GFLOP/s over the causal half): 0.71 ms
+ * and 7.1 ms here, 0.21-0.37x its time at 32-768 tokens, and a whole prefill of the 0.6B model in 0.91x
+ * the time at 128 tokens and 0.81x at 512 (bench/bench_prefill_attention.py, one core).
+ *
+ * Built where the compiler targets AVX512-BF16, on AMX tiles where it targets AMX-BF16 too; there
+ * prefill_attention_supported() also asks the kernel for the tile state (Linux's arch_prctl), which a
+ * process must do once before using AMX.
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,8 +30,17 @@
 #include "amx_tiles.h"
 #include "bf16.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include "transpose.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PREFILL_AMX 1
 int prefill_attention_supported(void) { return request_tile_state(); }
+#else
+int prefill_attention_supported(void) { return 1; }
+#endif
 
 typedef struct {
     const uint16_t *base;
@@ -72,23 +87,23 @@ static void pack_values(const Rows *v, int h, int lk, int d, uint32_t *vp) {
         }
 }
 
-/* Scratch of one thread, sized for lk keys of head dim d. */
+/* Scratch of one thread, sized for lk keys of head dim d and `rows` query rows at a time. */
 typedef struct {
     uint32_t *kp, *vp;  /* packed keys and values of one KV head */
-    float *s, *o;       /* per query head of a pair: (16, width) scores; (16, d) unnormalised output */
-    uint16_t *p, *q;    /* per query head of a pair: (16, width) bf16 weights; (16, d) its query rows */
+    float *s, *o;       /* per query row: (width) scores; (d) unnormalised output */
+    uint16_t *p, *q;    /* per query row: (width) bf16 weights; (d) the query */
     int width;          /* lk rounded up to 32 */
 } Scratch;
 
-static int scratch_alloc(Scratch *w, int lk, int d) {
+static int scratch_alloc(Scratch *w, int lk, int d, int rows) {
     w->width = (lk + 31) / 32 * 32;
     const size_t keys = (size_t)w->width * d;
     w->kp = aligned_alloc(64, keys * 2);
     w->vp = aligned_alloc(64, keys * 2);
-    w->s = aligned_alloc(64, (size_t)2 * 16 * w->width * 4);
-    w->o = aligned_alloc(64, (size_t)2 * 16 * d * 4);
-    w->p = aligned_alloc(64, (size_t)2 * 16 * w->width * 2);
-    w->q = aligned_alloc(64, (size_t)2 * 16 * d * 2);
+    w->s = aligned_alloc(64, (size_t)rows * w->width * 4);
+    w->o = aligned_alloc(64, (size_t)rows * d * 4);
+    w->p = aligned_alloc(64, (size_t)rows * w->width * 2);
+    w->q = aligned_alloc(64, (size_t)rows * d * 2);
     return w->kp && w->vp && w->s && w->o && w->p && w->q ? 0 : -1;
 }
 
@@ -141,6 +156,7 @@ static float softmax_row(const float *s, uint16_t *p, int n, int width, float sc
     return _mm512_reduce_add_ps(sum);
 }
 
+#ifdef PREFILL_AMX
 /* One block of up to 16 query rows (q0 ..) of query heads h .. h + heads - 1 (one or two, sharing
  * a KV head) against its packed keys and values. Two heads side by side load each key and value
  * tile once for both: the A tiles come from L1, the packed keys and values from L2, and a block of
@@ -216,6 +232,86 @@ attend_block(const Rows *q, uint16_t *out, int64_t out_stride, int h, const int 
         }
 }
 
+#define BLOCK_ROWS 32 /* two query heads' 16 rows */
+#else
+/* Without AMX (AMD's Zen 4): AVX512-BF16 register tiles of TILE_ROWS query rows by TILE_COLS blocks of
+ * 16 columns (keys for the scores, head dims for P V), the packed keys and values read as the B tiles
+ * above would be: one 64-byte line per pair step and column block, times each row's broadcast pair.
+ * Every score and output sums its pairs in order, so a row's bits are its own, as above (not AMX's:
+ * its tile unit adds in another order). A block is BLOCK_POSITIONS query positions of every query head
+ * sharing the KV head, so each packed line loaded feeds all of them. */
+#define TILE_ROWS 6
+#define TILE_COLS 4
+#define BLOCK_POSITIONS 12
+
+/* out[r][c * 16 ..] = sum over pairs t * 16 + u, t < blocks, of pair (r, t * 16 + u) of a times line
+ * b + t * b_block + c * b_col + u * 16 (32-bit words). */
+static inline __attribute__((always_inline)) void
+tile_products(const uint32_t *a, int64_t a_row, const uint32_t *b, int64_t b_block, int64_t b_col, int blocks,
+              float *out, int64_t out_row, const int rows, const int cols) {
+    __m512 acc[TILE_ROWS][TILE_COLS];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int t = 0; t < blocks; t++)
+        for (int u = 0; u < 16; u++) {
+            __m512bh line[TILE_COLS];
+            for (int c = 0; c < cols; c++)
+                line[c] = (__m512bh)_mm512_load_si512(b + t * b_block + c * b_col + u * 16);
+            for (int r = 0; r < rows; r++) {
+                const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)a[r * a_row + t * 16 + u]);
+                for (int c = 0; c < cols; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], line[c], pair);
+            }
+        }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) _mm512_storeu_ps(out + r * out_row + c * 16, acc[r][c]);
+}
+
+#define TILE_CASE(r, c) \
+    case (r) * 8 + (c): tile_products(a_at, a_row, b_at, b_block, b_col, blocks, out_at, out_row, r, c); break;
+#define TILE_CASES(r) TILE_CASE(r, 1) TILE_CASE(r, 2) TILE_CASE(r, 3) TILE_CASE(r, 4)
+
+/* rows x columns of products, in register tiles: rows of a pairs apart; column blocks b_col words apart. */
+static void products(const uint32_t *a, int64_t a_row, const uint32_t *b, int64_t b_block, int64_t b_col, int blocks,
+                     float *out, int64_t out_row, int rows, int col_blocks) {
+    for (int r0 = 0; r0 < rows; r0 += TILE_ROWS)
+        for (int c0 = 0; c0 < col_blocks; c0 += TILE_COLS) {
+            const int r = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;
+            const int c = col_blocks - c0 < TILE_COLS ? col_blocks - c0 : TILE_COLS;
+            const uint32_t *a_at = a + r0 * a_row;
+            const uint32_t *b_at = b + c0 * b_col;
+            float *out_at = out + r0 * out_row + c0 * 16;
+            switch (r * 8 + c) { TILE_CASES(1) TILE_CASES(2) TILE_CASES(3) TILE_CASES(4) TILE_CASES(5) TILE_CASES(6) }
+        }
+}
+
+/* One block of up to BLOCK_POSITIONS query positions (q0 ..) of the `heads` query heads from h, which share
+ * the packed keys and values: row a * positions + r is head h + a at position q0 + r. */
+static void attend_rows(const Rows *q, uint16_t *out, int64_t out_stride, int h, int heads, int q0, int positions,
+                        int lq, int lk, int d, float scale, Scratch *w) {
+    const int steps = d / 32, chunks = d / 16, offset = lk - lq, rows = heads * positions;
+    const int keys = q0 + positions + offset < lk ? q0 + positions + offset : lk; /* the block's last row sees these */
+    const int groups = (keys + 15) / 16, pairs = (keys + 31) / 32;
+    for (int a = 0; a < heads; a++)
+        for (int r = 0; r < positions; r++) memcpy(w->q + (a * positions + r) * d, row_at(q, q0 + r, h + a, d), (size_t)d * 2);
+    /* Scores: key group g's pair P at kp + (g * steps * 16 + P) * 16 words (pack_keys). */
+    products((const uint32_t *)w->q, d / 2, w->kp, 256, (int64_t)steps * 256, steps, w->s, w->width, rows, groups);
+    float sums[TILE_ROWS * 8 * BLOCK_POSITIONS];
+    for (int i = 0; i < rows; i++) {
+        const int r = i % positions, visible = q0 + r + offset + 1 < lk ? q0 + r + offset + 1 : lk;
+        sums[i] = softmax_row(w->s + (int64_t)i * w->width, w->p + (int64_t)i * w->width, visible, pairs * 32, scale);
+    }
+    /* P V: key pair t * 16 + u of head-dim chunk c at vp + ((t * chunks + c) * 16 + u) * 16 words (pack_values). */
+    products((const uint32_t *)w->p, w->width / 2, w->vp, (int64_t)chunks * 256, 256, pairs, w->o, d, rows, chunks);
+    for (int i = 0; i < rows; i++) {
+        const __m512 inverse = _mm512_set1_ps(1.0f / sums[i]);
+        const float *o = w->o + (int64_t)i * d;
+        uint16_t *dst = out + (int64_t)(q0 + i % positions) * out_stride + (int64_t)(h + i / positions) * d;
+        for (int c = 0; c < d; c += 16)
+            _mm256_storeu_si256((__m256i *)(dst + c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + c), inverse)));
+    }
+}
+#endif
+
 /* q: query row i of head h at q + i * q_stride + h * d. Keys and values: row j of KV head g at
  * k + j * k_stride + g * d (v alike), or, where slots is not NULL, at k + (g * num_slots + slots[j]) * d
  * (the caches, head-major). out: row i of head h at out + i * out_stride + h * d. d a multiple of 32,
@@ -233,12 +329,16 @@ int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, in
     int status = 0;
 #pragma omp parallel
     {
-        Scratch w;
-        const int ready = scratch_alloc(&w, lk, d) == 0;
+        Scratch w = {0};
+#ifdef PREFILL_AMX
+        const int ready = scratch_alloc(&w, lk, d, BLOCK_ROWS) == 0;
         /* Every tile 16 rows of 64 bytes. 0-3: results (16 float32 columns each), by A tile and B
          * tile; 4-5: A tiles, one per query head (16 query rows, or their weights, by 32 bf16); 6-7:
          * B tiles (16 pairs by 16 columns: keys, or head dims of values). */
         if (ready) configure(16, 16);
+#else
+        const int ready = group <= TILE_ROWS * 8 && scratch_alloc(&w, lk, d, group * BLOCK_POSITIONS) == 0;
+#endif
 #pragma omp for schedule(static)
         for (int g = 0; g < kv_heads; g++) {
             if (!ready) { /* every thread still takes its share of the loop, or the others wait forever */
@@ -248,6 +348,11 @@ int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, in
             }
             pack_keys(&kr, g, lk, d, w.kp);
             pack_values(&vr, g, lk, d, w.vp);
+#ifndef PREFILL_AMX
+            for (int q0 = 0; q0 < lq; q0 += BLOCK_POSITIONS)
+                attend_rows(&qr, out, out_stride, g * group, group, q0,
+                            lq - q0 < BLOCK_POSITIONS ? lq - q0 : BLOCK_POSITIONS, lq, lk, d, scale, &w);
+#else
             for (int h = g * group; h < (g + 1) * group; h += 2)
                 for (int q0 = 0; q0 < lq; q0 += 16) {
                     const int rows = lq - q0 < 16 ? lq - q0 : 16;
@@ -256,8 +361,11 @@ int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, in
                     else
                         attend_block(&qr, out, out_stride, h, 1, q0, rows, lq, lk, d, scale, &w);
                 }
+#endif
         }
+#ifdef PREFILL_AMX
         if (ready) _tile_release();
+#endif
         scratch_free(&w);
     }
     return status;

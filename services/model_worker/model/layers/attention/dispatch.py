@@ -21,8 +21,8 @@ if TYPE_CHECKING:  # annotations only: the metadata module imports this one
 def default_backend(device: torch.device) -> AttentionBackend:
     """The fastest backend that runs here: Triton on CUDA, the C kernels on CPU, else PyTorch.
 
-    On CPU, decodes take the paged C kernel (float32, bfloat16); bf16 prompts take the AMX one
-    where the CPU has AMX, SDPA elsewhere.
+    On CPU, decodes take the paged C kernel (float32, bfloat16); bf16 prompts take the prefill one
+    where the CPU has AVX512-BF16 (on AMX tiles where it has AMX), SDPA elsewhere.
     """
     if device.type == "cuda" and triton_attention.available():
         return TritonPagedAttention()
