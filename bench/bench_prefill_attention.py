@@ -1,4 +1,5 @@
-"""Prefill attention on the CPU: our kernel (kernels/prefill_attention.c: AMX tiles, or AVX512-BF16 without AMX) against SDPA, side by side.
+"""Prefill attention on the CPU: our kernel (kernels/prefill_attention.c: AMX tiles, or AVX512-BF16 without
+AMX) against SDPA, side by side.
 
 1. One layer's attention at Qwen3-0.6B's shape (16 query heads over 8 KV heads of 128, bf16, a fresh
    causal prompt), per prompt length, the two taking turns call by call.
