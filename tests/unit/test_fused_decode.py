@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.engine import EngineConfig, SchedulerLimits
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.engine.llm_engine import LLMEngine
-from services.model_worker.kernels import build, cpu_attention, cpu_decoder
+from services.model_worker.kernels import build, cpu_attention, cpu_decoder, cpu_prefill_attention
 from services.model_worker.model.fused_decode import FusedDecode
 from services.model_worker.model.layers.attention.cpu_paged import CpuPagedAttention
 from services.model_worker.model.layers.attention.metadata import AttentionMetadata
@@ -155,3 +155,98 @@ def test_the_layer_by_layer_mlp_takes_the_c_activation_and_matches_torch_bit_for
         cpu_decoder.silu_and_mul = original
     assert calls == [1]
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.fixture(scope="module", params=["gqa2-head32", "gqa4-head64"])
+def prompt_checkpoint(request, tmp_path_factory):
+    """Head sizes the prefill attention kernel takes (a multiple of 32), widths the VNNI kernel takes."""
+    path = tmp_path_factory.mktemp(f"fused-prompts-{request.param}")
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32) if request.param == "gqa2-head32" \
+        else dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    make_checkpoint(path, eos_token_id=(), num_hidden_layers=3, **heads)
+    return path
+
+
+def staggered_hidden(engine: LLMEngine, arrivals: dict[int, list[list[int]]], new_tokens: int) -> list[torch.Tensor]:
+    """The final hidden states of every step's sampled rows, with arrivals[s]'s prompts added before step s."""
+    captured = []
+    compute_logits = engine.model.compute_logits
+    engine.model.compute_logits = lambda hidden: (captured.append(hidden.clone()), compute_logits(hidden))[1]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    step = 0
+    while step <= max(arrivals) or engine.has_work():
+        for i, prompt in enumerate(arrivals.get(step, [])):
+            engine.add_request(f"s{step}-{i}", prompt, params)
+        engine.step()
+        step += 1
+    return captured
+
+
+def prompt_engine(checkpoint, fused: bool, budget: int = 2048, prefix_caching: bool = True) -> LLMEngine:
+    return LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=256, block_size=8,
+                                              fused_decode=fused, enable_prefix_caching=prefix_caching,
+                                              limits=SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=budget)))
+
+
+SCENARIOS = {
+    # one step of four fresh prompts, then their decodes
+    "fresh prompts together": (2048, {0: [random_prompt(n, seed=n) for n in (5, 17, 32, 40)]}),
+    # prompts chunked to 24-token steps (later chunks attend over cached keys), arriving while others decode
+    "chunked beside decodes": (24, {0: [random_prompt(30, seed=1)], 2: [random_prompt(9, seed=2)],
+                                    3: [random_prompt(61, seed=3), random_prompt(2, seed=4)]}),
+    # the second prompt finds the first one's 24-token prefix in the prefix cache: a prompt with cached keys
+    "a prefix-cache hit": (2048, {0: [random_prompt(27, seed=5)],
+                                  4: [random_prompt(27, seed=5)[:24] + random_prompt(6, seed=6)]}),
+}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_steps_with_prompts_equal_the_layer_by_layer_forward_bit_for_bit(prompt_checkpoint, scenario, monkeypatch):
+    budget, arrivals = SCENARIOS[scenario]
+    plain = staggered_hidden(prompt_engine(prompt_checkpoint, False, budget), arrivals, 5)
+    steps = []
+    real = cpu_decoder.prompt_layers
+
+    def spy(*args):
+        prompts = args[-1].struct
+        slots = ctypes.cast(prompts.key_slots, ctypes.POINTER(ctypes.c_void_p))
+        lens = ctypes.cast(prompts.lens, ctypes.POINTER(ctypes.c_int32))
+        steps.append((prompts.count, prompts.decodes, sum(slots[i] is not None for i in range(prompts.count)),
+                      [lens[i] for i in range(prompts.count)]))
+        return real(*args)
+
+    monkeypatch.setattr(cpu_decoder, "prompt_layers", spy)
+    engine = prompt_engine(prompt_checkpoint, True, budget)
+    assert engine.model.model.fused_decode.prompts, "VNNI weights on an AVX512-BF16 CPU: prompts run in the C loop"
+    fused = staggered_hidden(engine, arrivals, 5)
+    assert len(fused) == len(plain) and all(torch.equal(a, b) for a, b in zip(fused, plain))
+    assert steps, "no step with prompts went through the C loop"
+    if scenario == "fresh prompts together":
+        assert steps == [(4, 0, 0, [5, 17, 32, 40])]
+    elif scenario == "chunked beside decodes":
+        assert any(decodes for _, decodes, _, _ in steps) and any(cached for _, _, cached, _ in steps)
+    else:  # the hit: its 6 new rows over 24 cached keys and their own, beside the first request's last decode
+        assert steps[-1] == (1, 1, 1, [6])
+
+
+def test_steps_with_prompts_stay_layer_by_layer_where_the_c_loop_cannot_take_them(prompt_checkpoint, checkpoint):
+    """SDPA for prompts (no prefill kernel), or head sizes the kernel does not take: the layers run as before."""
+    engine = prompt_engine(prompt_checkpoint, True)
+    fused = engine.model.model.fused_decode
+    sdpa_prompts = CpuPagedAttention(cpu_attention.load())
+
+    def meta(query_lens, backend):
+        return AttentionMetadata.build([[i] for i in range(len(query_lens))], [4] * len(query_lens), query_lens, 8,
+                                       torch.device("cpu"), backend)
+
+    with_prefill = CpuPagedAttention(cpu_attention.load(), cpu_prefill_attention.load())
+    hidden = torch.zeros(4, 64, dtype=torch.bfloat16)
+    assert fused.takes_prompts(hidden, meta([1, 3], with_prefill))
+    assert not fused.takes_prompts(hidden, meta([1, 3], sdpa_prompts))
+    assert not fused.takes_prompts(hidden, meta([1, 3], TorchAttention()))
+    assert not fused.takes_prompts(hidden, meta([1, 1, 1, 1], with_prefill))  # a pure decode step: takes()
+    assert not fused.takes_prompts(hidden.float(), meta([1, 3], with_prefill))
+    fused.prompts = False
+    assert not fused.takes_prompts(hidden, meta([1, 3], with_prefill))
+    other = make_engine(checkpoint, True).model.model.fused_decode  # head_dim 16 ("tiny") or 64
+    assert other.takes_prompts(hidden, meta([1, 3], with_prefill)) == (other.head_dim % 32 == 0)

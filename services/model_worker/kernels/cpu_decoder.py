@@ -1,4 +1,4 @@
-"""Every decoder layer of a bf16 CPU decode step in one C call (decoder.c), through ctypes.
+"""Every decoder layer of a bf16 CPU step in one C call (decoder.c), through ctypes.
 
 The C loop calls the same matmul, norm and attention kernels as the layer-by-layer forward, through
 function pointers taken from their libraries here, and rounds the ops torch did (adds, SiLU, the
@@ -21,7 +21,8 @@ class Kernels(ctypes.Structure):
                 ("norm_rope", ctypes.c_void_p), ("write_kv", ctypes.c_void_p), ("attention", ctypes.c_void_p),
                 ("small_max_rows", ctypes.c_int), ("amx_min_rows", ctypes.c_int), ("amx_max_rows", ctypes.c_int),
                 ("q8", ctypes.c_void_p), ("q8_amx", ctypes.c_void_p), ("q8_small_max_rows", ctypes.c_int),
-                ("q8_no_amx_max_rows", ctypes.c_int), ("max_rows", ctypes.c_int)]
+                ("q8_no_amx_max_rows", ctypes.c_int), ("max_rows", ctypes.c_int), ("prefill", ctypes.c_void_p),
+                ("linear_silu", ctypes.c_void_p)]
 
 
 class Shape(ctypes.Structure):
@@ -38,10 +39,17 @@ class Layer(ctypes.Structure):
                [("fp8", ctypes.c_int)]
 
 
+class Prompts(ctypes.Structure):
+    _fields_ = [("count", ctypes.c_int), ("starts", ctypes.c_void_p), ("lens", ctypes.c_void_p),
+                ("keys", ctypes.c_void_p), ("key_slots", ctypes.c_void_p), ("decodes", ctypes.c_int),
+                ("max_blocks", ctypes.c_int), ("decode_rows", ctypes.c_void_p), ("context_lens", ctypes.c_void_p),
+                ("block_tables", ctypes.c_void_p)]
+
+
 class Step(ctypes.Structure):
     _fields_ = [("rows", ctypes.c_int), ("max_blocks", ctypes.c_int), ("cos", ctypes.c_void_p),
                 ("signed_sin", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("context_lens", ctypes.c_void_p),
-                ("block_tables", ctypes.c_void_p)]
+                ("block_tables", ctypes.c_void_p), ("prompts", ctypes.c_void_p)]
 
 
 def load() -> ctypes.CDLL | None:
@@ -49,9 +57,9 @@ def load() -> ctypes.CDLL | None:
     library = build.load(SOURCE, "fused decode layers")
     if library is None or not library.decoder_supported():
         return None
-    library.decode_layers.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                      ctypes.c_void_p, ctypes.c_void_p]
-    library.decode_layers.restype = ctypes.c_int
+    library.run_layers.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                   ctypes.c_void_p, ctypes.c_void_p]
+    library.run_layers.restype = ctypes.c_int
     library.silu_and_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
     library.silu_and_mul.restype = ctypes.c_int
     return library
@@ -68,7 +76,7 @@ def silu_and_mul(library: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor | 
 
 
 def address(library: ctypes.CDLL, name: str) -> int:
-    """The address of a C function in a loaded library, to hand to decode_layers."""
+    """The address of a C function in a loaded library, to hand to run_layers."""
     return ctypes.cast(getattr(library, name), ctypes.c_void_p).value
 
 
@@ -82,10 +90,50 @@ def decode_layers(library: ctypes.CDLL, kernels: Kernels, shape: Shape, layers: 
     """
     cos, signed_sin = rope
     step = Step(hidden.shape[0], block_tables.shape[1], cos.data_ptr(), signed_sin.data_ptr(),
-                slot_mapping.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr())
-    status = library.decode_layers(ctypes.addressof(kernels), ctypes.addressof(shape), ctypes.addressof(layers),
-                                   len(layers), ctypes.addressof(step), hidden.data_ptr())
-    if status in (-3, -4):  # paged_attention.c's refusal of a block table, passed up unchanged
-        raise IndexError(f"decode_layers: a block table reaches outside the KV cache (status {status})")
+                slot_mapping.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), None)
+    _run(library, kernels, shape, layers, step, hidden, "decode_layers")
+
+
+class PromptLayout:
+    """A step with prompts in it, as run_layers reads it (Prompts); the tensors it points into are kept here.
+
+    prompts: (first row, rows, key slots (keys,) int64 contiguous or None for a fresh prompt) of each
+    sequence with more than one new row; decode_rows (Bd,) int64 the one-row sequences' rows, with their
+    context_lens (Bd,) and block_tables (Bd, max_blocks) int32, contiguous.
+    """
+
+    def __init__(self, prompts: list[tuple[int, int, torch.Tensor | None]], decode_rows: torch.Tensor,
+                 context_lens: torch.Tensor, block_tables: torch.Tensor):
+        count = len(prompts)
+        self.starts = (ctypes.c_int32 * count)(*(start for start, _, _ in prompts))
+        self.lens = (ctypes.c_int32 * count)(*(n for _, n, _ in prompts))
+        self.keys = (ctypes.c_int32 * count)(*(n if slots is None else slots.shape[0] for _, n, slots in prompts))
+        self.key_slots = (ctypes.c_void_p * count)(*(None if slots is None else slots.data_ptr()
+                                                     for _, _, slots in prompts))
+        self.kept = (decode_rows, context_lens, block_tables, [slots for _, _, slots in prompts])
+        self.struct = Prompts(count, ctypes.addressof(self.starts), ctypes.addressof(self.lens),
+                              ctypes.addressof(self.keys), ctypes.addressof(self.key_slots), decode_rows.shape[0],
+                              block_tables.shape[1], decode_rows.data_ptr(), context_lens.data_ptr(),
+                              block_tables.data_ptr())
+
+
+def prompt_layers(library: ctypes.CDLL, kernels: Kernels, shape: Shape, layers: ctypes.Array, hidden: torch.Tensor,
+                  rope: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, layout: PromptLayout) -> None:
+    """Run every layer on hidden, (rows, hidden) contiguous bf16, in place, for a step with prompts in it.
+
+    rope: (rows, 1, head_dim) bf16 tables; slot_mapping (rows,) int64, contiguous on the CPU.
+    """
+    cos, signed_sin = rope
+    step = Step(hidden.shape[0], 0, cos.data_ptr(), signed_sin.data_ptr(), slot_mapping.data_ptr(), None, None,
+                ctypes.addressof(layout.struct))
+    _run(library, kernels, shape, layers, step, hidden, "prompt_layers")
+
+
+def _run(library: ctypes.CDLL, kernels: Kernels, shape: Shape, layers: ctypes.Array, step: Step, hidden: torch.Tensor,
+         name: str) -> None:
+    status = library.run_layers(ctypes.addressof(kernels), ctypes.addressof(shape), ctypes.addressof(layers),
+                                len(layers), ctypes.addressof(step), hidden.data_ptr())
+    if status in (-3, -4):  # paged_attention.c's refusal of a block table (or prefill_attention.c's of a slot)
+        raise IndexError(f"{name}: a block table or key slot reaches outside the KV cache (status {status})")
     if status != 0:
-        raise RuntimeError(f"decode_layers failed with status {status} for {hidden.shape[0]} rows")
+        raise RuntimeError(f"{name} failed with status {status} for {hidden.shape[0]} rows")

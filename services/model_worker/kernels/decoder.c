@@ -1,4 +1,4 @@
-/* Every decoder layer of a bf16 decode step in one call: the step's torch glue moved into C.
+/* Every decoder layer of a bf16 step in one call: the step's torch glue moved into C.
  *
  * A decode step of one sequence reads the 0.6B model's weights in about 45 ms, and the C kernels
  * already do the arithmetic; around them each layer spent about 0.2 ms in Python: a dozen module
@@ -10,6 +10,12 @@
  * x / (1 + exp(-x)) with exp computed as Sleef's expf (u10), the routine torch's vectorised exp
  * calls; for every one of the 65,536 bf16 inputs it equals torch's F.silu bit for bit (tested).
  * The fused step's hidden states equal the unfused step's bit for bit (tested).
+ *
+ * A step with prompts in it (on weights in VNNI order, whose kernel takes any row count) runs here
+ * too: each prompt's attention is prefill_attention.c's call on its own rows, as the layer-by-layer
+ * path makes it, and the step's one-row sequences take the decode kernel together. Around a
+ * 128-token prompt's 28 layers the layer-by-layer path spent about 7% of the prefill in Python, torch
+ * adds and copies.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -38,6 +44,12 @@ typedef int (*attention_fn)(const void *q, const void *k_cache, const void *v_ca
                             const int32_t *context_lens, const int32_t *block_tables, int64_t num_slots,
                             int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
                             int max_blocks, int is_bf16, float scale);
+typedef int (*prefill_attention_fn)(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                                    const uint16_t *v, int64_t v_stride, const int64_t *slots, int64_t num_slots,
+                                    uint16_t *out, int64_t out_stride, int lq, int lk, int heads, int kv_heads,
+                                    int head_dim, float scale);
+/* vnni_linear.c's: F.silu(gate) * up of a gate/up weight's product, its activation on the result tiles. */
+typedef int (*linear_silu_fn)(const uint16_t *x, const uint16_t *w, uint16_t *act, int m, int64_t n, int64_t k);
 
 /* The kernels, and the row counts SmallBatchLinear routes to each: AMX from amx_min_rows to
  * amx_max_rows where a weight allows it, the AVX512-BF16 kernel up to small_max_rows. 8-bit weights
@@ -53,6 +65,8 @@ typedef struct {
     int small_max_rows, amx_min_rows, amx_max_rows;
     q8_linear_fn q8, q8_amx;
     int q8_small_max_rows, q8_no_amx_max_rows, max_rows;
+    prefill_attention_fn prefill;
+    linear_silu_fn linear_silu;
 } Kernels;
 
 typedef struct {
@@ -72,13 +86,29 @@ typedef struct {
     int fp8;
 } Layer;
 
-/* One step: `rows` sequences with one new token each. cos, signed_sin: (rows, head_dim) rotary
- * tables; slots: (rows,) cache slots; block_tables: (rows, max_blocks). */
+/* The sequences of a step with prompts in it. A prompt (more than one new row) is rows starts[i] ..
+ * starts[i] + lens[i] - 1 and attends over keys[i] keys: its own rows where key_slots[i] is NULL (a
+ * fresh prompt), else the cache slots key_slots[i] (keys[i],) holds (cached tokens before it). The
+ * one-row sequences sit at rows decode_rows (decodes,), with their context_lens and block_tables
+ * (decodes, max_blocks). */
+typedef struct {
+    int count;
+    const int32_t *starts, *lens, *keys;
+    const int64_t *const *key_slots;
+    int decodes, max_blocks;
+    const int64_t *decode_rows;
+    const int32_t *context_lens, *block_tables;
+} Prompts;
+
+/* One step of `rows` rows. cos, signed_sin: (rows, head_dim) rotary tables; slots: (rows,) cache slots.
+ * prompts NULL: every row is a sequence with one new token, context_lens (rows,) and block_tables
+ * (rows, max_blocks) theirs; else the step's layout is in prompts. */
 typedef struct {
     int rows, max_blocks;
     const uint16_t *cos, *signed_sin;
     const int64_t *slots;
     const int32_t *context_lens, *block_tables;
+    const Prompts *prompts;
 } Step;
 
 static int linear(const Kernels *kn, int amx_ok, const uint16_t *x, const uint16_t *w, const float *scale, int fp8,
@@ -129,20 +159,56 @@ int decoder_supported(void) {
 #endif
 }
 
+/* One layer's attention of the step into attn (rows, Hq * D): q and k normalised and rotated in qk
+ * (rows, (Hq + Hkv) * D), v in qkv after them; q: scratch of 2 * rows * Hq * D values. The decode
+ * kernel takes (rows, Hq, D) contiguous, so the one-row sequences' q heads are copied side by side
+ * first (as the layer-by-layer path indexes them), and their outputs copied back to their rows. */
+static int attend(const Kernels *kn, const Shape *sh, const Layer *L, const Step *st, const uint16_t *qkv,
+                  const uint16_t *qk, uint16_t *q, uint16_t *attn) {
+    const int D = sh->head_dim, Hq = sh->heads, Hkv = sh->kv_heads;
+    const int64_t qk_width = (int64_t)(Hq + Hkv) * D, qkv_width = qk_width + (int64_t)Hkv * D, width = (int64_t)Hq * D;
+    const Prompts *p = st->prompts;
+    if (!p) {
+        for (int r = 0; r < st->rows; r++) memcpy(q + r * width, qk + r * qk_width, sizeof(uint16_t) * width);
+        return kn->attention(q, L->k_cache, L->v_cache, attn, st->context_lens, st->block_tables, sh->num_slots,
+                             st->rows, Hq, Hkv, D, sh->block_size, st->max_blocks, 1, sh->scale);
+    }
+    int status = 0;
+    if (p->decodes) {
+        uint16_t *out = q + (int64_t)p->decodes * width;
+        for (int i = 0; i < p->decodes; i++)
+            memcpy(q + i * width, qk + p->decode_rows[i] * qk_width, sizeof(uint16_t) * width);
+        if ((status = kn->attention(q, L->k_cache, L->v_cache, out, p->context_lens, p->block_tables, sh->num_slots,
+                                    p->decodes, Hq, Hkv, D, sh->block_size, p->max_blocks, 1, sh->scale)))
+            return status;
+        for (int i = 0; i < p->decodes; i++)
+            memcpy(attn + p->decode_rows[i] * width, out + i * width, sizeof(uint16_t) * width);
+    }
+    for (int i = 0; i < p->count && status == 0; i++) {
+        const int64_t r = p->starts[i];
+        const int64_t *slots = p->key_slots[i];
+        const uint16_t *k = slots ? L->k_cache : qk + r * qk_width + width;
+        const uint16_t *v = slots ? L->v_cache : qkv + r * qkv_width + qk_width;
+        status = kn->prefill(qk + r * qk_width, qk_width, k, slots ? 0 : qk_width, v, slots ? 0 : qkv_width, slots,
+                             sh->num_slots, attn + r * width, width, p->lens[i], p->keys[i], Hq, Hkv, D, sh->scale);
+    }
+    return status;
+}
+
 /* hidden: (rows, hidden) bf16, the embeddings in, the last layer's output out (in place). Returns
  * 0; or < 0, with hidden undefined: -1 a shape the kernels do not take, -2 no memory, or a
  * kernel's own failure status. */
-int decode_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int num_layers, const Step *st,
-                  uint16_t *hidden) {
+int run_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int num_layers, const Step *st,
+               uint16_t *hidden) {
     const int m = st->rows, H = sh->hidden, D = sh->head_dim, Hq = sh->heads, Hkv = sh->kv_heads;
     const int64_t qk_width = (int64_t)(Hq + Hkv) * D, qkv_width = qk_width + (int64_t)Hkv * D;
     const int64_t I = sh->intermediate;
-    if (m < 1 || m > kn->max_rows || I % 16) return -1;
-    size_t elems = (size_t)m * (H + qkv_width + qk_width + 2 * (size_t)Hq * D + H + 2 * I + I + H);
+    if (m < 1 || m > kn->max_rows || I % 16 || (st->prompts && !kn->prefill)) return -1;
+    size_t elems = (size_t)m * (H + qkv_width + qk_width + 3 * (size_t)Hq * D + H + 2 * I + I + H);
     uint16_t *buf = malloc(elems * sizeof(uint16_t));
     if (!buf) return -2;
     uint16_t *normed = buf, *qkv = normed + (size_t)m * H, *qk = qkv + m * qkv_width, *q = qk + m * qk_width,
-             *attn = q + (size_t)m * Hq * D, *o = attn + (size_t)m * Hq * D, *gate_up = o + (size_t)m * H,
+             *attn = q + 2 * (size_t)m * Hq * D, *o = attn + (size_t)m * Hq * D, *gate_up = o + (size_t)m * H,
              *act = gate_up + 2 * m * I, *down = act + m * I;
     int status = 0;
     for (int l = 0; l < num_layers && status == 0; l++) {
@@ -155,16 +221,18 @@ int decode_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int n
         if ((status = kn->write_kv(qk + (int64_t)Hq * D, qkv + qk_width, qk_width, qkv_width, L->k_cache,
                                    L->v_cache, st->slots, m, Hkv, sh->num_slots, D, 2)))
             break;
-        /* The attention kernel takes (rows, Hq, D) contiguous: the q heads of each row of qk. */
-        for (int r = 0; r < m; r++) memcpy(q + (int64_t)r * Hq * D, qk + r * qk_width, sizeof(uint16_t) * Hq * D);
-        if ((status = kn->attention(q, L->k_cache, L->v_cache, attn, st->context_lens, st->block_tables,
-                                    sh->num_slots, m, Hq, Hkv, D, sh->block_size, st->max_blocks, 1, sh->scale)))
-            break;
+        if ((status = attend(kn, sh, L, st, qkv, qk, q, attn))) break;
         if ((status = linear(kn, L->o_amx, attn, L->o, L->o_scale, L->fp8, o, m, H, (int64_t)Hq * D))) break;
         add_rows(hidden, o, (int64_t)m * H);
         kn->norm(hidden, H, 1, L->post_norm, 1, normed, m, H, sh->eps, 1);
-        if ((status = linear(kn, L->gate_up_amx, normed, L->gate_up, L->gate_up_scale, L->fp8, gate_up, m, 2 * I, H))) break;
-        if ((status = silu_and_mul(gate_up, act, m, I))) break;
+        if (kn->linear_silu && !L->gate_up_scale) { /* as VnniLinearMethod.apply_silu_and_mul: the same bits */
+            if ((status = kn->linear_silu(normed, L->gate_up, act, m, I, H))) break;
+        } else {
+            if ((status = linear(kn, L->gate_up_amx, normed, L->gate_up, L->gate_up_scale, L->fp8, gate_up, m, 2 * I,
+                                 H)))
+                break;
+            if ((status = silu_and_mul(gate_up, act, m, I))) break;
+        }
         if ((status = linear(kn, L->down_amx, act, L->down, L->down_scale, L->fp8, down, m, H, I))) break;
         add_rows(hidden, down, (int64_t)m * H);
     }

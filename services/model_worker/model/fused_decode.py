@@ -1,11 +1,15 @@
-"""Decode steps through every layer in one C call, where the model and the step allow it.
+"""Decode steps through every layer in one C call, where the model and the step allow it; on weights in
+VNNI order, steps with prompts in them too.
 
 On CPU in bf16 a decode step's arithmetic already runs in C kernels (matmuls, norms, attention);
 what the layer-by-layer forward adds around them is Python: about 0.2 ms a layer of module calls,
 views, adds and ctypes calls, 5-6 ms of a 0.6B model's step. FusedDecode hands the whole layer
 loop to kernels/decoder.c, which calls the same kernels in the same order and rounds as torch, so
-the hidden states are the same bit for bit; anything it does not take (prefill, mixed steps, more
-rows than the matmul kernels take, another attention backend) runs the layers as before.
+the hidden states are the same bit for bit. Where the weights are in VNNI order (whose kernel takes
+any row count) and prompts have the C prefill attention kernel, prefill and mixed steps run there
+too: a 128-token prompt spent about 7% of its prefill in that glue. Anything it does not take
+(more decode rows than the matmul kernels take, plain or 8-bit weights with prompts in the step,
+another attention backend) runs the layers as before.
 """
 from __future__ import annotations
 
@@ -66,8 +70,12 @@ class FusedDecode:
         self.shape = dict(hidden=first.input_layernorm.weight.shape[0], heads=attn.num_heads,
                           kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=mlp.intermediate_size,
                           eps=first.input_layernorm.eps, scale=attn.scale)
+        # Steps with prompts: on VNNI weights, whose kernel takes any row count (bf16 only: the 8-bit kernels
+        # route by rows, up to max_rows). A switch, so benchmarks can run those steps layer by layer.
+        self.prompts = self.vnni is not None and self.q8 is None
+        self.head_dim = attn.head_dim
         self._layers: tuple | None = None     # (cache key, ctypes array, tensors it points into)
-        self._kernels: tuple | None = None    # (attention library, Kernels)
+        self._kernels: tuple | None = None    # (attention backend, Kernels)
 
     @classmethod
     def build(cls, model: Qwen3Model, library: ctypes.CDLL | None) -> "FusedDecode | None":
@@ -102,16 +110,35 @@ class FusedDecode:
                 and 1 <= hidden.shape[0] <= self.max_rows and hidden.dtype == torch.bfloat16
                 and hidden.is_contiguous() and meta.context_lens.shape[0] == hidden.shape[0])
 
+    def takes_prompts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A step with prompts in it (alone, or beside decoding sequences), on VNNI weights, the C attention
+        kernels for both, bf16 rows."""
+        return (self.prompts and meta.max_query_len > 1 and meta.prefill is not None
+                and isinstance(meta.backend, CpuPagedAttention) and meta.backend.prefill_library is not None
+                and self.head_dim % 32 == 0 and hidden.dtype == torch.bfloat16 and hidden.is_contiguous())
+
     def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> None:
         """Every layer on hidden (rows, hidden_size), in place, as the layer-by-layer forward would."""
         array, shape = self._layer_array(kv_caches, meta.block_size)
-        cpu_decoder.decode_layers(self.library, self._kernel_table(meta.backend.library), shape, array, hidden,
-                                  tuple(t.contiguous() for t in rope), meta.slot_mapping.contiguous(),
-                                  meta.context_lens.contiguous(), meta.block_tables.contiguous())
+        kernels = self._kernel_table(meta.backend)
+        rope = tuple(t.contiguous() for t in rope)
+        if meta.max_query_len == 1:
+            cpu_decoder.decode_layers(self.library, kernels, shape, array, hidden, rope, meta.slot_mapping.contiguous(),
+                                      meta.context_lens.contiguous(), meta.block_tables.contiguous())
+            return
+        layout = meta.prefill
+        prompts = [(start, n, None if slots is None else slots.contiguous())
+                   for start, n, slots in zip(layout.starts, layout.lens, layout.key_slots)]
+        seqs = meta.decode_seqs
+        decodes = cpu_decoder.PromptLayout(prompts, meta.decode_rows.contiguous(), meta.context_lens[seqs].contiguous(),
+                                           meta.block_tables[seqs].contiguous())
+        cpu_decoder.prompt_layers(self.library, kernels, shape, array, hidden, rope, meta.slot_mapping.contiguous(),
+                                  decodes)
 
-    def _kernel_table(self, attention_library: ctypes.CDLL) -> cpu_decoder.Kernels:
-        if self._kernels is None or self._kernels[0] is not attention_library:
+    def _kernel_table(self, backend: CpuPagedAttention) -> cpu_decoder.Kernels:
+        attention_library = backend.library
+        if self._kernels is None or self._kernels[0] is not backend:
             address = cpu_decoder.address
             amx = address(self.amx_library, "amx_linear") if self.amx_library is not None else None
             small = address(self.small_library, "small_batch_linear") if self.small_library is not None else None
@@ -123,14 +150,20 @@ class FusedDecode:
                 q8 = q8_amx = address(self.q8.w8a8, "w8a8_linear_amx")
             elif self.w8a8_vnni:
                 q8 = address(self.q8.w8a8, "w8a8_linear")  # max_rows is GEMV_MAX_ROWS: never q8_amx
+            amx_max_rows = EightBitLinearMethod.AMX_MAX_ROWS if self.q8 is not None else SmallBatchLinearMethod.AMX_MAX_ROWS
+            max_rows, prefill, linear_silu = self.max_rows, None, None
+            if self.prompts:  # vnni_linear at every row count: takes() and takes_prompts() bound the steps
+                amx_max_rows = max_rows = 2 ** 30
+                linear_silu = address(self.vnni, "vnni_linear_silu")
+                if backend.prefill_library is not None:
+                    prefill = address(backend.prefill_library, "prefill_attention")
             table = cpu_decoder.Kernels(
                 small, amx, address(self.norm_library, "rms_norm"),
                 address(self.norm_library, "rms_norm_rope"), address(attention_library, "write_kv"),
                 address(attention_library, "paged_decode_attention"), SmallBatchLinearMethod.MAX_ROWS,
-                SmallBatchLinearMethod.AMX_MIN_ROWS,
-                EightBitLinearMethod.AMX_MAX_ROWS if self.q8 is not None else SmallBatchLinearMethod.AMX_MAX_ROWS,
-                q8, q8_amx, EightBitLinearMethod.GEMV_MAX_ROWS, EightBitLinearMethod.NO_AMX_MAX_ROWS, self.max_rows)
-            self._kernels = (attention_library, table)
+                SmallBatchLinearMethod.AMX_MIN_ROWS, amx_max_rows, q8, q8_amx, EightBitLinearMethod.GEMV_MAX_ROWS,
+                EightBitLinearMethod.NO_AMX_MAX_ROWS, max_rows, prefill, linear_silu)
+            self._kernels = (backend, table)
         return self._kernels[1]
 
     def _layer_array(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> tuple:

@@ -123,14 +123,16 @@ class Qwen3Model(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
-        # bf16 on CPU: every layer of a decode step in one C call where it applies (fused_decode.py).
+        # bf16 on CPU: every layer of a decode step (on VNNI weights, of any step) in one C call where it
+        # applies (fused_decode.py).
         self.fused_decode = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, hidden.dtype)
-        if self.fused_decode is not None and self.fused_decode.takes(hidden, meta):
+        fused = self.fused_decode
+        if fused is not None and (fused.takes(hidden, meta) or fused.takes_prompts(hidden, meta)):
             self.fused_decode(hidden, rope, kv_caches, meta)  # the same layers, in place, in one call
             return self.norm(hidden)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
