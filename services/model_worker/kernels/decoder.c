@@ -13,9 +13,9 @@
  *
  * A step with prompts in it (on weights in VNNI order, whose kernel takes any row count) runs here
  * too: each prompt's attention is prefill_attention.c's call on its own rows, as the layer-by-layer
- * path makes it, and the step's one-row sequences take the decode kernel together. Around a
- * 128-token prompt's 28 layers the layer-by-layer path spent about 7% of the prefill in Python, torch
- * adds and copies.
+ * path makes it, and the step's one-row sequences take the decode kernel together. A fresh 128-token
+ * prompt of the 0.6B model then prefills in 0.94x the layer-by-layer path's time on one core (its
+ * Python, torch's adds and copies between the kernels).
  */
 #include <stdint.h>
 #include <stdlib.h>
