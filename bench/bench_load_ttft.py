@@ -7,7 +7,8 @@ overall: output tokens per second. Each round runs every step budget
 (`--max-num-batched-tokens`) and admission order (`--scheduling-policy`) asked for on the same
 engine, the order reversed every other round, so the machine's drift falls on all of them alike.
 Medians over rounds, each setting's ratio to the first one (median of per-round ratios), and one
-JSON line at the end.
+JSON line at the end. With `--steps`, each run also says where its time went: the steps with prompt
+tokens in them, and the pure decode steps by how many sequences they decoded.
 
 Run it from two checkouts, alternating, to compare code before and after a change:
 
@@ -59,18 +60,41 @@ def one_run(engine: LLMEngine, rng: random.Random, args, budget: int, policy: st
                                                                        ignore_eos=True))
     first: dict[str, float] = {}
     tokens = steps = 0
-    while engine.has_work():
-        outputs = engine.step()
-        steps += 1
-        now = time.perf_counter() - start
-        for out in outputs:
-            first.setdefault(out.request_id, now)
-            tokens += 1
+    batches = []  # what each step scheduled: (sequences, new tokens of each)
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: (lambda b: (batches.append(list(b.num_tokens)), b)[1])(schedule())
+    timed = []  # (seconds, new tokens of each sequence) per step
+    try:
+        while engine.has_work():
+            began = time.perf_counter()
+            outputs = engine.step()
+            timed.append((time.perf_counter() - began, batches[-1] if batches else []))
+            steps += 1
+            now = time.perf_counter() - start
+            for out in outputs:
+                first.setdefault(out.request_id, now)
+                tokens += 1
+    finally:
+        engine.scheduler.schedule = schedule
     wall = time.perf_counter() - start
     assert tokens == sum(requests.values()), (tokens, sum(requests.values()))
     ttft = list(first.values())
     return {"ttft_p50": statistics.median(ttft), "ttft_p90": percentile(ttft, 0.9), "ttft_max": max(ttft),
-            "tok_s": tokens / wall, "wall": wall, "steps": steps}
+            "tok_s": tokens / wall, "wall": wall, "steps": steps, "breakdown": step_breakdown(timed)}
+
+
+def step_breakdown(timed: list[tuple[float, list[int]]]) -> dict:
+    """Where a run's time went: the steps with prompt tokens in them, and the pure decode steps by how many
+    sequences they decoded (their count and median time)."""
+    prompt = [(t, n) for t, n in timed if n and max(n) > 1]
+    by_seqs: dict[int, list[float]] = {}
+    for t, n in timed:
+        if n and max(n) == 1:
+            by_seqs.setdefault(len(n), []).append(t)
+    return {"prompt_steps": len(prompt), "prompt_s": sum(t for t, _ in prompt),
+            "prompt_tokens": sum(sum(n) for _, n in prompt),
+            "decode_steps": sum(len(v) for v in by_seqs.values()), "decode_s": sum(sum(v) for v in by_seqs.values()),
+            "decode_ms_by_seqs": {b: [len(v), statistics.median(v) * 1e3] for b, v in sorted(by_seqs.items())}}
 
 
 def main(argv=None) -> None:
@@ -85,6 +109,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", action="store_true", help="also print where each run's time went, step by step kind")
     p.add_argument("--quick", action="store_true", help="a tiny checkpoint and short runs: checks the script works")
     args = p.parse_args(argv)
     if args.threads:
@@ -107,6 +132,13 @@ def main(argv=None) -> None:
                 print(f"round {r} budget {budget:5d} {policy}: TTFT p50 {res['ttft_p50']:.2f} s "
                       f"p90 {res['ttft_p90']:.2f} s max {res['ttft_max']:.2f} s, {res['tok_s']:.1f} tok/s, "
                       f"{res['steps']} steps, {res['wall']:.1f} s", flush=True)
+                if args.steps:
+                    b = res["breakdown"]
+                    print(f"  steps with prompts: {b['prompt_steps']} ({b['prompt_tokens']} tokens) in "
+                          f"{b['prompt_s']:.2f} s; pure decode: {b['decode_steps']} in {b['decode_s']:.2f} s; "
+                          "decode steps by sequences (count, median ms): "
+                          + ", ".join(f"{k}: {c} x {ms:.0f}" for k, (c, ms) in b["decode_ms_by_seqs"].items()),
+                          flush=True)
         engine.close()
     summary = {}
     base = results[settings[0]]
