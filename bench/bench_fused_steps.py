@@ -71,6 +71,11 @@ def main(argv=None) -> None:
     cases = [("prefill", int(t)) for t in args.prefill_tokens.split(",") if t]
     cases += [("mixed", tuple(int(v) for v in c.split("+"))) for c in args.mixed.split(",") if c]
 
+    def inputs_for(case) -> list:
+        """Fresh tokens for a case: [prompt] for a prefill, [the decoding sequences' prompts, the new prompt]."""
+        kind, size = case
+        return [fresh(size)] if kind == "prefill" else [[fresh(64) for _ in range(size[0])], fresh(size[1])]
+
     def run(case, inputs, way: str) -> tuple[float, list[int]]:
         fused.prompts = way == "fused"
         if case[0] == "prefill":
@@ -79,7 +84,7 @@ def main(argv=None) -> None:
         return mixed_step(engine, inputs[0], inputs[1])
 
     for case in cases:  # warm both ways
-        inputs = [fresh(case[1])] if case[0] == "prefill" else [[fresh(64)] * case[1][0], fresh(case[1][1])]
+        inputs = inputs_for(case)
         for way in ("fused", "layers"):
             run(case, inputs, way)
     ways = ["fused", "layers"]
@@ -88,7 +93,7 @@ def main(argv=None) -> None:
     for r in range(args.rounds):
         for case in cases:
             kind, size = case
-            inputs = [fresh(size)] if kind == "prefill" else [[fresh(64) for _ in range(size[0])], fresh(size[1])]
+            inputs = inputs_for(case)
             got = {}
             for way in ways if r % 2 == 0 else ways[::-1]:
                 elapsed, got[way] = run(case, inputs, way)

@@ -60,9 +60,15 @@ def one_run(engine: LLMEngine, rng: random.Random, args, budget: int, policy: st
                                                                        ignore_eos=True))
     first: dict[str, float] = {}
     tokens = steps = 0
-    batches = []  # what each step scheduled: (sequences, new tokens of each)
+    batches = []  # what each step scheduled: the new tokens of each of its sequences
     schedule = engine.scheduler.schedule
-    engine.scheduler.schedule = lambda: (lambda b: (batches.append(list(b.num_tokens)), b)[1])(schedule())
+
+    def recorded_schedule():
+        batch = schedule()
+        batches.append(list(batch.num_tokens))
+        return batch
+
+    engine.scheduler.schedule = recorded_schedule
     timed = []  # (seconds, new tokens of each sequence) per step
     try:
         while engine.has_work():

@@ -66,6 +66,12 @@ def hidden_states(engine: LLMEngine, prompts: list[list[int]], steps: int) -> li
     return captured
 
 
+def step_meta(query_lens: list[int], backend) -> AttentionMetadata:
+    """A step's metadata: sequence i with query_lens[i] new tokens of 4 in its context, in block i."""
+    return AttentionMetadata.build([[i] for i in range(len(query_lens))], [4] * len(query_lens), query_lens, 8,
+                                   torch.device("cpu"), backend)
+
+
 @pytest.mark.parametrize("batch", [1, 2, 3, 5, 9])
 def test_fused_steps_equal_the_layer_by_layer_forward_bit_for_bit(checkpoint, batch, monkeypatch):
     """1-2 rows take the AVX512-BF16 matmul kernel, 3 and more the AMX one where the CPU has it (else
@@ -104,8 +110,7 @@ def test_it_takes_pure_decode_steps_of_few_rows_on_the_c_attention_kernel(checkp
     kernel = CpuPagedAttention(cpu_attention.load())
 
     def meta(query_lens, backend=kernel):
-        return AttentionMetadata.build([[i] for i in range(len(query_lens))], [4] * len(query_lens), query_lens, 8,
-                                       torch.device("cpu"), backend)
+        return step_meta(query_lens, backend)
 
     def hidden(rows):
         return torch.zeros(rows, 64, dtype=torch.bfloat16)
@@ -182,9 +187,9 @@ def staggered_hidden(engine: LLMEngine, arrivals: dict[int, list[list[int]]], ne
     return captured
 
 
-def prompt_engine(checkpoint, fused: bool, budget: int = 2048, prefix_caching: bool = True) -> LLMEngine:
+def prompt_engine(checkpoint, fused: bool, budget: int = 2048) -> LLMEngine:
     return LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=256, block_size=8,
-                                              fused_decode=fused, enable_prefix_caching=prefix_caching,
+                                              fused_decode=fused,
                                               limits=SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=budget)))
 
 
@@ -234,19 +239,14 @@ def test_steps_with_prompts_stay_layer_by_layer_where_the_c_loop_cannot_take_the
     engine = prompt_engine(prompt_checkpoint, True)
     fused = engine.model.model.fused_decode
     sdpa_prompts = CpuPagedAttention(cpu_attention.load())
-
-    def meta(query_lens, backend):
-        return AttentionMetadata.build([[i] for i in range(len(query_lens))], [4] * len(query_lens), query_lens, 8,
-                                       torch.device("cpu"), backend)
-
     with_prefill = CpuPagedAttention(cpu_attention.load(), cpu_prefill_attention.load())
     hidden = torch.zeros(4, 64, dtype=torch.bfloat16)
-    assert fused.takes_prompts(hidden, meta([1, 3], with_prefill))
-    assert not fused.takes_prompts(hidden, meta([1, 3], sdpa_prompts))
-    assert not fused.takes_prompts(hidden, meta([1, 3], TorchAttention()))
-    assert not fused.takes_prompts(hidden, meta([1, 1, 1, 1], with_prefill))  # a pure decode step: takes()
-    assert not fused.takes_prompts(hidden.float(), meta([1, 3], with_prefill))
+    assert fused.takes_prompts(hidden, step_meta([1, 3], with_prefill))
+    assert not fused.takes_prompts(hidden, step_meta([1, 3], sdpa_prompts))
+    assert not fused.takes_prompts(hidden, step_meta([1, 3], TorchAttention()))
+    assert not fused.takes_prompts(hidden, step_meta([1, 1, 1, 1], with_prefill))  # a pure decode step: takes()
+    assert not fused.takes_prompts(hidden.float(), step_meta([1, 3], with_prefill))
     fused.prompts = False
-    assert not fused.takes_prompts(hidden, meta([1, 3], with_prefill))
+    assert not fused.takes_prompts(hidden, step_meta([1, 3], with_prefill))
     other = make_engine(checkpoint, True).model.model.fused_decode  # head_dim 16 ("tiny") or 64
-    assert other.takes_prompts(hidden, meta([1, 3], with_prefill)) == (other.head_dim % 32 == 0)
+    assert other.takes_prompts(hidden, step_meta([1, 3], with_prefill)) == (other.shape["head_dim"] % 32 == 0)
