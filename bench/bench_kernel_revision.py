@@ -3,12 +3,12 @@ as this tree builds them, side by side in one process on the random Qwen3-0.6B c
 change did to the time to the first token and to a decode step.
 
 The other engine's VNNI matmul, small-batch matmul (the vocabulary projection's, on the plain weight tied to
-the embedding) and RMSNorm kernels (kernels/vnni_linear.c, small_batch_linear.c and rms_norm.c, each with
-the headers beside it at that commit) are compiled from `--rev`, and its fused decode loop is pointed at
-them. The weights stay in this tree's layout, so the revision's matmul kernel must read the same one
+the embedding), RMSNorm and paged decode-attention kernels (kernels/vnni_linear.c, small_batch_linear.c,
+rms_norm.c and paged_attention.c, each with the headers beside it at that commit) are compiled from `--rev`,
+and its fused decode loop is pointed at them. The weights stay in this tree's layout, so the revision's matmul kernel must read the same one
 (every commit since the VNNI order does). Per round, the two engines take turns (the first flipped each
 round) on the same fresh prompt of each length, one output token; then on the same batches of fresh
-64-token prompts, one batch of each size in `--decode-batches`, whose decode steps (every sequence
+prompts (64 tokens, or `--decode-prompt`), one batch of each size in `--decode-batches`, whose decode steps (every sequence
 decoding) are timed. Prints each round, the median times, the median of per-round ratios (tree / rev),
 and how many pairs agreed on their tokens (all of them, for a change that keeps the bits), then one JSON
 line. Pin it to one CPU for the engine's one-CPU placement:
@@ -35,8 +35,9 @@ import torch  # noqa: E402
 from bench.bench_engine import DEFAULT_CHECKPOINT, ensure_checkpoint, paired_medians, run_ours  # noqa: E402
 from services.model_worker.config.sampling import SamplingParams  # noqa: E402
 from services.model_worker.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from services.model_worker.kernels import cpu_linear, cpu_norm  # noqa: E402
+from services.model_worker.kernels import cpu_attention, cpu_linear, cpu_norm  # noqa: E402
 from services.model_worker.model.fused_decode import use_fused_decode  # noqa: E402
+from services.model_worker.model.layers.attention.cpu_paged import CpuPagedAttention  # noqa: E402
 from services.model_worker.model.layers.norm import use_norm_kernel  # noqa: E402
 
 KERNEL_DIR = "services/model_worker/kernels"
@@ -60,9 +61,21 @@ def use_small_batch(model: torch.nn.Module, library) -> int:
     return len(layers)
 
 
-# name: (the loader, taking the source path; what points a model at the library)
-KERNELS = {"vnni_linear": (cpu_linear.load_vnni, use_vnni), "small_batch_linear": (cpu_linear.load, use_small_batch),
-           "rms_norm": (cpu_norm.load, use_norm_kernel)}
+def use_attention(engine: LLMEngine, library) -> int:
+    """Point the engine's C attention backend (decodes, and the KV writes) at `library`; returns 1, or 0 where its
+    backend is another."""
+    backend = engine.runner.attention
+    if not isinstance(backend, CpuPagedAttention):
+        return 0
+    engine.runner.attention = CpuPagedAttention(library, backend.prefill_library)
+    return 1
+
+
+# name: (the loader, taking the source path; what points an engine at the library)
+KERNELS = {"vnni_linear": (cpu_linear.load_vnni, lambda engine, lib: use_vnni(engine.model, lib)),
+           "small_batch_linear": (cpu_linear.load, lambda engine, lib: use_small_batch(engine.model, lib)),
+           "rms_norm": (cpu_norm.load, lambda engine, lib: use_norm_kernel(engine.model, lib)),
+           "paged_attention": (cpu_attention.load, use_attention)}
 
 
 def decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
@@ -104,6 +117,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prefill-tokens", default="32,128,512")
     parser.add_argument("--decode-batches", default="1,2,4,8,16", help="sequences per timed decode batch ('' for none)")
     parser.add_argument("--decode-steps", type=int, default=16, help="decode steps per batch")
+    parser.add_argument("--decode-prompt", type=int, default=64, help="prompt tokens of each decoding sequence")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
     kernels = [k for k in args.kernels.split(",") if k]
@@ -120,7 +134,7 @@ def main(argv=None) -> None:
             library = load(pathlib.Path(tmp) / f"{name}.c")
             if library is None:
                 raise SystemExit(f"{name} at {args.rev} does not build or run here")
-            if use(engines["rev"].model, library) == 0:
+            if use(engines["rev"], library) == 0:
                 raise SystemExit(f"no layer of this engine runs {name} here")
     inner = engines["rev"].model.model
     if inner.fused_decode is not None:  # its kernel table points at the tree's kernels: build it anew
@@ -136,7 +150,7 @@ def main(argv=None) -> None:
         for tokens in lengths:  # warm both: kernels built, caches touched
             run_ours(engine, fresh(tokens), 1)
         for batch in batches:
-            decode_steps(engine, [fresh(64) for _ in range(batch)], 2)
+            decode_steps(engine, [fresh(args.decode_prompt) for _ in range(batch)], args.decode_steps)
     cases = [("prefill", t) for t in lengths] + [("decode", b) for b in batches]
     times = {case: {name: [] for name in engines} for case in cases}
     agreed = dict.fromkeys(cases, 0)
@@ -144,7 +158,7 @@ def main(argv=None) -> None:
     for r in range(args.rounds):
         for case in cases:
             kind, size = case
-            prompts = [fresh(size)] if kind == "prefill" else [fresh(64) for _ in range(size)]
+            prompts = [fresh(size)] if kind == "prefill" else [fresh(args.decode_prompt) for _ in range(size)]
             got = {}
             for name in names if r % 2 == 0 else names[::-1]:
                 if kind == "prefill":
@@ -169,7 +183,7 @@ def main(argv=None) -> None:
     for engine in engines.values():
         engine.close()
     print(json.dumps({"bench": "kernel_revision", "rev": args.rev, "kernels": kernels, "threads": args.threads,
-                      "rounds": args.rounds, "decode_steps": args.decode_steps, "results": results["prefill"],
+                      "rounds": args.rounds, "decode_steps": args.decode_steps, "decode_prompt": args.decode_prompt, "results": results["prefill"],
                       "decode": results["decode"]}))
 
 if __name__ == "__main__":

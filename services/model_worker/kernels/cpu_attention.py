@@ -13,9 +13,10 @@ _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] + [ctypes.c_int] * 7 + [cty
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (with a warning) where it cannot be built."""
-    library = build.load(SOURCE, "attention")
+def load(source: pathlib.Path = SOURCE) -> ctypes.CDLL | None:
+    """The compiled kernel, or None (with a warning) where it cannot be built. source: another copy of
+    paged_attention.c (a benchmark's older one)."""
+    library = build.load(source, "attention")
     if library is not None:
         library.paged_decode_attention.argtypes = _ARGTYPES
         library.paged_decode_attention.restype = ctypes.c_int
