@@ -321,13 +321,14 @@ def test_kv_write_kernel_equals_index_copy(kernel, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("group", [1, 2, 4, 5, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_decode_kernel_at_checkpoint_head_sizes(kernel, dtype, head_dim, group, block_size):
     """The kernel at the head sizes of real checkpoints (the tests above use small heads): its
-    vector loops and tails, the group sizes it unrolls and one it does not (5), and contexts that
-    end mid-chunk and mid-block. Within one bf16 rounding of the float64 attention of its inputs."""
+    vector loops and tails, the group sizes it unrolls and one it does not (5), the head sizes it
+    unrolls (64, 128, 256) and one it does not (96), and contexts that end mid-chunk and mid-block.
+    Within one bf16 rounding of the float64 attention of its inputs."""
     gen = torch.Generator().manual_seed(head_dim * 100 + group * 10 + block_size)
     rng = random.Random(f"{head_dim}-{group}-{block_size}")
     kv_heads, contexts = 2, [1, 2, 3, 5, 31, 64, 65, 130, 301, 512, 600]

@@ -189,20 +189,23 @@ static inline __m512 sum16(const __m512 v[16]) {
 
 /* scores[r][i] = scale * (q[r] . key[i]) for the step's m <= SUB keys, by vdpbf16ps on the unscaled bf16
  * query (products of two bf16 are exact in float32); lanes past m are -inf. 16 / G keys at a time for all
- * G rows, so each key row is loaded once and the 16 (row, key) sums reduce together, lane r * KB + i. */
+ * G rows, so each key row is loaded once and the 16 (row, key) sums reduce together, lane r * KB + i.
+ * G and C (head_dim / 32) are constants at each call site, and a short group repeats its first key (its
+ * sums unused), so the loops unroll and the 16 sums stay in registers: with the head size a runtime
+ * value they went through memory, and this step took most of the kernel's time with the rows in cache. */
 static inline __attribute__((always_inline)) void score_step_bf16(const Args *a, const char *const *keys,
-                                                                   const __m512i *qb, const int G, int m,
-                                                                   float scores[][SUB], int avail) {
-    const int C = a->head_dim / 32, KB = 16 / G;
+                                                                   const __m512i *qb, const int G, const int C,
+                                                                   int m, float scores[][SUB], int avail) {
+    const int KB = 16 / G;
     const __m512 scale = _mm512_set1_ps(a->scale);
     for (int r = 0; r < G; r++) _mm512_storeu_ps(scores[r], _mm512_set1_ps(-INFINITY));
     for (int j0 = 0; j0 < m; j0 += KB) {
         const int k = m - j0 < KB ? m - j0 : KB;
         __m512 acc[16];
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-        for (int i = 0; i < k; i++) {
-            const uint16_t *key = (const uint16_t *)keys[j0 + i];
-            if (j0 + i + AHEAD < avail) prefetch_row(keys[j0 + i + AHEAD], (size_t)a->head_dim * 2);
+        for (int i = 0; i < KB; i++) {
+            const uint16_t *key = (const uint16_t *)keys[j0 + (i < k ? i : 0)];
+            if (i < k && j0 + i + AHEAD < avail) prefetch_row(keys[j0 + i + AHEAD], (size_t)C * 64);
             for (int c = 0; c < C; c++) {
                 const __m512bh kv = (__m512bh)_mm512_loadu_si512(key + 32 * c);
                 for (int r = 0; r < G; r++)
@@ -240,9 +243,9 @@ static inline float softmax_step(float *scores, int m, float *max, float *sum) {
  * the 2 G CB sums in registers while each value row is read. */
 static inline __attribute__((always_inline)) void accumulate_step_bf16(const Args *a, float *acc,
                                                                         const char *const *values, const int G,
-                                                                        int m, float p_rows[][SUB],
+                                                                        const int C, int m, float p_rows[][SUB],
                                                                         const float *correction, int avail) {
-    const int C = a->head_dim / 32, CB = G >= 8 ? 1 : 8 / G;
+    const int CB = G >= 8 ? 1 : 8 / G;
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int c0 = 0; c0 < C; c0 += CB) {
         const int cs = C - c0 < CB ? C - c0 : CB;
@@ -255,7 +258,7 @@ static inline __attribute__((always_inline)) void accumulate_step_bf16(const Arg
             }
         }
         for (int j = 0; j < m; j++) {
-            if (c0 == 0 && j + AHEAD < avail) prefetch_row(values[j + AHEAD], (size_t)a->head_dim * 2);
+            if (c0 == 0 && j + AHEAD < avail) prefetch_row(values[j + AHEAD], (size_t)C * 64);
             __m512 p[8];
             for (int r = 0; r < G; r++) p[r] = _mm512_set1_ps(p_rows[r][j]);
             for (int c = 0; c < cs; c++) {
@@ -277,18 +280,38 @@ static inline __attribute__((always_inline)) void accumulate_step_bf16(const Arg
 }
 
 /* A chunk of n keys on the bf16 path (w->keys: n key rows, then at VALUES_AT the value rows, each array
- * with `avail` >= n entries, those past n the next chunk's first rows), in steps of SUB keys. */
+ * with `avail` >= n entries, those past n the next chunk's first rows), in steps of SUB keys. G query rows
+ * a KV head, C = head_dim / 32. */
 static inline __attribute__((always_inline)) void chunk_bf16(const Args *a, Scratch *w, const __m512i *qb,
-                                                              const int G, int n, int avail, float *max,
-                                                              float *sum) {
+                                                              const int G, const int C, int n, int avail,
+                                                              float *max, float *sum) {
     const char *const *keys = w->keys, *const *values = w->keys + VALUES_AT;
     float scores[8][SUB] __attribute__((aligned(64)));
     for (int j0 = 0; j0 < n; j0 += SUB) {
         const int m = n - j0 < SUB ? n - j0 : SUB;
-        score_step_bf16(a, keys + j0, qb, G, m, scores, avail - j0);
+        score_step_bf16(a, keys + j0, qb, G, C, m, scores, avail - j0);
         float correction[8];
         for (int r = 0; r < G; r++) correction[r] = softmax_step(scores[r], m, &max[r], &sum[r]);
-        accumulate_step_bf16(a, w->acc, values + j0, G, m, scores, correction, avail - j0);
+        accumulate_step_bf16(a, w->acc, values + j0, G, C, m, scores, correction, avail - j0);
+    }
+}
+
+/* chunk_bf16 with G and C constants: the group sizes 1, 2, 4, 8 by head sizes 64, 128 and 256 (those of
+ * real checkpoints); other head sizes with C a runtime value. */
+#define CHUNK_BF16_C(G)                                                                                  \
+    switch (C) {                                                                                         \
+    case 2: chunk_bf16(a, w, qb, G, 2, n, avail, max, sum); break;                                       \
+    case 4: chunk_bf16(a, w, qb, G, 4, n, avail, max, sum); break;                                       \
+    case 8: chunk_bf16(a, w, qb, G, 8, n, avail, max, sum); break;                                       \
+    default: chunk_bf16(a, w, qb, G, C, n, avail, max, sum);                                             \
+    }
+static void chunk_bf16_of(const Args *a, Scratch *w, const __m512i *qb, int group, int C, int n, int avail,
+                          float *max, float *sum) {
+    switch (group) {
+    case 1: CHUNK_BF16_C(1); break;
+    case 2: CHUNK_BF16_C(2); break;
+    case 4: CHUNK_BF16_C(4); break;
+    case 8: CHUNK_BF16_C(8); break;
     }
 }
 #endif
@@ -377,12 +400,7 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
         }
 #ifdef BF16_PATH
         if (bf16_path) {
-            switch (group) {
-            case 1: chunk_bf16(a, w, qb, 1, n, avail, max, sum); break;
-            case 2: chunk_bf16(a, w, qb, 2, n, avail, max, sum); break;
-            case 4: chunk_bf16(a, w, qb, 4, n, avail, max, sum); break;
-            case 8: chunk_bf16(a, w, qb, 8, n, avail, max, sum); break;
-            }
+            chunk_bf16_of(a, w, qb, group, D / 32, n, avail, max, sum);
             continue;
         }
 #endif
