@@ -45,7 +45,7 @@ def test_pack_reorders_in_place_as_torch_would(vnni, n, k):
     assert torch.equal(packed, reordered(w))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 31, 32, 33, 64, 65, 128, 200, 256, 257, 300, 513])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 10, 13, 16, 17, 31, 32, 33, 64, 65, 128, 200, 256, 257, 300, 513])
 @pytest.mark.parametrize("out_features,in_features", [(32, 32), (96, 288), (352, 1024), (64, 3072)])
 def test_kernel_matches_float64_and_the_plain_kernels(vnni, plain, rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
@@ -129,7 +129,7 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 32, 33, 65, 257])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 16, 17, 32, 33, 65, 257])
 @pytest.mark.parametrize("out_features,in_features", [(32, 32), (192, 64), (704, 1024), (128, 3072)])
 def test_silu_kernel_gives_torchs_silu_of_the_matmul(vnni, threads, rows, out_features, in_features):
     """vnni_linear_silu against F.silu(gate) * up in torch on vnni_linear's output: the same bits, at every

@@ -31,7 +31,10 @@
  * plain weight, one or two streams, took 1.14-1.23x small_batch_linear's time; this one took 1.00x at
  * one row and 0.90x at two, on the 0.6B model.) Three rows and more go to AMX, whose tile products add
  * each output's input pairs in the same order as amx_linear's (the same bits, tested), or without AMX
- * to AVX512-BF16 register tiles (avx512_rows), which add them in the same order too.
+ * to AVX512-BF16 register tiles (avx512_rows), which add them in the same order too. A decode step of
+ * 10-16 rows loads each input tile once for four weight blocks (quad_product), the same products in the
+ * same order: with the rows read in place a tile's 16 lines are kilobytes apart, and loading them for
+ * every two weight tiles cost a decode step about a millisecond a row beside the weight stream.
  *
  * Built where the compiler targets AVX512-BF16, with the AMX paths where it targets AMX-BF16 too; there
  * vnni_linear_supported() also asks the kernel for the tile state (Linux's arch_prctl).
@@ -82,6 +85,11 @@
  * 0.92-0.97x the time at 64-128 rows. With more pairs the next block crowded the pass's input tiles out
  * of L2: 1.08-1.34x the time from 192 rows. What is left at 128 rows: docs/served-speed.md, item 28. */
 #define AHEAD_MAX_PAIRS 4
+/* From this many rows up to 16 (a decode step's one input group), four weight blocks an input tile
+ * (quad_product) rather than two. In the engine's decode steps on one core of a Xeon with AMX: 10 / 14 /
+ * 16 sequences in 0.97x / 0.88x / 0.92x the time; 3 and 4 took 1.04-1.06x (the mid-step wait for the
+ * fourth weight tile, which fewer input rows do not pay back), 8 alike. */
+#define QUAD_MIN_ROWS 10
 
 #ifdef VNNI_AMX
 int vnni_linear_supported(void) { return request_tile_state(); }
@@ -239,6 +247,21 @@ static void configure_vnni(int rows0, int rows1) {
     _tile_loadconfig(&cfg);
 }
 
+/* One group of up to 16 rows against four weight blocks at a time (quad_product): tiles 0-3 the four
+ * blocks' results, 4 the input group, 5-7 weight tiles. A superset of configure_vnni(rows, 0)'s tiles
+ * 0, 1, 4, 6 and 7, so block_product runs under it too (a last lone block pair). */
+static void configure_quad(int rows) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)(t < 5 ? rows : 16);
+        cfg.colsb[t] = 64;
+    }
+    __asm__ volatile("" : : "r"(&cfg) : "memory"); /* as in configure(): keep the stores above */
+    _tile_loadconfig(&cfg);
+}
+
 /* A block pair's results, stored from the tiles, and where they go: rows m0..m0+rows-1 (the first 16
  * in tiles 0-1, the rest in 2-3), columns n0..n0+31 of out (n wide), or with `silu` columns n0..n0+15
  * of act from a gate tile (0, 2) and an up tile (1, 3). */
@@ -247,20 +270,31 @@ typedef struct {
     uint16_t *out;
     int64_t n0, n;
     int m0, rows, silu;
+    int quad; /* four blocks of one group (quad_product): tiles 2-3 are the same rows' next columns */
 } results;
 
-/* Row j of stored results into the output, rounded to bf16 as torch rounds: one 64-byte line (two
- * tiles' 16 columns side by side), or with silu 16 activations, each of gate and up rounded to bf16
- * first as the unfused path writes them, then silu.h's SiLU and product (silu_and_mul's bits). */
-static inline void write_row(const results *r, int j) {
-    const float *c0 = r->c[j < 16 ? 0 : 2] + (j & 15) * 16, *c1 = r->c[j < 16 ? 1 : 3] + (j & 15) * 16;
-    uint16_t *at = r->out + (int64_t)(r->m0 + j) * r->n + r->n0;
+/* Row j of two stored result tiles (c0, c1: that row's 16 values in each) into the output from column
+ * n0, rounded to bf16 as torch rounds: one 64-byte line (the tiles' 16 columns side by side), or with
+ * silu 16 activations, each of gate and up rounded to bf16 first as the unfused path writes them, then
+ * silu.h's SiLU and product (silu_and_mul's bits). */
+static inline void write_pair(const results *r, const float *c0, const float *c1, int j, int64_t n0) {
+    uint16_t *at = r->out + (int64_t)(r->m0 + j) * r->n + n0;
     if (r->silu) {
         store_bf16(at, silu_and_mul16(_mm512_castsi512_ps(round_bf16x16(_mm512_load_ps(c0))),
                                       _mm512_castsi512_ps(round_bf16x16(_mm512_load_ps(c1)))));
         return;
     }
     _mm512_storeu_si512(at, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(c1), _mm512_load_ps(c0)));
+}
+
+/* With quad, tiles 0-1 give the row's first 32 outputs (16 activations with silu) and tiles 2-3 the next. */
+static inline void write_row(const results *r, int j) {
+    if (r->quad) {
+        write_pair(r, r->c[0] + j * 16, r->c[1] + j * 16, j, r->n0);
+        write_pair(r, r->c[2] + j * 16, r->c[3] + j * 16, j, r->n0 + (r->silu ? 16 : 32));
+        return;
+    }
+    write_pair(r, r->c[j < 16 ? 0 : 2] + (j & 15) * 16, r->c[j < 16 ? 1 : 3] + (j & 15) * 16, j, r->n0);
 }
 
 /* The weight block a thread multiplies next, pulled into L2 a share at a time while this block's
@@ -329,6 +363,48 @@ block_product(const uint16_t *w0, const uint16_t *w1, const uint16_t *a0, const 
     }
 }
 
+/* The results of four weight blocks w[0..3] for one group of `rows` input rows read in place (a: its
+ * first 32 inputs, rows astride bytes apart), over `steps` 32-input steps, under configure_quad: the
+ * input tile is loaded once a step for four weight tiles, where block_product loads it for two. The
+ * weight tiles are pulled PREFETCH_STEPS ahead, and past a block's end `next` values on (the blocks
+ * this thread reads next). `before`'s results are written one row a step as in block_product, and
+ * this call's stored into now->c. With silu the blocks are gate, up, gate, up of 32 outputs. */
+static inline __attribute__((always_inline)) void
+quad_product(const uint16_t *const w[4], const uint16_t *a, int64_t astride, int64_t steps, int64_t next,
+             const results *before, const results *now) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int pending = before ? before->rows : 0;
+    _tile_loadd(4, a, astride);
+    _tile_loadd(5, w[0], 64);
+    _tile_loadd(6, w[1], 64);
+    _tile_loadd(7, w[2], 64);
+    for (int64_t s = 0; s < steps; s++) {
+        for (int b = 0; b < 4; b++) prefetch_tile(w[b] + s * 512, s, steps, PREFETCH_STEPS, next);
+        const int more = s + 1 < steps;
+        /* Each load right after the last product reading its tile (tiles are not renamed). */
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, w[3] + s * 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        if (more) _tile_loadd(6, w[1] + (s + 1) * 512, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        if (more) _tile_loadd(7, w[2] + (s + 1) * 512, 64);
+        _tile_dpbf16ps(3, 4, 5);
+        if (more) {
+            _tile_loadd(4, a + (s + 1) * 32, astride);
+            _tile_loadd(5, w[0] + (s + 1) * 512, 64);
+        }
+        if (s < pending) write_row(before, (int)s);
+    }
+    for (int j = (int)steps; j < pending; j++) write_row(before, j);
+    _tile_stored(0, now->c[0], 64);
+    _tile_stored(1, now->c[1], 64);
+    _tile_stored(2, now->c[2], 64);
+    _tile_stored(3, now->c[3], 64);
+}
+
 /* Three rows and more on AMX. Up to 32 rows (a decode batch) the tiles are sized to the rows and read
  * x in place. More rows (a prefill) are copied first into 1 KB tiles, zero rows past m: strided tile
  * loads of x from L2 took 0.82x oneDNN's time at 128 rows, contiguous ones 0.69x. Each thread takes
@@ -358,20 +434,32 @@ static int amx_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, 
             }
         }
         const int rows0 = in_place ? group_rows(m, 0) : 16, rows1 = in_place ? group_rows(m, 16) : 16;
-        configure_vnni(rows0, rows1 ? rows1 : 1);
+        const int quad = in_place && rows1 == 0 && rows0 >= QUAD_MIN_ROWS;
+        if (quad) configure_quad(rows0);
+        else configure_vnni(rows0, rows1 ? rows1 : 1);
         float c[2][4][256] __attribute__((aligned(64)));
         results done[2];
         int blocks = 0; /* this thread's, so far: done[blocks % 2] is the next block's */
         for (int first = 0; first < pairs; first += pass_pairs) {
             const int last = first + pass_pairs < pairs ? first + pass_pairs : pairs;
 #pragma omp for schedule(static) nowait
-            for (int64_t n0 = 0; n0 < n; n0 += unit) {
+            for (int64_t n0 = 0; n0 < n; n0 += quad ? 2 * unit : unit) {
                 const uint16_t *w0 = w + n0 * k, *w1 = silu ? w + (n + n0) * k : w0 + 16 * k;
+                if (quad && n0 + 2 * unit <= n) {
+                    const uint16_t *const quad_w[4] = {w0, w1, w0 + 16 * k * (silu ? 1 : 2),
+                                                       w1 + 16 * k * (silu ? 1 : 2)};
+                    results *now = &done[blocks % 2];
+                    const results *before = blocks ? &done[(blocks + 1) % 2] : NULL;
+                    *now = (results){c[blocks % 2], out, n0, n, 0, rows0, silu, 1};
+                    quad_product(quad_w, x, k * 2, steps, 2 * unit * k, before, now);
+                    blocks++;
+                    continue;
+                }
                 for (int p = first; p < last; p++, blocks++) {
                     const int m0 = p * 32, r0 = group_rows(m, m0), r1 = group_rows(m, m0 + 16);
                     results *now = &done[blocks % 2];
                     const results *before = blocks ? &done[(blocks + 1) % 2] : NULL;
-                    *now = (results){c[blocks % 2], out, n0, n, m0, r0 + r1, silu};
+                    *now = (results){c[blocks % 2], out, n0, n, m0, r0 + r1, silu, 0};
                     if (in_place)
                         block_product(w0, w1, x, x + 16 * k, k * 2, 32, steps, r0, r1, PREFETCH_STEPS, unit * k,
                                       before, now, NULL);
