@@ -73,6 +73,11 @@
 #define TWO_ROW_BLOCKS 1
 #endif
 #define PREFETCH_STEPS 2  /* 1 KB tiles ahead: 0, 1, 4 and 8 streamed slower */
+/* The AMX path's weight tiles ahead at up to 32 rows (a decode step, the input read in place). One
+ * rather than two: in the engine's decode steps on a Xeon with AMX (Granite Rapids-like, 480 MB of L3),
+ * 3 / 8 / 12 / 16 sequences took 0.975x / 1.00x / 0.96x / 0.97x the time; 0 and a second prefetch
+ * 4 or 8 tiles ahead into L2 took longer. */
+#define DECODE_PREFETCH_STEPS 1
 /* Input rows per pass over the weights: as many groups of 32 as keep their tiles (64 k bytes a group)
  * within PASS_BYTES, half of a core's L2 here, from 64 rows to 256. Measured on the 0.6B model's four
  * matmuls at 512 and 768 rows, in turns with fixed 256-row passes: the down projection's 3,072 inputs
@@ -382,7 +387,7 @@ quad_product(const uint16_t *const w[4], const uint16_t *a, int64_t astride, int
     _tile_loadd(6, w[1], 64);
     _tile_loadd(7, w[2], 64);
     for (int64_t s = 0; s < steps; s++) {
-        for (int b = 0; b < 4; b++) prefetch_tile(w[b] + s * 512, s, steps, PREFETCH_STEPS, next);
+        for (int b = 0; b < 4; b++) prefetch_tile(w[b] + s * 512, s, steps, DECODE_PREFETCH_STEPS, next);
         const int more = s + 1 < steps;
         /* Each load right after the last product reading its tile (tiles are not renamed). */
         _tile_dpbf16ps(0, 4, 5);
@@ -461,7 +466,7 @@ static int amx_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, 
                     const results *before = blocks ? &done[(blocks + 1) % 2] : NULL;
                     *now = (results){c[blocks % 2], out, n0, n, m0, r0 + r1, silu, 0};
                     if (in_place)
-                        block_product(w0, w1, x, x + 16 * k, k * 2, 32, steps, r0, r1, PREFETCH_STEPS, unit * k,
+                        block_product(w0, w1, x, x + 16 * k, k * 2, 32, steps, r0, r1, DECODE_PREFETCH_STEPS, unit * k,
                                       before, now, NULL);
                     else {
                         const uint16_t *a0 = tiles + 2 * p * steps * 512, *a1 = a0 + steps * 512;
