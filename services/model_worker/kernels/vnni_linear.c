@@ -32,9 +32,12 @@
  * one row and 0.90x at two, on the 0.6B model.) Three rows and more go to AMX, whose tile products add
  * each output's input pairs in the same order as amx_linear's (the same bits, tested), or without AMX
  * to AVX512-BF16 register tiles (avx512_rows), which add them in the same order too. A decode step of
- * 10-16 rows loads each input tile once for four weight blocks (quad_product), the same products in the
+ * 3-16 rows loads each input tile once for four weight blocks (quad_product), the same products in the
  * same order: with the rows read in place a tile's 16 lines are kilobytes apart, and loading them for
- * every two weight tiles cost a decode step about a millisecond a row beside the weight stream.
+ * every two weight tiles cost a decode step about a millisecond a row beside the weight stream. In the
+ * engine's decode steps on one core of a Xeon with AMX: 10 / 14 / 16 sequences in 0.97x / 0.88x /
+ * 0.92x the time; with the weight tiles pulled one step ahead (DECODE_PREFETCH_STEPS), 3 / 4 / 5 / 6 /
+ * 8 / 9 in 0.99x / 0.98x / 0.97x / 0.96x / 0.97x / 0.96x (two steps ahead, 3-4 had taken 1.04-1.06x).
  *
  * Built where the compiler targets AVX512-BF16, with the AMX paths where it targets AMX-BF16 too; there
  * vnni_linear_supported() also asks the kernel for the tile state (Linux's arch_prctl).
@@ -74,7 +77,7 @@
 #endif
 #define PREFETCH_STEPS 2  /* 1 KB tiles ahead: 0, 1, 4 and 8 streamed slower */
 /* The AMX path's weight tiles ahead at up to 32 rows (a decode step, the input read in place). One
- * rather than two: in the engine's decode steps on a Xeon with AMX (Granite Rapids-like, 480 MB of L3),
+ * rather than two: in the engine's decode steps on a Xeon with AMX (480 MB of L3, one core),
  * 3 / 8 / 12 / 16 sequences took 0.975x / 1.00x / 0.96x / 0.97x the time; 0 and a second prefetch
  * 4 or 8 tiles ahead into L2 took longer. */
 #define DECODE_PREFETCH_STEPS 1
@@ -90,11 +93,6 @@
  * 0.92-0.97x the time at 64-128 rows. With more pairs the next block crowded the pass's input tiles out
  * of L2: 1.08-1.34x the time from 192 rows. What is left at 128 rows: docs/served-speed.md, item 28. */
 #define AHEAD_MAX_PAIRS 4
-/* From this many rows up to 16 (a decode step's one input group), four weight blocks an input tile
- * (quad_product) rather than two. In the engine's decode steps on one core of a Xeon with AMX: 10 / 14 /
- * 16 sequences in 0.97x / 0.88x / 0.92x the time; 3 and 4 took 1.04-1.06x (the mid-step wait for the
- * fourth weight tile, which fewer input rows do not pay back), 8 alike. */
-#define QUAD_MIN_ROWS 10
 
 #ifdef VNNI_AMX
 int vnni_linear_supported(void) { return request_tile_state(); }
@@ -439,7 +437,7 @@ static int amx_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, 
             }
         }
         const int rows0 = in_place ? group_rows(m, 0) : 16, rows1 = in_place ? group_rows(m, 16) : 16;
-        const int quad = in_place && rows1 == 0 && rows0 >= QUAD_MIN_ROWS;
+        const int quad = in_place && rows1 == 0; /* 3-16 rows: four weight blocks an input tile */
         if (quad) configure_quad(rows0);
         else configure_vnni(rows0, rows1 ? rows1 : 1);
         float c[2][4][256] __attribute__((aligned(64)));
