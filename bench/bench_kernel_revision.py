@@ -4,14 +4,14 @@ change did to the time to the first token and to a decode step.
 
 The other engine's VNNI matmul, small-batch matmul (the vocabulary projection's, on the plain weight tied to
 the embedding), RMSNorm and paged decode-attention kernels (kernels/vnni_linear.c, small_batch_linear.c,
-rms_norm.c and paged_attention.c, each with the headers beside it at that commit) are compiled from `--rev`,
-and its fused decode loop is pointed at them. The weights stay in this tree's layout, so the revision's matmul kernel must read the same one
-(every commit since the VNNI order does). Per round, the two engines take turns (the first flipped each
-round) on the same fresh prompt of each length, one output token; then on the same batches of fresh
-prompts (64 tokens, or `--decode-prompt`), one batch of each size in `--decode-batches`, whose decode steps (every sequence
-decoding) are timed. Prints each round, the median times, the median of per-round ratios (tree / rev),
-and how many pairs agreed on their tokens (all of them, for a change that keeps the bits), then one JSON
-line. Pin it to one CPU for the engine's one-CPU placement:
+rms_norm.c and paged_attention.c, each with the headers beside it at that commit) are compiled from
+`--rev`, and its fused decode loop is pointed at them. The weights stay in this tree's layout, so the
+revision's matmul kernel must read the same one (every commit since the VNNI order does). Per round, the
+two engines take turns (the first flipped each round) on the same fresh prompt of each length, one output
+token; then on the same batches of fresh prompts (64 tokens, or `--decode-prompt`), one batch of each size
+in `--decode-batches`, whose decode steps (every sequence decoding) are timed. Prints each round, the
+median times, the median of per-round ratios (tree / rev), and how many pairs agreed on their tokens (all
+of them, for a change that keeps the bits), then one JSON line. Pin it to one CPU for the engine's one-CPU placement:
     taskset -c 1 python -m bench.bench_kernel_revision --threads 1 --rev HEAD~1
 """
 from __future__ import annotations
@@ -183,8 +183,8 @@ def main(argv=None) -> None:
     for engine in engines.values():
         engine.close()
     print(json.dumps({"bench": "kernel_revision", "rev": args.rev, "kernels": kernels, "threads": args.threads,
-                      "rounds": args.rounds, "decode_steps": args.decode_steps, "decode_prompt": args.decode_prompt, "results": results["prefill"],
-                      "decode": results["decode"]}))
+                      "rounds": args.rounds, "decode_steps": args.decode_steps, "decode_prompt": args.decode_prompt,
+                      "results": results["prefill"], "decode": results["decode"]}))
 
 if __name__ == "__main__":
     main()

@@ -231,7 +231,8 @@ static inline float softmax_step(float *scores, int m, float *max, float *sum) {
         correction = expf(*max - step_max); /* 0 on the first step: *max is -inf */
         *max = step_max;
     }
-    const __m512 e = _mm512_maskz_mov_ps((__mmask16)((1u << m) - 1), exp16(_mm512_sub_ps(s, _mm512_set1_ps(*max))));
+    const __m512 e = _mm512_maskz_mov_ps((__mmask16)((1u << m) - 1),
+                                         exp16(_mm512_sub_ps(s, _mm512_set1_ps(*max))));
     _mm512_storeu_ps(scores, e);
     *sum = *sum * correction + _mm512_reduce_add_ps(e);
     return correction;

@@ -369,8 +369,8 @@ block_product(const uint16_t *w0, const uint16_t *w1, const uint16_t *a0, const 
 /* The results of four weight blocks w[0..3] for one group of `rows` input rows read in place (a: its
  * first 32 inputs, rows astride bytes apart), over `steps` 32-input steps, under configure_quad: the
  * input tile is loaded once a step for four weight tiles, where block_product loads it for two. The
- * weight tiles are pulled PREFETCH_STEPS ahead, and past a block's end `next` values on (the blocks
- * this thread reads next). `before`'s results are written one row a step as in block_product, and
+ * weight tiles are pulled DECODE_PREFETCH_STEPS ahead, and past a block's end `next` values on (the
+ * blocks this thread reads next). `before`'s results are written one row a step as in block_product, and
  * this call's stored into now->c. With silu the blocks are gate, up, gate, up of 32 outputs. */
 static inline __attribute__((always_inline)) void
 quad_product(const uint16_t *const w[4], const uint16_t *a, int64_t astride, int64_t steps, int64_t next,
