@@ -36,8 +36,11 @@
 /* The bf16 path's keys per online-softmax step, and the key and value rows it fetches ahead (chunk_bf16). */
 #define SUB 16
 #define AHEAD 8
-/* Where a chunk's value rows start in Scratch.keys: after its key rows and the next chunk's first AHEAD. */
-#define VALUES_AT (KEY_CHUNK + AHEAD)
+/* Rows of the next chunk looked up with each chunk: the float32 path prefetches its first PREFETCH keys
+ * (defined below as 16), the bf16 path reads AHEAD on. */
+#define NEXT_ROWS 16
+/* Where a chunk's value rows start in Scratch.keys: after its key rows and the next chunk's first ones. */
+#define VALUES_AT (KEY_CHUNK + NEXT_ROWS)
 
 static inline float load1(const void *row, int is_bf16, int i) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
@@ -70,6 +73,9 @@ static inline __m512 exp16(__m512 x) {
 #endif
 
 #define PREFETCH 16 /* key rows ahead */
+#if PREFETCH > NEXT_ROWS || AHEAD > NEXT_ROWS
+#error "NEXT_ROWS must cover PREFETCH and AHEAD"
+#endif
 
 static inline void prefetch_row(const void *row, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)row + off, 0, 3);
@@ -387,8 +393,8 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
     }
     for (int k0 = 0; k0 < ctx; k0 += KEY_CHUNK) {
         const int n = ctx - k0 < KEY_CHUNK ? ctx - k0 : KEY_CHUNK;
-        /* The chunk's rows and the next chunk's first AHEAD, for the bf16 path to fetch ahead. */
-        const int avail = ctx - k0 < n + AHEAD ? ctx - k0 : n + AHEAD;
+        /* The chunk's rows and the next chunk's first NEXT_ROWS, for fetching ahead. */
+        const int avail = ctx - k0 < n + NEXT_ROWS ? ctx - k0 : n + NEXT_ROWS;
         /* A block's slots are consecutive: one table lookup (and one division) per block, not per key. */
         for (int j = 0; j < avail;) {
             const int pos = k0 + j, offset = pos % a->block_size;
