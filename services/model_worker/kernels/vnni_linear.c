@@ -76,22 +76,32 @@
 #define TWO_ROW_BLOCKS 1
 #endif
 #define PREFETCH_STEPS 2  /* 1 KB tiles ahead: 0, 1, 4 and 8 streamed slower */
+/* two_rows' tiles ahead. Its products take twice one_row's time a line, and four tiles ahead suits it: the
+ * engine's two-sequence decode steps on a Xeon with AMX (one core) took 0.91x and 0.94x the time of two
+ * tiles ahead (two runs of seven rounds), where one_row with four took 1.03-1.05x and keeps two. */
+#define TWO_ROW_PREFETCH_STEPS 4
 /* The AMX path's weight tiles ahead at up to 32 rows (a decode step, the input read in place). One
  * rather than two: in the engine's decode steps on a Xeon with AMX (480 MB of L3, one core),
  * 3 / 8 / 12 / 16 sequences took 0.975x / 1.00x / 0.96x / 0.97x the time; 0 and a second prefetch
  * 4 or 8 tiles ahead into L2 took longer. */
 #define DECODE_PREFETCH_STEPS 1
 /* Input rows per pass over the weights: as many groups of 32 as keep their tiles (64 k bytes a group)
- * within PASS_BYTES, half of a core's L2 here, from 64 rows to 256. Measured on the 0.6B model's four
- * matmuls at 512 and 768 rows, in turns with fixed 256-row passes: the down projection's 3,072 inputs
- * in passes of 160 rows took 0.96x and 0.97x the time; budgets of 768 KB and 1.25 MB did no better. */
+ * within PASS_BYTES, half of a core's L2 here, from 64 rows to PASS_MAX_PAIRS groups. (With passes of
+ * up to 256 rows, the down projection's 3,072 inputs in passes of 160 rows took 0.96x and 0.97x the
+ * time at 512 and 768 rows; budgets of 768 KB and 1.25 MB did no better.) */
 #define PASS_BYTES (1 << 20)
-#define PASS_MAX_PAIRS 8
-/* Up to this many group pairs (prompts of up to 128 rows), every pair of a block pulls a share of
- * the next block into L2 (prefetch_share), so the block's first pair finds it there instead of
- * streaming it from memory while the tile unit waits. Over the 0.6B model's four matmuls, in turns:
- * 0.92-0.97x the time at 64-128 rows. With more pairs the next block crowded the pass's input tiles out
- * of L2: 1.08-1.34x the time from 192 rows. What is left at 128 rows: docs/served-speed.md, item 28. */
+/* 128 rows a pass at most, so every pass can pull its next block into L2 (AHEAD_MAX_PAIRS): a long
+ * prompt reads the weights once a pass, but from L2 rather than from memory. Prompts in the engine on a
+ * Xeon with AMX (one core), in turns with 256-row passes and no pulls from 192 rows: 256 / 512 / 768
+ * tokens in 0.94x / 0.975x / 0.97x the time. Against the same old passes, passes of 64 and 96 rows
+ * took 0.98-1.14x the time, of 192 rows (too many pairs to pull) 1.02-1.10x, and of 128 rows without
+ * the pulls 1.03-1.13x. */
+#define PASS_MAX_PAIRS 4
+/* Up to this many group pairs in a pass, every pair of a block pulls a share of the next block into L2
+ * (prefetch_share), so the block's first pair finds it there instead of streaming it from memory while
+ * the tile unit waits. Over the 0.6B model's four matmuls, in turns: 0.92-0.97x the time at 64-128 rows.
+ * With more pairs the next block crowded the pass's input tiles out of L2: 1.08-1.34x the time from 192
+ * rows. What is left at 128 rows: docs/served-speed.md, item 28. */
 #define AHEAD_MAX_PAIRS 4
 
 #ifdef VNNI_AMX
@@ -150,7 +160,7 @@ static void two_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_
         for (int64_t s = 0; s < steps; s++)
             for (int b = 0; b < nb; b++) {
                 const uint16_t *tile = w + (b0 + b) * 16 * k + s * 512;
-                prefetch_tile(tile, s, steps, PREFETCH_STEPS, nb * 16 * k);
+                prefetch_tile(tile, s, steps, TWO_ROW_PREFETCH_STEPS, nb * 16 * k);
                 for (int p = 0; p < 16; p++) {
                     const __m512bh line = (__m512bh)_mm512_loadu_si512(tile + p * 32);
                     acc[b][0] = _mm512_dpbf16_ps(acc[b][0], line, (__m512bh)_mm512_set1_epi32((int)pairs0[s * 16 + p]));
@@ -411,9 +421,9 @@ quad_product(const uint16_t *const w[4], const uint16_t *a, int64_t astride, int
 /* Three rows and more on AMX. Up to 32 rows (a decode batch) the tiles are sized to the rows and read
  * x in place. More rows (a prefill) are copied first into 1 KB tiles, zero rows past m: strided tile
  * loads of x from L2 took 0.82x oneDNN's time at 128 rows, contiguous ones 0.69x. Each thread takes
- * whole blocks of 32 outputs (with silu, 16 outputs of gate and their 16 of up); the first group pair
- * of a pass reads a block from memory and the others find it in L2 (64-192 KB at the 0.6B model's
- * widths). Each block's results are written during the next block's products (block_product), the
+ * whole blocks of 32 outputs (with silu, 16 outputs of gate and their 16 of up); while a pass's group
+ * pairs multiply one block they pull the next into L2, and the others find it there (64-192 KB at the
+ * 0.6B model's widths); the thread's first block of each pass comes from memory. Each block's results are written during the next block's products (block_product), the
  * thread's last ones after its loop. */
 static int amx_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k, int silu) {
     const int64_t steps = k / 32, unit = silu ? 16 : 32; /* outputs per block pair */
@@ -470,7 +480,7 @@ static int amx_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, 
                         const uint16_t *a0 = tiles + 2 * p * steps * 512, *a1 = a0 + steps * 512;
                         const next_block ahead = {(const char *)(w0 + unit * k), (const char *)(w1 + unit * k),
                                                   p - first, last - first};
-                        const next_block *share = pairs <= AHEAD_MAX_PAIRS ? &ahead : NULL;
+                        const next_block *share = last - first <= AHEAD_MAX_PAIRS ? &ahead : NULL;
                         if (p == first)
                             block_product(w0, w1, a0, a1, 64, 512, steps, r0, r1, PREFETCH_STEPS, unit * k, before,
                                           now, share);
