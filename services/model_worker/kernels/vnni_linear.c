@@ -86,23 +86,22 @@
  * 4 or 8 tiles ahead into L2 took longer. */
 #define DECODE_PREFETCH_STEPS 1
 /* Input rows per pass over the weights: as many groups of 32 as keep their tiles (64 k bytes a group)
- * within PASS_BYTES, half of a core's L2 here, from 64 rows to PASS_MAX_PAIRS groups. (With passes of
- * up to 256 rows, the down projection's 3,072 inputs in passes of 160 rows took 0.96x and 0.97x the
- * time at 512 and 768 rows; budgets of 768 KB and 1.25 MB did no better.) */
-#define PASS_BYTES (1 << 20)
-/* 128 rows a pass at most, so every pass can pull its next block into L2 (AHEAD_MAX_PAIRS): a long
- * prompt reads the weights once a pass, but from L2 rather than from memory. Prompts in the engine on a
- * Xeon with AMX (one core), in turns with 256-row passes and no pulls from 192 rows: 256 / 512 / 768
- * tokens in 0.94x / 0.975x / 0.97x the time. Against the same old passes, passes of 64 and 96 rows
- * took 0.98-1.14x the time, of 192 rows (too many pairs to pull) 1.02-1.10x, and of 128 rows without
- * the pulls 1.03-1.13x. */
-#define PASS_MAX_PAIRS 4
-/* Up to this many group pairs in a pass, every pair of a block pulls a share of the next block into L2
- * (prefetch_share), so the block's first pair finds it there instead of streaming it from memory while
+ * within PASS_BYTES, half of a core's L2 here, from 64 rows to 512 (PASS_MAX_PAIRS). (With passes of up
+ * to 256 rows, the down projection's 3,072 inputs in passes of 160 rows took 0.96x and 0.97x the time at
+ * 512 and 768 rows; budgets of 768 KB and 1.25 MB did no better.)
+ *
+ * Every pair of a pass, at every step of a block, pulls a share of the thread's next block into L2
+ * (prefetch_share), so that block's first pair finds it there instead of streaming it from memory while
  * the tile unit waits. Over the 0.6B model's four matmuls, in turns: 0.92-0.97x the time at 64-128 rows.
- * With more pairs the next block crowded the pass's input tiles out of L2: 1.08-1.34x the time from 192
- * rows. What is left at 128 rows: docs/served-speed.md, item 28. */
-#define AHEAD_MAX_PAIRS 4
+ * At first the pulls stopped at passes of four pairs (in a C loop, 1.08-1.34x the time from 192 rows),
+ * and passes of eight went without them. Prompts in the engine on a Xeon with AMX (one core), in turns
+ * with that (256-row passes, no pulls from 192 rows), at 256 / 512 / 768 tokens: 128-row passes with the
+ * pulls 0.94x / 0.975x / 0.97x the time; 256-row passes with them 0.94x / 0.96x / 0.97x against the
+ * 128-row ones; and up to 512 rows 1.00x / 0.976x / 0.978x against 256. Passes of 64 or 96 rows, of 128
+ * without the pulls, or 2 MB of inputs a pass took longer. What is left at 128 rows:
+ * docs/served-speed.md, item 28. */
+#define PASS_BYTES (1 << 20)
+#define PASS_MAX_PAIRS 16
 
 #ifdef VNNI_AMX
 int vnni_linear_supported(void) { return request_tile_state(); }
@@ -422,9 +421,9 @@ quad_product(const uint16_t *const w[4], const uint16_t *a, int64_t astride, int
  * x in place. More rows (a prefill) are copied first into 1 KB tiles, zero rows past m: strided tile
  * loads of x from L2 took 0.82x oneDNN's time at 128 rows, contiguous ones 0.69x. Each thread takes
  * whole blocks of 32 outputs (with silu, 16 outputs of gate and their 16 of up); while a pass's group
- * pairs multiply one block they pull the next into L2, and the others find it there (64-192 KB at the
- * 0.6B model's widths); the thread's first block of each pass comes from memory. Each block's results are written during the next block's products (block_product), the
- * thread's last ones after its loop. */
+ * pairs multiply one block they pull the next into L2, where its first pair finds it (64-192 KB at the
+ * 0.6B model's widths); the thread's first block of each pass comes from memory. Each block's results
+ * are written during the next block's products (block_product), the thread's last ones after its loop. */
 static int amx_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k, int silu) {
     const int64_t steps = k / 32, unit = silu ? 16 : 32; /* outputs per block pair */
     const int pairs = (m + 31) / 32, in_place = m <= 32;
@@ -480,12 +479,11 @@ static int amx_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, 
                         const uint16_t *a0 = tiles + 2 * p * steps * 512, *a1 = a0 + steps * 512;
                         const next_block ahead = {(const char *)(w0 + unit * k), (const char *)(w1 + unit * k),
                                                   p - first, last - first};
-                        const next_block *share = last - first <= AHEAD_MAX_PAIRS ? &ahead : NULL;
                         if (p == first)
                             block_product(w0, w1, a0, a1, 64, 512, steps, r0, r1, PREFETCH_STEPS, unit * k, before,
-                                          now, share);
+                                          now, &ahead);
                         else
-                            block_product(w0, w1, a0, a1, 64, 512, steps, r0, r1, 0, 0, before, now, share);
+                            block_product(w0, w1, a0, a1, 64, 512, steps, r0, r1, 0, 0, before, now, &ahead);
                     }
                 }
             }
