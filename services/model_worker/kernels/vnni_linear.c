@@ -26,10 +26,11 @@
  * One or two rows (a decode step of one or two sequences) only stream the weights: AVX512-BF16
  * multiplies each 64-byte line by a broadcast input pair, 16 outputs at once, with ONE_ROW_BLOCKS
  * blocks in flight (8 on Xeons with AMX, one on Zen 4), each a contiguous stream prefetched
- * PREFETCH_STEPS tiles ahead. Each output accumulates its input pairs in order in float32 and is
- * rounded to bf16 once, to nearest even, as torch rounds. (On a Xeon, a loop over 16-row tiles of the
- * plain weight, one or two streams, took 1.14-1.23x small_batch_linear's time; this one took 1.00x at
- * one row and 0.90x at two, on the 0.6B model.) Three rows and more go to AMX, whose tile products add
+ * PREFETCH_STEPS tiles ahead (two rows on AMX: TWO_ROW_PREFETCH_STEPS). Each output accumulates its
+ * input pairs in order in float32 and is rounded to bf16 once, to nearest even, as torch rounds. (On
+ * a Xeon, a loop over 16-row tiles of the plain weight, one or two streams, took 1.14-1.23x
+ * small_batch_linear's time; this one took 1.00x at one row and 0.90x at two, on the 0.6B model.)
+ * Three rows and more go to AMX, whose tile products add
  * each output's input pairs in the same order as amx_linear's (the same bits, tested), or without AMX
  * to AVX512-BF16 register tiles (avx512_rows), which add them in the same order too. A decode step of
  * 3-16 rows loads each input tile once for four weight blocks (quad_product), the same products in the
@@ -76,10 +77,15 @@
 #define TWO_ROW_BLOCKS 1
 #endif
 #define PREFETCH_STEPS 2  /* 1 KB tiles ahead: 0, 1, 4 and 8 streamed slower */
-/* two_rows' tiles ahead. Its products take twice one_row's time a line, and four tiles ahead suits it: the
- * engine's two-sequence decode steps on a Xeon with AMX (one core) took 0.91x and 0.94x the time of two
- * tiles ahead (two runs of seven rounds), where one_row with four took 1.03-1.05x and keeps two. */
+/* two_rows' tiles ahead. On Xeons with AMX its four streams, each line taking twice one_row's products,
+ * do best four tiles ahead: the engine's two-sequence decode steps (one core) took 0.91x and 0.94x the time
+ * of two tiles ahead (two runs of seven rounds), where one_row with four took 1.03-1.05x and keeps two.
+ * Zen 4 (one stream) keeps PREFETCH_STEPS: four was not measured there. */
+#ifdef VNNI_AMX
 #define TWO_ROW_PREFETCH_STEPS 4
+#else
+#define TWO_ROW_PREFETCH_STEPS PREFETCH_STEPS
+#endif
 /* The AMX path's weight tiles ahead at up to 32 rows (a decode step, the input read in place). One
  * rather than two: in the engine's decode steps on a Xeon with AMX (480 MB of L3, one core),
  * 3 / 8 / 12 / 16 sequences took 0.975x / 1.00x / 0.96x / 0.97x the time; 0 and a second prefetch
