@@ -155,13 +155,22 @@ typedef struct {
     const char *a0, *a1, *b0, *b1;
     int64_t astride, astep, bstep;
     int two_a, two_b;
+    int stream; /* load with TILELOADDT1 (tile_load below) */
 } tile_steps;
 
+/* A tile load; with `stream`, TILELOADDT1, which tells the core the rows will not be read again soon, so
+ * they do not push out of L1 what will (vnni_linear.c: the results it reads back, the rows it writes). */
+#define tile_load(t, tile, base, stride)                     \
+    do {                                                     \
+        if ((t)->stream) _tile_stream_loadd(tile, base, stride); \
+        else _tile_loadd(tile, base, stride);                \
+    } while (0)
+
 static inline __attribute__((always_inline)) void load_first_tiles(const tile_steps *t) {
-    _tile_loadd(4, t->a0, t->astride);
-    if (t->two_a) _tile_loadd(5, t->a1, t->astride);
-    _tile_loadd(6, t->b0, 64);
-    if (t->two_b) _tile_loadd(7, t->b1, 64);
+    tile_load(t, 4, t->a0, t->astride);
+    if (t->two_a) tile_load(t, 5, t->a1, t->astride);
+    tile_load(t, 6, t->b0, 64);
+    if (t->two_b) tile_load(t, 7, t->b1, 64);
 }
 
 static inline __attribute__((always_inline)) void step_products(const tile_steps *t, int64_t s, int64_t steps) {
@@ -169,18 +178,18 @@ static inline __attribute__((always_inline)) void step_products(const tile_steps
     const int64_t a = (s + 1) * t->astep, b = (s + 1) * t->bstep;
     _tile_dpbf16ps(0, 4, 6);
     if (t->two_b) _tile_dpbf16ps(1, 4, 7);
-    if (more) _tile_loadd(4, t->a0 + a, t->astride);
+    if (more) tile_load(t, 4, t->a0 + a, t->astride);
     if (t->two_a) {
         _tile_dpbf16ps(2, 5, 6);
-        if (more) _tile_loadd(6, t->b0 + b, 64);
+        if (more) tile_load(t, 6, t->b0 + b, 64);
         if (t->two_b) _tile_dpbf16ps(3, 5, 7);
         if (more) {
-            if (t->two_b) _tile_loadd(7, t->b1 + b, 64);
-            _tile_loadd(5, t->a1 + a, t->astride);
+            if (t->two_b) tile_load(t, 7, t->b1 + b, 64);
+            tile_load(t, 5, t->a1 + a, t->astride);
         }
     } else if (more) {
-        _tile_loadd(6, t->b0 + b, 64);
-        if (t->two_b) _tile_loadd(7, t->b1 + b, 64);
+        tile_load(t, 6, t->b0 + b, 64);
+        if (t->two_b) tile_load(t, 7, t->b1 + b, 64);
     }
 }
 

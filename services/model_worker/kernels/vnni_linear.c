@@ -361,7 +361,7 @@ block_product(const uint16_t *w0, const uint16_t *w1, const uint16_t *a0, const 
     _tile_zero(3);
     const int pending = before ? before->rows : 0;
     const tile_steps t = {(const char *)a0, (const char *)a1, (const char *)w0, (const char *)w1,
-                          astride, astep * 2, 1024, rows1 != 0, 1};
+                          astride, astep * 2, 1024, rows1 != 0, 1, ahead != NULL};
     load_first_tiles(&t);
     for (int64_t s = 0; s < steps; s++) {
         if (prefetch) {
