@@ -3,8 +3,9 @@ as this tree builds them, side by side in one process on the random Qwen3-0.6B c
 change did to the time to the first token and to a decode step.
 
 The other engine's VNNI matmul, small-batch matmul (the vocabulary projection's, on the plain weight tied to
-the embedding), RMSNorm and paged decode-attention kernels (kernels/vnni_linear.c, small_batch_linear.c,
-rms_norm.c and paged_attention.c, each with the headers beside it at that commit) are compiled from
+the embedding), RMSNorm, paged decode-attention and prompt-attention kernels (kernels/vnni_linear.c,
+small_batch_linear.c, rms_norm.c, paged_attention.c and prefill_attention.c, each with the headers beside it
+at that commit) are compiled from
 `--rev`, and its fused decode loop is pointed at them. The weights stay in this tree's layout, so the
 revision's matmul kernel must read the same one (every commit since the VNNI order does). Per round, the
 two engines take turns (the first flipped each round) on the same fresh prompt of each length, one output
@@ -35,7 +36,7 @@ import torch  # noqa: E402
 from bench.bench_engine import DEFAULT_CHECKPOINT, ensure_checkpoint, paired_medians, run_ours  # noqa: E402
 from services.model_worker.config.sampling import SamplingParams  # noqa: E402
 from services.model_worker.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from services.model_worker.kernels import cpu_attention, cpu_linear, cpu_norm  # noqa: E402
+from services.model_worker.kernels import cpu_attention, cpu_linear, cpu_norm, cpu_prefill_attention  # noqa: E402
 from services.model_worker.model.fused_decode import use_fused_decode  # noqa: E402
 from services.model_worker.model.layers.attention.cpu_paged import CpuPagedAttention  # noqa: E402
 from services.model_worker.model.layers.norm import use_norm_kernel  # noqa: E402
@@ -71,11 +72,22 @@ def use_attention(engine: LLMEngine, library) -> int:
     return 1
 
 
+def use_prefill_attention(engine: LLMEngine, library) -> int:
+    """Point the engine's C attention backend's prompt attention at `library`; returns 1, or 0 where its backend is
+    another."""
+    backend = engine.runner.attention
+    if not isinstance(backend, CpuPagedAttention):
+        return 0
+    engine.runner.attention = CpuPagedAttention(backend.library, library)
+    return 1
+
+
 # name: (the loader, taking the source path; what points an engine at the library)
 KERNELS = {"vnni_linear": (cpu_linear.load_vnni, lambda engine, lib: use_vnni(engine.model, lib)),
            "small_batch_linear": (cpu_linear.load, lambda engine, lib: use_small_batch(engine.model, lib)),
            "rms_norm": (cpu_norm.load, lambda engine, lib: use_norm_kernel(engine.model, lib)),
-           "paged_attention": (cpu_attention.load, use_attention)}
+           "paged_attention": (cpu_attention.load, use_attention),
+           "prefill_attention": (cpu_prefill_attention.load, use_prefill_attention)}
 
 
 def decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:

@@ -14,10 +14,10 @@ _ARGTYPES = ([ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_
                                                       ctypes.c_int64] + [ctypes.c_int] * 5 + [ctypes.c_float])
 
 
-def load() -> ctypes.CDLL | None:
+def load(source: pathlib.Path = SOURCE) -> ctypes.CDLL | None:
     """The kernel; None where it cannot be built, the CPU has no AVX512-BF16, or it has AMX-BF16 and the OS
-    refuses its tile state."""
-    library = build.load(SOURCE, "prefill attention")
+    refuses its tile state. source: another copy of prefill_attention.c (a benchmark's older one)."""
+    library = build.load(source, "prefill attention")
     if library is None or not library.prefill_attention_supported():
         return None
     library.prefill_attention.argtypes = _ARGTYPES
