@@ -350,7 +350,13 @@ static inline __attribute__((always_inline)) void prefetch_share(const next_bloc
  * four matmuls, in turns with all four loads at the top of each step, 0.89-0.90x the time from 64 to
  * 768 rows; in the engine, prefills of 32 / 128 / 512 / 768 tokens took 0.94x / 0.93x / 0.92x / 0.91x
  * the time. Loading the second weight tile before the second input group did best of the orders tried;
- * products sharing a weight tile first did worse (1.04-1.05x). */
+ * products sharing a weight tile first did worse (1.04-1.05x).
+ *
+ * A prompt's passes (`ahead` given) load their tiles as TILELOADDT1: each step brings 4 KB of tiles
+ * through L1, which as ordinary loads pushed out the stored results the next block writes out, and
+ * the rows being written; prompts of 128-768 tokens in the engine took 0.91-0.94x the time
+ * (docs/served-speed.md, item 40). Decode steps keep ordinary loads (their input rows are read again
+ * for every block). */
 static inline __attribute__((always_inline)) void
 block_product(const uint16_t *w0, const uint16_t *w1, const uint16_t *a0, const uint16_t *a1, int64_t astride,
               int64_t astep, int64_t steps, int rows0, int rows1, int prefetch, int64_t next, const results *before,
