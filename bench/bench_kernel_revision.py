@@ -62,23 +62,14 @@ def use_small_batch(model: torch.nn.Module, library) -> int:
     return len(layers)
 
 
-def use_attention(engine: LLMEngine, library) -> int:
-    """Point the engine's C attention backend (decodes, and the KV writes) at `library`; returns 1, or 0 where its
-    backend is another."""
+def use_attention(engine: LLMEngine, **libraries) -> int:
+    """Point the engine's C attention backend at other kernels, `library` (decodes and the KV writes) or
+    `prefill_library` (prompts), keeping the other; returns 1, or 0 where its backend is another."""
     backend = engine.runner.attention
     if not isinstance(backend, CpuPagedAttention):
         return 0
-    engine.runner.attention = CpuPagedAttention(library, backend.prefill_library)
-    return 1
-
-
-def use_prefill_attention(engine: LLMEngine, library) -> int:
-    """Point the engine's C attention backend's prompt attention at `library`; returns 1, or 0 where its backend is
-    another."""
-    backend = engine.runner.attention
-    if not isinstance(backend, CpuPagedAttention):
-        return 0
-    engine.runner.attention = CpuPagedAttention(backend.library, library)
+    kept = {"library": backend.library, "prefill_library": backend.prefill_library}
+    engine.runner.attention = CpuPagedAttention(**{**kept, **libraries})
     return 1
 
 
@@ -86,8 +77,9 @@ def use_prefill_attention(engine: LLMEngine, library) -> int:
 KERNELS = {"vnni_linear": (cpu_linear.load_vnni, lambda engine, lib: use_vnni(engine.model, lib)),
            "small_batch_linear": (cpu_linear.load, lambda engine, lib: use_small_batch(engine.model, lib)),
            "rms_norm": (cpu_norm.load, lambda engine, lib: use_norm_kernel(engine.model, lib)),
-           "paged_attention": (cpu_attention.load, use_attention),
-           "prefill_attention": (cpu_prefill_attention.load, use_prefill_attention)}
+           "paged_attention": (cpu_attention.load, lambda engine, lib: use_attention(engine, library=lib)),
+           "prefill_attention": (cpu_prefill_attention.load,
+                                 lambda engine, lib: use_attention(engine, prefill_library=lib))}
 
 
 def decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
