@@ -11,19 +11,20 @@ def gpus(monkeypatch):
     def fake(n: int) -> None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return fake
 
 
 def test_auto_is_cuda_when_a_gpu_is_visible(gpus):
     gpus(1)
-    assert resolve_device("auto") == torch.device("cuda")
+    assert resolve_device("auto") == torch.device("cuda", 0)
     gpus(0)
     assert resolve_device("auto") == torch.device("cpu")
 
 
 def test_each_visible_index_is_accepted(gpus):
     gpus(2)
-    assert resolve_device("cuda") == torch.device("cuda")
+    assert resolve_device("cuda") == torch.device("cuda", 0)  # always an index: set_device needs one
     assert resolve_device("cuda:0") == torch.device("cuda", 0)
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
 
@@ -90,6 +91,8 @@ class FakeCuda:
                 pass
 
         def set_device(device):
+            if torch.device(device).index is None:  # as torch 2.11 does
+                raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
             fake.current = torch.device(device).index
             fake.calls.append(("set_device", fake.current))
 
@@ -98,6 +101,7 @@ class FakeCuda:
 
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: fake.current)
         monkeypatch.setattr(torch.cuda, "set_device", set_device)
         monkeypatch.setattr(torch.cuda, "device", Device)
         monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
@@ -106,7 +110,8 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
 
 
-def test_the_executor_sets_the_workers_gpu_before_anything_runs(monkeypatch, tmp_path):
+@pytest.mark.parametrize("device, index", [("cuda:1", 1), ("cuda", 0), ("auto", 0)])
+def test_the_executor_sets_the_workers_gpu_before_anything_runs(monkeypatch, tmp_path, device, index):
     from services.model_worker.config.engine import EngineConfig
     from services.model_worker.executor import executor
     from tests.checkpoints import make_checkpoint
@@ -122,10 +127,10 @@ def test_the_executor_sets_the_workers_gpu_before_anything_runs(monkeypatch, tmp
         raise Loaded
 
     monkeypatch.setattr(executor, "load_model", load_model)
-    config = EngineConfig(device="cuda:1")
+    config = EngineConfig(device=device)
     with pytest.raises(Loaded):
         executor.Executor(tmp_path, config, executor.Qwen3Config.from_json(tmp_path))
-    assert cuda.calls == [("set_device", 1), ("load", 1)]
+    assert cuda.calls == [("set_device", index), ("load", index)]
 
 
 def test_graph_capture_and_its_syncs_name_the_workers_gpu(monkeypatch):

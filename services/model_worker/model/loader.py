@@ -201,7 +201,7 @@ def _some(items: list[str], limit: int = 8) -> str:
 def resolve_device(name: str) -> torch.device:
     """The torch device for --device, checked at start: a missing or out-of-range GPU fails here, with the reason."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -216,7 +216,11 @@ def resolve_device(name: str) -> torch.device:
         raise LoadError(f"--device {name} was asked for, but no CUDA GPU is visible to torch ({build}; check "
                         "nvidia-smi, the driver version this build needs, and that the GPU is passed to the container)")
     count = torch.cuda.device_count()
-    if device.index is not None and device.index >= count:
+    if device.index is None:
+        # Always an index: torch.cuda.set_device refuses a bare "cuda" (torch 2.11 raises ValueError), and
+        # tensors report cuda:N, so comparisons with them hold.
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= count:
         raise LoadError(f"--device {name}: there is no GPU {device.index}; torch sees {count} "
                         f"(cuda:0 to cuda:{count - 1}; CUDA_VISIBLE_DEVICES renumbers them from 0)")
     return device
