@@ -106,3 +106,34 @@ def test_profiling_runs_the_largest_step_and_reports_what_it_measured(tmp_path, 
     assert sorted(rows) == [4, 200]
     assert scored == [((200, engine.config.vocab_size), [20] * 200)]
     assert memory == GpuMemory(total=80 * GIB, free=60 * GIB, weights=100 * MIB, peak_activations=47 * MIB)
+
+
+@pytest.mark.parametrize("max_len, lengths", [(None, [512, 512, 76]), (300, [300, 300, 300, 200])])
+def test_a_profiling_step_longer_than_a_sequence_is_several_prompts(tmp_path, monkeypatch, max_len, lengths):
+    """--max-num-batched-tokens past the rotary table (512 positions here) or --max-model-len: the warm-up
+    is prompts no longer than a sequence may be, since a position past the table indexes out of bounds
+    (a device-side assert on a GPU)."""
+    from services.model_worker.config.engine import EngineConfig, SchedulerLimits
+    from services.model_worker.engine.llm_engine import LLMEngine
+    from services.model_worker.executor import kv_sizing as profile
+    from tests.checkpoints import make_checkpoint
+    make_checkpoint(tmp_path)
+    engine = LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="float32", num_blocks=8, block_size=16))
+    allocated = iter([100 * MIB, 103 * MIB])
+    readings = dict(memory_allocated=lambda device: next(allocated), max_memory_allocated=lambda device: 150 * MIB,
+                    mem_get_info=lambda device: (60 * GIB, 80 * GIB), synchronize=lambda device=None: None,
+                    empty_cache=lambda: None, reset_peak_memory_stats=lambda device: None)
+    for name, fake in readings.items():
+        monkeypatch.setattr(profile.torch.cuda, name, fake)
+    positions = []
+    forward = engine.model.forward
+    monkeypatch.setattr(engine.model, "forward",
+                        lambda ids, pos, *a: positions.append(pos.clone()) or forward(ids, pos, *a))
+    monkeypatch.setattr(profile, "score_rows", lambda logits, targets, top: None)
+    limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=sum(lengths))
+    profile.profile_step_memory(engine.model, engine.sampler, engine.config, engine.device, torch.float32, 16, limits,
+                                max_len)
+    [step] = positions
+    starts = (step == 0).nonzero().flatten().tolist()
+    assert [end - start for start, end in zip(starts, starts[1:] + [len(step)])] == lengths
+    assert int(step.max()) < (max_len or engine.config.max_position_embeddings)

@@ -131,7 +131,7 @@ class Executor:
         elif self.device.type == "cuda":
             # Run the largest step once, measure its peak, and give the cache what is left.
             memory = profile_step_memory(self.model, Sampler(), self.rank_config, self.device, self.dtype,
-                                         config.block_size, config.limits)
+                                         config.block_size, config.limits, self._max_len(model_config))
             plan = plan_kv_cache(memory, config.gpu_memory_utilization, per_block, config.block_size,
                                  self._max_len(model_config), config.limits.max_num_seqs)
             log.info("%s", plan.summary)

@@ -77,9 +77,13 @@ def blocks_from_budget(budget_bytes: int, bytes_per_block: int, max_model_len: i
 
 @torch.inference_mode()
 def profile_step_memory(model, sampler: Sampler, config: Qwen3Config, device: torch.device, dtype: torch.dtype,
-                        block_size: int, limits: SchedulerLimits) -> GpuMemory:
+                        block_size: int, limits: SchedulerLimits, max_len: int | None = None) -> GpuMemory:
     """A prefill of max_num_batched_tokens tokens, then logits and a top-p draw for max_num_seqs rows, then
     prompt logprobs scored over all max_num_batched_tokens rows.
+
+    The prefill is prompts of max_len tokens (the longest a sequence may be; default the model's
+    max_position_embeddings) and one with the rest: no position past the rotary table, which on a GPU
+    would be a device-side assert that leaves the CUDA context unusable.
 
     Top-p sorts the whole vocabulary per row: the sampler's most memory-hungry path. The scored rows'
     logits live beside the sampled rows' in a step that both prefills a scored prompt and samples.
@@ -89,11 +93,17 @@ def profile_step_memory(model, sampler: Sampler, config: Qwen3Config, device: to
     weights = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     tokens = limits.max_num_batched_tokens
-    num_blocks = -(-tokens // block_size)
+    max_len = max_len or config.max_position_embeddings
+    lengths = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
+    tables, num_blocks = [], 0
+    for length in lengths:
+        used = -(-length // block_size)
+        tables.append(list(range(num_blocks, num_blocks + used)))
+        num_blocks += used
     cache = KVCache(config, num_blocks, block_size, dtype, device)  # just big enough for the warm-up
     cache_bytes = torch.cuda.memory_allocated(device) - weights
     runner = ModelRunner(model, cache, device, default_backend(device))
-    host = StepInputs.build([[0] * tokens], [list(range(num_blocks))], [tokens], block_size)
+    host = StepInputs.build([[0] * length for length in lengths], tables, lengths, block_size)
     hidden = runner.forward(host)
     # A step's logits are one tensor: the scored prompt rows stay alive while the sampler runs.
     scored = model.compute_logits(hidden[:1].expand(tokens, -1))
