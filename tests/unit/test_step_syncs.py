@@ -1,9 +1,10 @@
 """A step reads device values back once: the sampled ids (with logprobs when asked).
 
 On a GPU every read of a device tensor from the host (tolist, item, int(), bool(), nonzero,
-cpu) waits for the GPU to finish. This counts such reads during engine steps on CPU, leaving out
-the host-side building of step inputs, which reads only host tensors (the GPU test checks the
-real thing with CUDA's sync debug mode).
+cpu) waits for the GPU to finish, and so does a Python number assigned through tensor indices
+(`t[rows, cols] = True`: index_put_ copies the number to the GPU first). This counts both during
+engine steps on CPU, leaving out the host-side building of step inputs, which reads only host
+tensors (the GPU test checks the real thing with CUDA's sync debug mode).
 """
 import traceback
 import warnings
@@ -22,6 +23,12 @@ READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu
 HOST_SIDE = {"build", "from_inputs"}
 
 
+def tensor_indexed(index) -> bool:
+    """Whether an index is advanced (a tensor in it), so that assigning through it is an index_put_."""
+    return isinstance(index, torch.Tensor) or (isinstance(index, tuple) and
+                                               any(isinstance(i, torch.Tensor) for i in index))
+
+
 class DeviceReads(TorchFunctionMode):
     def __init__(self):
         super().__init__()
@@ -29,6 +36,9 @@ class DeviceReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        if name == "__setitem__" and isinstance(args[2], (bool, int, float)) and tensor_indexed(args[1]):
+            frame = traceback.extract_stack()[-2]
+            self.reads.append(("scalar index_put_", frame.filename.rsplit("/", 1)[-1], frame.lineno))
         if name in READS:
             frames = traceback.extract_stack()[:-1]
             if not any(f.name in HOST_SIDE and f.filename.endswith(("step_inputs.py", "metadata.py"))
@@ -75,6 +85,16 @@ def test_the_counter_sees_a_device_read():
     with counter:
         torch.ones(3).sum().item()
     assert [r[0] for r in counter.reads] == ["item"]
+
+
+def test_the_counter_sees_a_python_number_assigned_through_tensor_indices():
+    counter = DeviceReads()
+    t, rows = torch.zeros(2, 3), torch.tensor([0, 1])
+    with counter:
+        t[0] = 1.0  # a plain index: fill_, which takes the number as an argument
+        t[rows, rows] = torch.ones(2)  # a device tensor: no copy
+        t[rows, rows] = 2.0
+    assert [r[0] for r in counter.reads] == ["scalar index_put_"]
 
 
 @pytest.mark.cuda

@@ -101,7 +101,8 @@ def apply_penalties(
             repeat_rows, [torch.cat((prompt_ids[i], output_ids[i])) for i in repeat_rows], device
         )
         seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
-        seen[rows, tokens] = True
+        # A device tensor of Trues, not the Python True: index_put_ copies a host scalar to the GPU, and waits.
+        seen[rows, tokens] = torch.ones_like(tokens, dtype=torch.bool)
         penalty = _column([p.repetition_penalty for p in params], device)
         penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
         logits = torch.where(seen, penalised, logits)
