@@ -186,12 +186,19 @@ static inline __m512 sum16(const __m512 v[16]) {
 }
 
 /* The bf16 path reads each key and its value in one pass, SUB keys at a time: their scores, the online
- * softmax's update and the values' products, each row fetching the one AHEAD rows on in its stream.
- * Keys in one pass and values in a second (the float32 path's order) left the memory idle through each
- * chunk's softmax: 28 layers of 16 sequences at a 420-token context streamed the cache at 10.8 GB/s on
- * one core of a Xeon with AMX, which reads two streams of rows at 15-20 GB/s; in one pass, 13.1 GB/s
- * (0.83x the time; 0.76x for one sequence at 2,048 tokens). Fetching 16 or 32 rows ahead, or the next
- * chunk's keys during the value pass, took longer. */
+ * softmax's update and the values' products. Keys in one pass and values in a second (the float32 path's
+ * order) left the memory idle through each chunk's softmax: 28 layers of 16 sequences at a 420-token
+ * context streamed the cache at 10.8 GB/s on one core of a Xeon with AMX, which reads two streams of rows
+ * at 15-20 GB/s; in one pass, 13.1 GB/s (0.83x the time; 0.76x for one sequence at 2,048 tokens).
+ * Fetching 16 or 32 rows ahead, or the next chunk's keys during the value pass, took longer.
+ *
+ * Both rows AHEAD on are fetched while the keys are scored, and none while the values are summed. With
+ * each stream fetched in its own pass (the values' while they were summed), the two passes' requests came
+ * in bursts; spread over the scoring, which takes longer a key, 28 layers of 16 sequences at 175-525 tokens
+ * took 0.92-0.95x the time on one core of a Xeon with AMX (in a C loop over the engine's cache layout, on
+ * huge pages), and 0.91-0.96x at 1 x 2,048, 4 x 100-300, 8 x 256-768, 64 x 50-150 and 16 x 500-1,500.
+ * Values fetched while they were summed and keys while values were summed, or values a whole step (16
+ * rows) ahead, took longer. */
 
 /* scores[r][i] = scale * (q[r] . key[i]) for the step's m <= SUB keys, by vdpbf16ps on the unscaled bf16
  * query (products of two bf16 are exact in float32); lanes past m are -inf. 16 / G keys at a time for all
@@ -211,7 +218,10 @@ static inline __attribute__((always_inline)) void score_step_bf16(const Args *a,
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
         for (int i = 0; i < KB; i++) {
             const uint16_t *key = (const uint16_t *)keys[j0 + (i < k ? i : 0)];
-            if (i < k && j0 + i + AHEAD < avail) prefetch_row(keys[j0 + i + AHEAD], (size_t)C * 64);
+            if (i < k && j0 + i + AHEAD < avail) { /* the key and value rows AHEAD on: see above */
+                prefetch_row(keys[j0 + i + AHEAD], (size_t)C * 64);
+                prefetch_row(keys[VALUES_AT + j0 + i + AHEAD], (size_t)C * 64);
+            }
             for (int c = 0; c < C; c++) {
                 const __m512bh kv = (__m512bh)_mm512_loadu_si512(key + 32 * c);
                 for (int r = 0; r < G; r++)
@@ -251,7 +261,7 @@ static inline float softmax_step(float *scores, int m, float *max, float *sum) {
 static inline __attribute__((always_inline)) void accumulate_step_bf16(const Args *a, float *acc,
                                                                         const char *const *values, const int G,
                                                                         const int C, int m, float p_rows[][SUB],
-                                                                        const float *correction, int avail) {
+                                                                        const float *correction) {
     const int CB = G >= 8 ? 1 : 8 / G;
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int c0 = 0; c0 < C; c0 += CB) {
@@ -265,7 +275,6 @@ static inline __attribute__((always_inline)) void accumulate_step_bf16(const Arg
             }
         }
         for (int j = 0; j < m; j++) {
-            if (c0 == 0 && j + AHEAD < avail) prefetch_row(values[j + AHEAD], (size_t)C * 64);
             __m512 p[8];
             for (int r = 0; r < G; r++) p[r] = _mm512_set1_ps(p_rows[r][j]);
             for (int c = 0; c < cs; c++) {
@@ -299,7 +308,7 @@ static inline __attribute__((always_inline)) void chunk_bf16(const Args *a, Scra
         score_step_bf16(a, keys + j0, qb, G, C, m, scores, avail - j0);
         float correction[8];
         for (int r = 0; r < G; r++) correction[r] = softmax_step(scores[r], m, &max[r], &sum[r]);
-        accumulate_step_bf16(a, w->acc, values + j0, G, C, m, scores, correction, avail - j0);
+        accumulate_step_bf16(a, w->acc, values + j0, G, C, m, scores, correction);
     }
 }
 
