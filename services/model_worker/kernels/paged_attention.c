@@ -192,13 +192,13 @@ static inline __m512 sum16(const __m512 v[16]) {
  * at 15-20 GB/s; in one pass, 13.1 GB/s (0.83x the time; 0.76x for one sequence at 2,048 tokens).
  * Fetching 16 or 32 rows ahead, or the next chunk's keys during the value pass, took longer.
  *
- * Both rows AHEAD on are fetched while the keys are scored, and none while the values are summed. With
- * each stream fetched in its own pass (the values' while they were summed), the two passes' requests came
- * in bursts; spread over the scoring, which takes longer a key, 28 layers of 16 sequences at 175-525 tokens
- * took 0.92-0.95x the time on one core of a Xeon with AMX (in a C loop over the engine's cache layout, on
- * huge pages), and 0.91-0.96x at 1 x 2,048, 4 x 100-300, 8 x 256-768, 64 x 50-150 and 16 x 500-1,500.
- * Values fetched while they were summed and keys while values were summed, or values a whole step (16
- * rows) ahead, took longer. */
+ * Both rows AHEAD on are fetched while the keys are scored, and none while the values are summed: against
+ * each stream fetched in its own pass (the values' while they were summed), 28 layers of 16 sequences at
+ * 175-525 tokens took 0.92-0.95x the time on one core of a Xeon with AMX (a C loop over the engine's cache
+ * layout, on huge pages), 0.91-0.96x at 1 x 2,048, 4 x 100-300, 8 x 256-768, 64 x 50-150 and
+ * 16 x 500-1,500, and the engine's 16-sequence decode step 0.976x. The keys fetched while the step before
+ * sums its values (the values while scoring) did no better; the values a whole step (16 rows) ahead, or
+ * 4, 6 or 12 rows ahead, no better or worse (docs/served-speed.md, item 41). */
 
 /* scores[r][i] = scale * (q[r] . key[i]) for the step's m <= SUB keys, by vdpbf16ps on the unscaled bf16
  * query (products of two bf16 are exact in float32); lanes past m are -inf. 16 / G keys at a time for all
