@@ -76,12 +76,12 @@ def test_profiling_on_the_gpu_measures_a_peak_and_sizes_a_cache(tmp_path):
     assert engine.kv_cache.num_blocks >= 32 and used <= 0.3 * total
 
 
-def test_profiling_runs_the_largest_step_and_reports_what_it_measured(tmp_path, monkeypatch):
-    """The profiling pass on CPU, with torch.cuda's memory readings faked: what it runs and returns."""
-    from services.model_worker.executor import kv_sizing as profile
+def profiling_engine(tmp_path, monkeypatch):
+    """A float32 CPU engine on the test checkpoint, and kv_sizing with torch.cuda's memory readings faked:
+    100 MiB before the warm-up cache, 103 MiB with it, a 150 MiB peak, 60 of 80 GiB free."""
     from services.model_worker.config.engine import EngineConfig
     from services.model_worker.engine.llm_engine import LLMEngine
-    from services.model_worker.config.engine import SchedulerLimits
+    from services.model_worker.executor import kv_sizing as profile
     from tests.checkpoints import make_checkpoint
     make_checkpoint(tmp_path)
     engine = LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="float32", num_blocks=8, block_size=16))
@@ -91,6 +91,13 @@ def test_profiling_runs_the_largest_step_and_reports_what_it_measured(tmp_path, 
                     empty_cache=lambda: None, reset_peak_memory_stats=lambda device: None)
     for name, fake in readings.items():
         monkeypatch.setattr(profile.torch.cuda, name, fake)
+    return engine, profile
+
+
+def test_profiling_runs_the_largest_step_and_reports_what_it_measured(tmp_path, monkeypatch):
+    """The profiling pass on CPU, with torch.cuda's memory readings faked: what it runs and returns."""
+    from services.model_worker.config.engine import SchedulerLimits
+    engine, profile = profiling_engine(tmp_path, monkeypatch)
     steps = []
     forward = engine.model.forward
     monkeypatch.setattr(engine.model, "forward", lambda ids, *a: steps.append(ids.shape[0]) or forward(ids, *a))
@@ -113,18 +120,8 @@ def test_a_profiling_step_longer_than_a_sequence_is_several_prompts(tmp_path, mo
     """--max-num-batched-tokens past the rotary table (512 positions here) or --max-model-len: the warm-up
     is prompts no longer than a sequence may be, since a position past the table indexes out of bounds
     (a device-side assert on a GPU)."""
-    from services.model_worker.config.engine import EngineConfig, SchedulerLimits
-    from services.model_worker.engine.llm_engine import LLMEngine
-    from services.model_worker.executor import kv_sizing as profile
-    from tests.checkpoints import make_checkpoint
-    make_checkpoint(tmp_path)
-    engine = LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="float32", num_blocks=8, block_size=16))
-    allocated = iter([100 * MIB, 103 * MIB])
-    readings = dict(memory_allocated=lambda device: next(allocated), max_memory_allocated=lambda device: 150 * MIB,
-                    mem_get_info=lambda device: (60 * GIB, 80 * GIB), synchronize=lambda device=None: None,
-                    empty_cache=lambda: None, reset_peak_memory_stats=lambda device: None)
-    for name, fake in readings.items():
-        monkeypatch.setattr(profile.torch.cuda, name, fake)
+    from services.model_worker.config.engine import SchedulerLimits
+    engine, profile = profiling_engine(tmp_path, monkeypatch)
     positions = []
     forward = engine.model.forward
     monkeypatch.setattr(engine.model, "forward",

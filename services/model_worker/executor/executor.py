@@ -126,18 +126,19 @@ class Executor:
         same on every rank (each holds its own heads of every block)."""
         config = self.engine_config
         per_block = KVCache.bytes_per_block(self.rank_config, config.block_size, self.dtype)
+        max_len = self._max_len(model_config)
         if config.num_blocks:
             num_blocks = config.num_blocks
         elif self.device.type == "cuda":
             # Run the largest step once, measure its peak, and give the cache what is left.
             memory = profile_step_memory(self.model, Sampler(), self.rank_config, self.device, self.dtype,
-                                         config.block_size, config.limits, self._max_len(model_config))
+                                         config.block_size, config.limits, max_len)
             plan = plan_kv_cache(memory, config.gpu_memory_utilization, per_block, config.block_size,
-                                 self._max_len(model_config), config.limits.max_num_seqs)
+                                 max_len, config.limits.max_num_seqs)
             log.info("%s", plan.summary)
             num_blocks = plan.num_blocks
         else:
-            num_blocks = blocks_from_budget(config.kv_cache_bytes, per_block, self._max_len(model_config),
+            num_blocks = blocks_from_budget(config.kv_cache_bytes, per_block, max_len,
                                             config.block_size, config.limits.max_num_seqs)
         if self.group is not None:
             num_blocks = self.group.tp.min(num_blocks)
