@@ -8,14 +8,14 @@ import logging
 import grpc
 from prometheus_client import REGISTRY
 
-from gateway.downstream import WORKER_STREAMS, Downstreams, DownstreamTLS
-from gateway.fleet import parse_targets
-from gateway.fleet_metrics import FleetCollector
-from gateway.generation import GenerationCore
-from gateway.http_app import create_app
-from gateway.http_server import HttpServer
-from gateway.router import POLICIES, Router, RouterConfig
-from gateway.servicer import GatewayServicer
+from gateway.core.generation import GenerationCore
+from gateway.fleet.downstream import WORKER_STREAMS, Downstreams, DownstreamTLS
+from gateway.fleet.fleet_metrics import FleetCollector
+from gateway.fleet.router import POLICIES, Router, RouterConfig
+from gateway.fleet.workers import parse_targets
+from gateway.grpc_api.servicer import GatewayServicer
+from gateway.http_api.http_app import create_app
+from gateway.http_api.http_server import HttpServer
 from rpcserver.auth import add_auth_flags, api_key_from_args, auth_interceptors, read_api_key
 from rpcserver.config import SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges, env_default
 from rpcserver.handlers import add_servicer

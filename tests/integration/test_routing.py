@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from gateway.block_hash import prompt_block_hashes
+from gateway.fleet.block_hash import prompt_block_hashes
 from services.tokenizer.core import TokenizerCore
 from tests.integration.stack import Service, free_port, wait_serving
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc

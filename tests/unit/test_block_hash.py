@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from gateway.block_hash import prompt_block_hashes
+from gateway.fleet.block_hash import prompt_block_hashes
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.engine.block_manager import BlockManager, block_hash
 from services.model_worker.engine.sequence import Sequence

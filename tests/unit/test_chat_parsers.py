@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from gateway.reasoning_parser import ReasoningParser, prompt_opens_reasoning
-from gateway.tool_parser import ToolCallParser
+from gateway.text.reasoning_parser import ReasoningParser, prompt_opens_reasoning
+from gateway.text.tool_parser import ToolCallParser
 
 
 def chunkings(text: str, seeds=range(12)):

@@ -6,7 +6,7 @@ import asyncio
 import grpc
 import pytest
 
-from gateway.downstream import DownstreamTLS, open_channel
+from gateway.fleet.downstream import DownstreamTLS, open_channel
 from gateway.main import downstream_api_key, parse_args
 from rpcserver.auth import ApiKeyInterceptor
 

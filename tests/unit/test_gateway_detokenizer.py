@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from demo.vocab import load_ranks, ranks_path
-from gateway.detokenize import Detokenizer
+from gateway.text.detokenize import Detokenizer
 from rpcserver.errors import Unavailable
 from tests.unit.test_generation_core import FakeBatchCall, settle
 

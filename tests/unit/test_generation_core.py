@@ -8,10 +8,10 @@ import grpc
 import pytest
 
 from demo.vocab import load_ranks, ranks_path
-from gateway.detokenize import Detokenizer
-from gateway.generation import GenerationCore
-from gateway.metrics import RequestRecord
-from gateway.validation import GenerationRequest
+from gateway.core.generation import GenerationCore
+from gateway.core.metrics import RequestRecord
+from gateway.core.validation import GenerationRequest
+from gateway.text.detokenize import Detokenizer
 from rpcserver.errors import InvalidArgument, ServiceError, Unavailable
 from rpcserver.status import status_for
 from services.tokenizer.decode_batches import DecodeBatchState

@@ -9,8 +9,8 @@ import grpc
 import pytest
 from starlette.testclient import TestClient
 
-from gateway.generation import GenerationCore
-from gateway.http_app import create_app
+from gateway.core.generation import GenerationCore
+from gateway.http_api.http_app import create_app
 from rpcserver.status import SharedCallError
 from tests.unit.test_generation_core import TEXT, FakeDownstreams, FakeWorkerStream
 

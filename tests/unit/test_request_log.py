@@ -3,7 +3,7 @@ import logging
 
 import grpc
 
-from gateway.metrics import RequestRecord
+from gateway.core.metrics import RequestRecord
 from rpcserver.errors import InvalidArgument
 
 

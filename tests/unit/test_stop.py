@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.stop import StopStringMatcher
+from gateway.text.stop import StopStringMatcher
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, str | None]:

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from gateway.openai_errors import error_body
-from gateway.openai_protocol import ChatRequest, CompletionRequest, chat_request, completion_requests, parse
+from gateway.http_api.openai_errors import error_body
+from gateway.http_api.openai_protocol import ChatRequest, CompletionRequest, chat_request, completion_requests, parse
 from rpcserver.errors import InvalidArgument
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}

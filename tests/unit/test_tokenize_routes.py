@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from gateway.generation import GenerationCore
-from gateway.http_app import create_app
+from gateway.core.generation import GenerationCore
+from gateway.http_api.http_app import create_app
 from tests.unit.test_generation_core import FakeDownstreams
 from tests.unit.test_tool_calls_api import ASK, WEATHER, RenderingTokenizer
 

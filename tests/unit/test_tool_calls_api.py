@@ -15,9 +15,9 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from gateway.generation import GenerationCore
-from gateway.http_app import create_app
-from gateway.servicer import GatewayServicer
+from gateway.core.generation import GenerationCore
+from gateway.grpc_api.servicer import GatewayServicer
+from gateway.http_api.http_app import create_app
 from services.tokenizer.chat_template import ChatTemplate
 from services.tokenizer.servicer import TokenizerServicer
 from tests.unit.test_generation_core import IM_END, FakeDownstreams, FakeTokenizer

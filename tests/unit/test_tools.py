@@ -4,7 +4,7 @@ import json
 import jsonschema
 import pytest
 
-from gateway.tools import check_tools, forced_call_constraint, offered_tools, tool_names
+from gateway.core.tools import check_tools, forced_call_constraint, offered_tools, tool_names
 from rpcserver.errors import InvalidArgument
 
 WEATHER = json.dumps({"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from gateway.convert import from_proto
-from gateway.request_id import caller_request_id
-from gateway.validation import GenerationRequest, Limits, check_prompt_length, validate
+from gateway.core.request_id import caller_request_id
+from gateway.core.validation import GenerationRequest, Limits, check_prompt_length, validate
+from gateway.grpc_api.convert import from_proto
 from rpcserver.errors import InvalidArgument
 from vllm_v0.gateway.v1 import gateway_pb2
 from vllm_v0.worker.v1 import worker_pb2

@@ -1,4 +1,4 @@
-"""The model worker's folders import one way, from the front to the kernels; no module of the project imports itself back."""
+"""The model worker's and the gateway's folders import one way, from the front down; no module of the project imports itself back."""
 import ast
 import pathlib
 
@@ -11,6 +11,13 @@ PACKAGE = "services.model_worker"
 FLOORS = ["kernels", "host", "config", "distributed", "model/layers", "model", "executor", "engine", "core",
           "server", "main"]
 SAME_FLOOR = {"kernels": "host", "host": "kernels"}  # two independent leaves, neither imports the other
+GATEWAY = ROOT / "gateway"
+GATEWAY_PACKAGE = "gateway"
+# The gateway, lowest first: the text pipeline, the fleet of workers, the generation core over both,
+# then its two fronts (gRPC and HTTP, side by side), then main.py, which wires them.
+GATEWAY_FLOORS = ["text", "fleet", "core", "grpc_api", "http_api", "main"]
+GATEWAY_SAME_FLOOR = {"grpc_api": "http_api", "http_api": "grpc_api"}
+GATEWAY_TOP_LEVEL = ["__init__.py", "__main__.py", "client.py", "main.py"]  # client.py: the command-line client
 PROJECT = ("services", "gateway", "rpcserver", "checkpoint", "demo")  # the packages the services run
 
 
@@ -19,12 +26,12 @@ def module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def folder_of(module: str) -> str:
-    """The FLOORS entry a worker module belongs to (main.py and __main__.py are the top)."""
-    rest = module.removeprefix(PACKAGE).lstrip(".").replace(".", "/")
-    if rest in ("", "main", "__main__"):
+def folder_of(module: str, package: str = PACKAGE, floors: list[str] = FLOORS) -> str:
+    """The floors entry a module of `package` belongs to (its top-level modules are the top)."""
+    rest = module.removeprefix(package).lstrip(".").replace(".", "/")
+    if "/" not in rest:
         return "main"
-    return max((f for f in FLOORS if rest == f or rest.startswith(f + "/")), key=len)
+    return max((f for f in floors if rest == f or rest.startswith(f + "/")), key=len)
 
 
 def imports(path: pathlib.Path, at_run_time: bool, packages: tuple[str, ...] = (PACKAGE,)) -> set[str]:
@@ -49,28 +56,48 @@ def imports(path: pathlib.Path, at_run_time: bool, packages: tuple[str, ...] = (
     return found
 
 
-def worker_modules() -> dict[str, pathlib.Path]:
-    return {module_name(p): p for p in WORKER.rglob("*.py")}
+def modules_under(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    return {module_name(p): p for p in root.rglob("*.py")}
 
 
-def test_every_worker_module_is_in_a_folder_with_a_floor():
-    top_level = sorted(p.name for p in WORKER.glob("*.py"))
-    assert top_level == ["__init__.py", "__main__.py", "main.py"]
-    for folder in (p for p in WORKER.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+def check_folders(root: pathlib.Path, top_level: list[str]) -> None:
+    assert sorted(p.name for p in root.glob("*.py")) == top_level
+    for folder in (p for p in root.rglob("*") if p.is_dir() and p.name != "__pycache__"):
         init = folder / "__init__.py"
         assert init.exists(), f"{folder} has no __init__.py"
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and "\n" not in doc.strip(), f"{init} needs a one-line docstring saying the folder's job"
 
 
-def test_no_import_goes_up_a_floor():
+def upward_imports(root: pathlib.Path, package: str, floors: list[str], same_floor: dict[str, str]) -> list[str]:
     upward = []
-    for module, path in worker_modules().items():
-        mine = folder_of(module)
-        for target in imports(path, at_run_time=False):
-            theirs = folder_of(target)
-            if theirs != mine and SAME_FLOOR.get(mine) != theirs and FLOORS.index(theirs) > FLOORS.index(mine):
+    for module, path in modules_under(root).items():
+        mine = folder_of(module, package, floors)
+        for target in imports(path, at_run_time=False, packages=(package,)):
+            theirs = folder_of(target, package, floors)
+            if theirs != mine and same_floor.get(mine) != theirs and floors.index(theirs) > floors.index(mine):
                 upward.append(f"{module} ({mine}) imports {target} ({theirs})")
+    return upward
+
+
+def test_every_worker_module_is_in_a_folder_with_a_floor():
+    check_folders(WORKER, ["__init__.py", "__main__.py", "main.py"])
+
+
+def test_every_gateway_module_is_in_a_folder_with_a_floor():
+    check_folders(GATEWAY, GATEWAY_TOP_LEVEL)
+    for module in modules_under(GATEWAY):  # a new folder must be given a floor
+        if module.count(".") > 1:
+            assert module.split(".")[1] in GATEWAY_FLOORS, module
+
+
+def test_no_import_goes_up_a_floor():
+    upward = upward_imports(WORKER, PACKAGE, FLOORS, SAME_FLOOR)
+    assert not upward, "\n".join(upward)
+
+
+def test_no_gateway_import_goes_up_a_floor():
+    upward = upward_imports(GATEWAY, GATEWAY_PACKAGE, GATEWAY_FLOORS, GATEWAY_SAME_FLOOR)
     assert not upward, "\n".join(upward)
 
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.block_hash import prompt_block_hashes
-from gateway.router import Router, WorkerView
+from gateway.fleet.block_hash import prompt_block_hashes
+from gateway.fleet.router import Router, WorkerView
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

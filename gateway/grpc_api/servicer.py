@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import grpc
 
-from gateway.convert import from_proto
-from gateway.generation import Delta, GenerationCore
-from gateway.metrics import RequestRecord
-from gateway.request_id import caller_request_id
+from gateway.core.generation import Delta, GenerationCore
+from gateway.core.metrics import RequestRecord
+from gateway.core.request_id import caller_request_id
+from gateway.grpc_api.convert import from_proto
 from rpcserver.status import code_for, grpc_errors
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 

@@ -1,7 +1,7 @@
 """Turns the public GenerateRequest proto into the gateway's GenerationRequest."""
 
-from gateway.tools import ToolCall
-from gateway.validation import GenerationRequest
+from gateway.core.tools import ToolCall
+from gateway.core.validation import GenerationRequest
 from rpcserver.shared import SAMPLING_FIELDS
 from vllm_v0.gateway.v1 import gateway_pb2
 

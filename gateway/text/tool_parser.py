@@ -11,7 +11,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from gateway.reasoning_parser import held_tag_prefix
+from gateway.text.reasoning_parser import held_tag_prefix
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"

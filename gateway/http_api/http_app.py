@@ -10,15 +10,21 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.generation import Delta, GenerationCore
-from gateway.metrics import RequestRecord
-from gateway.openai_errors import HttpError, add_error_handlers, error_body, error_response, grpc_code
-from gateway.openai_format import ResponseFormat
-from gateway.openai_protocol import ChatRequest, CompletionRequest, chat_request, choice_requests, \
-    completion_requests, parse
-from gateway.request_id import check_request_id, new_request_id
-from gateway.tokenize_api import add_tokenize_routes
-from gateway.validation import GenerationRequest
+from gateway.core.generation import Delta, GenerationCore
+from gateway.core.metrics import RequestRecord
+from gateway.core.request_id import check_request_id, new_request_id
+from gateway.core.validation import GenerationRequest
+from gateway.http_api.openai_errors import HttpError, add_error_handlers, error_body, error_response, grpc_code
+from gateway.http_api.openai_format import ResponseFormat
+from gateway.http_api.openai_protocol import (
+    ChatRequest,
+    CompletionRequest,
+    chat_request,
+    choice_requests,
+    completion_requests,
+    parse,
+)
+from gateway.http_api.tokenize_api import add_tokenize_routes
 from rpcserver.auth import ApiKeyInterceptor
 
 

@@ -5,8 +5,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from gateway.request_id import check_request_id
-from gateway.tools import ToolCall, check_tools
+from gateway.core.request_id import check_request_id
+from gateway.core.tools import ToolCall, check_tools
 from rpcserver.errors import InvalidArgument
 from rpcserver.shared import MAX_SEED
 

@@ -8,8 +8,8 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.tools import ToolCall
-from gateway.validation import MAX_SEED, GenerationRequest
+from gateway.core.tools import ToolCall
+from gateway.core.validation import MAX_SEED, GenerationRequest
 from rpcserver.errors import InvalidArgument
 
 MAX_N = 16  # choices per request: each one is a sequence on the worker

@@ -4,7 +4,7 @@ from __future__ import annotations
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 
-from gateway.fleet import SERVING, Fleet
+from gateway.fleet.workers import SERVING, Fleet
 
 ROUTED = Counter("vllm_v0_gateway_worker_requests", "worker streams opened, by worker", ["worker"])
 RETRIED = Counter("vllm_v0_gateway_worker_retries", "requests retried on another worker after this one failed "

@@ -5,10 +5,10 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 
-from gateway.generation import GenerationCore
-from gateway.openai_errors import error_response
-from gateway.openai_protocol import ChatRequest, DetokenizeRequest, TokenizeRequest, chat_request, parse
-from gateway.validation import GenerationRequest, validate
+from gateway.core.generation import GenerationCore
+from gateway.core.validation import GenerationRequest, validate
+from gateway.http_api.openai_errors import error_response
+from gateway.http_api.openai_protocol import ChatRequest, DetokenizeRequest, TokenizeRequest, chat_request, parse
 from rpcserver.errors import InvalidArgument
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 

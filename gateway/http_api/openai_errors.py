@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from gateway.openai_protocol import FIELD_NAMES
+from gateway.http_api.openai_protocol import FIELD_NAMES
 from rpcserver.errors import ServiceError
 from rpcserver.status import status_for
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from gateway.chat_output import ChatOutput
-from gateway.convert import SAMPLING_FIELDS
-from gateway.metrics import RequestRecord
-from gateway.reasoning_parser import THINK_END, ReasoningParser, prompt_opens_reasoning
-from gateway.request_id import new_request_id
-from gateway.stop import StopStringMatcher
-from gateway.tool_parser import ToolCallDelta, ToolCallParser
-from gateway.tools import forced_call_constraint, offered_tools, tool_call_grammar
-from gateway.validation import GenerationRequest, Limits, check_prompt_length, validate
+from gateway.core.metrics import RequestRecord
+from gateway.core.request_id import new_request_id
+from gateway.core.tools import forced_call_constraint, offered_tools, tool_call_grammar
+from gateway.core.validation import GenerationRequest, Limits, check_prompt_length, validate
+from gateway.text.chat_output import ChatOutput
+from gateway.text.reasoning_parser import THINK_END, ReasoningParser, prompt_opens_reasoning
+from gateway.text.stop import StopStringMatcher
+from gateway.text.tool_parser import ToolCallDelta, ToolCallParser
 from rpcserver.errors import InvalidArgument, Unavailable
+from rpcserver.shared import SAMPLING_FIELDS
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 from vllm_v0.worker.v1 import worker_pb2
 

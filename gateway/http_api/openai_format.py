@@ -4,8 +4,8 @@ from __future__ import annotations
 import time
 import uuid
 
-from gateway.generation import Delta, Logprobs, TokenLogprob
-from gateway.tool_parser import ToolCallDelta
+from gateway.core.generation import Delta, Logprobs, TokenLogprob
+from gateway.text.tool_parser import ToolCallDelta
 
 # OpenAI has no separate reason for an eos token; both it and a stop string are "stop".
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}

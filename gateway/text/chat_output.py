@@ -1,8 +1,8 @@
 """A chat completion's text split into reasoning, content and tool calls, a piece at a time."""
 from __future__ import annotations
 
-from gateway.reasoning_parser import ReasoningParser
-from gateway.tool_parser import ToolCallDelta, ToolCallParser
+from gateway.text.reasoning_parser import ReasoningParser
+from gateway.text.tool_parser import ToolCallDelta, ToolCallParser
 
 
 class ChatOutput:

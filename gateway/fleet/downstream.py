@@ -10,12 +10,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.bearer import bearer_interceptors
-from gateway.detokenize import Detokenizer
-from gateway.fleet import Fleet, Worker, parse_targets
-from gateway.fleet_metrics import RETRIED, ROUTED
-from gateway.router import Router
-from gateway.worker_mux import MuxRequest, WorkerMux
+from gateway.fleet.bearer import bearer_interceptors
+from gateway.fleet.fleet_metrics import RETRIED, ROUTED
+from gateway.fleet.router import Router
+from gateway.fleet.worker_mux import MuxRequest, WorkerMux
+from gateway.fleet.workers import Fleet, Worker, parse_targets
+from gateway.text.detokenize import Detokenizer
 from rpcserver.errors import Unavailable
 from rpcserver.shared import read_file
 from vllm_v0.gateway.v1 import gateway_pb2

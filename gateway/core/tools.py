@@ -62,7 +62,7 @@ def forced_call_constraint(tools: list[str], tool_choice: str) -> dict | None:
     each call is `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`, with the arguments
     valid against the function's parameter schema. This is the shape of vLLM's and xgrammar's
     `structural_tag` format; the worker's structured-output engine has to enforce it from the
-    first token after the reasoning ends (see `constrain` in gateway/generation.py).
+    first token after the reasoning ends (see `constrain` in gateway/core/generation.py).
     """
     if tool_choice in ("auto", "none"):
         return None

@@ -1,0 +1,1 @@
+"""The text pipeline: detokenizing as tokens arrive, stop strings, and the reasoning and tool-call parsers."""
