@@ -76,8 +76,9 @@ def forced_call_constraint(tools: list[str], tool_choice: str) -> dict | None:
             "arguments": function.get("parameters") or {"type": "object"}},
             "required": ["name", "arguments"], "additionalProperties": False}
         structures.append({"begin": "<tool_call>\n", "schema": schema, "end": "\n</tool_call>"})
+    # A named function is called once, as OpenAI and vLLM do; "required" allows parallel calls.
     return {"type": "structural_tag", "structures": structures, "triggers": ["<tool_call>"],
-            "at_least_one": True}
+            "at_least_one": True, "stop_after_first": tool_choice != "required"}
 
 
 # llguidance's JSON options (the worker's executor/grammar.py uses the same for JSON schemas).
@@ -87,11 +88,13 @@ COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separa
 def tool_call_grammar(constraint: dict, parallel: bool) -> str:
     """The forced-call constraint as a Lark grammar for the worker's structured-output engine.
 
-    One `<tool_call>` block, or several on their own lines when parallel calls are allowed; each
-    block's JSON must match one of the structures' schemas (the name and the function's
-    parameters), compiled compact by llguidance's `%json`. `<tool_call>` and `</tool_call>` are
-    Qwen3's own tokens, so the grammar names them as tokens (unquoted): llguidance will not spell
-    a special token's text out of other tokens.
+    One `<tool_call>` block, or several on their own lines when parallel calls are allowed (and the
+    constraint is "required", not a named function); each block's JSON must match one of the
+    structures' schemas (the name and the function's parameters), compiled compact by llguidance's
+    `%json`. `<tool_call>` and `</tool_call>` are Qwen3's own tokens, so the grammar names them as
+    tokens (unquoted): llguidance will not spell a special token's text out of other tokens.
+    The grammar ends with the last call: once it is complete the matcher admits only an end-of-
+    sequence token, so nothing, not even whitespace, follows the forced calls.
     """
     rules = []
     for i, structure in enumerate(constraint["structures"]):
@@ -101,5 +104,6 @@ def tool_call_grammar(constraint: dict, parallel: bool) -> str:
         schema = {**structure["schema"], "x-guidance": COMPACT_JSON}
         rules.append(f"json{i}: %json {json.dumps(schema)}")
     calls = " | ".join(f"call{i}" for i in range(len(constraint["structures"])))
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    many = parallel and not constraint.get("stop_after_first", False)
+    start = 'start: call ("\\n" call)*' if many else "start: call"
     return "\n".join([start, f"call: {calls}", *rules]) + "\n"

@@ -80,9 +80,12 @@ class ResponseFormat:
             message = {"role": "assistant"} if not self.started[index] else {}
             if delta.reasoning_text:
                 message["reasoning_content"] = delta.reasoning_text
-            if delta.tool_calls:
-                message["tool_calls"] = [_call_delta(call) for call in delta.tool_calls]
-            if delta.text or not (delta.reasoning_text or delta.tool_calls):
+            # A cut-off mark adds nothing to a stream: the call's pieces went out as they came, and the
+            # finish_reason ("length") says it is cut.
+            calls = [_call_delta(call) for call in delta.tool_calls if call.cut_off is None]
+            if calls:
+                message["tool_calls"] = calls
+            if delta.text or not (delta.reasoning_text or calls):
                 message["content"] = delta.text
             choice["delta"] = message
             choice["logprobs"] = self._chat_logprobs(delta.logprobs) if self.logprobs else None
@@ -115,6 +118,11 @@ class ResponseFormat:
                 calls[call.index] = {"id": call.id, "type": "function", "function": {"name": call.name,
                                                                                   "arguments": ""}}
             calls[call.index]["function"]["arguments"] += call.arguments
+            if call.cut_off is not None:
+                # As vLLM's hermes parser gives a whole response: a call that did not end is not a
+                # call, and its text, as written, is content.
+                del calls[call.index]
+                self.text[index] += call.cut_off
         if delta.finish_reason:
             self.last[index] = delta
 

@@ -22,4 +22,5 @@ class ChatOutput:
 
     @property
     def called_tools(self) -> bool:
-        return self.tools is not None and self.tools.calls > 0
+        """Whether a call was made whole: one cut off by the end of the output does not count."""
+        return self.tools is not None and self.tools.finished_calls > 0

@@ -24,32 +24,43 @@ def held_tag_prefix(text: str, tag: str) -> int:
 
 
 class ReasoningParser:
-    """One completion's split. The model may open a think block only at the very start (after whitespace)."""
+    """One completion's split. The model may open a think block only at the very start (after whitespace).
+
+    Each piece is scanned once: what is held between pieces is a tag's start (a few characters) and, at
+    the start, the leading whitespace, which is kept in pieces and never rescanned.
+    """
 
     def __init__(self, in_reasoning: bool = False):
         # "start": nothing decided yet; "reasoning": inside the think block; "content": after it, or none.
         self.state = "reasoning" if in_reasoning else "start"
-        self.pending = ""
+        self.pending = ""  # a possible start of <think> (at the start) or of </think> (inside the block)
+        self.leading_space: list[str] = []  # at the start: the whitespace before anything else
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """(reasoning, content) of `text`; text that may be part of a tag waits for the next call or `final`."""
-        buffer, self.pending = self.pending + text, ""
         reasoning = ""
         if self.state == "start":
-            opening = buffer.lstrip()
+            if not self.pending:
+                opening = text.lstrip()
+                self.leading_space.append(text[:len(text) - len(opening)])
+            else:
+                opening = self.pending + text
             if opening.startswith(THINK_START):
-                self.state, buffer = "reasoning", opening[len(THINK_START):]
+                self.state, text, self.pending = "reasoning", opening[len(THINK_START):], ""
+                self.leading_space = []
             elif THINK_START.startswith(opening) and not final:
-                self.pending = buffer  # whitespace or "<thi": cannot tell yet
+                self.pending = opening  # whitespace or "<thi": cannot tell yet
                 return "", ""
             else:
-                self.state = "content"
+                self.state, text, self.pending = "content", "".join(self.leading_space) + opening, ""
+                self.leading_space = []
         if self.state == "reasoning":
+            buffer, self.pending = self.pending + text, ""
             end = buffer.find(THINK_END)
             if end < 0:
                 held = 0 if final else held_tag_prefix(buffer, THINK_END)
                 self.pending = buffer[len(buffer) - held:]
                 return buffer[:len(buffer) - held], ""
-            reasoning, buffer = buffer[:end], buffer[end + len(THINK_END):]
+            reasoning, text = buffer[:end], buffer[end + len(THINK_END):]
             self.state = "content"
-        return reasoning, buffer
+        return reasoning, text

@@ -3,6 +3,10 @@
 Fed the content text a piece at a time, it returns the text outside the blocks and OpenAI-style
 call deltas: a call's first delta has its id and name, the next ones pieces of its arguments' JSON
 text. Joining a call's pieces gives its arguments, so a stream and a whole body agree.
+
+The text is the model's, so it is read as hostile input: one pass, each character looked at a
+bounded number of times, whatever the pieces (no regex re-run over the growing block, no recursion).
+A block it cannot read goes out as content, tags and all, and the blocks after it are read as usual.
 """
 from __future__ import annotations
 
@@ -16,12 +20,9 @@ from gateway.text.reasoning_parser import held_tag_prefix
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 
-# The opening Qwen3 writes, as its template shows it: once it is seen, the name is known and
-# everything up to the object's closing brace is the arguments' text.
-CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
-# What may still turn out to be the end of the call object rather than arguments: trailing
-# whitespace, the object's closing brace, and a start of the closing tag.
-CALL_TAIL = re.compile(r"\s*\}?\s*(?:<(?:/(?:t(?:o(?:o(?:l(?:_(?:c(?:a(?:l(?:l(?:>)?)?)?)?)?)?)?)?)?)?)?)?$")
+# Linear scans: a single greedy class, so a match never backtracks.
+_SPACE = re.compile(r"\s*")
+_NAME_RUN = re.compile(r'[^"\\]*')
 
 
 @dataclass
@@ -30,10 +31,120 @@ class ToolCallDelta:
     id: str | None = None  # first delta of a call only
     name: str | None = None  # first delta of a call only
     arguments: str = ""  # a piece of the arguments' JSON text
+    # Set on a call's last delta when the output ended inside the call (max_tokens, a stop string):
+    # its text as written, "<tool_call>" included. A whole response gives that text as content
+    # rather than a truncated call; a stream has already sent the call's pieces as they came.
+    cut_off: str | None = None
 
 
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
+
+
+_NAME, _ARGUMENTS = object(), object()
+# The opening Qwen3 writes, as its template shows it, with whitespace allowed before each literal:
+# once `"arguments":` is read, the name is known and the rest is the arguments' text.
+_HEAD = ("{", '"name"', ":", '"', _NAME, ",", '"arguments"', ":", _ARGUMENTS)
+
+
+class CallHead:
+    """Reads a block's `{"name": "...", "arguments": ` across pieces, each character once."""
+
+    def __init__(self):
+        self.step = 0  # index in _HEAD
+        self.matched = 0  # characters of the current literal read
+        self.name_pieces: list[str] = []  # the name's JSON string text, escapes as written
+        self.escaped = False  # the name's last character was a backslash
+        self.name: str | None = None
+        self.failed = False  # not this shape: the block is read whole once it closes
+
+    def feed(self, text: str) -> int | None:
+        """Where in `text` the arguments start, once the head is complete; None until then or on failure."""
+        i = 0
+        while i < len(text) and not self.failed:
+            step = _HEAD[self.step]
+            if step is _NAME:
+                i = self._read_name(text, i)
+                continue
+            if self.matched == 0:
+                i = _SPACE.match(text, i).end()
+                if i == len(text):
+                    break
+            if step is _ARGUMENTS:
+                return i
+            if text[i] != step[self.matched]:
+                self.failed = True
+                break
+            self.matched += 1
+            i += 1
+            if self.matched == len(step):
+                self.step, self.matched = self.step + 1, 0
+        return None
+
+    def _read_name(self, text: str, i: int) -> int:
+        if self.escaped:  # the escaped character, whatever it is: json.loads judges the escape at the end
+            self.name_pieces.append(text[i])
+            self.escaped = False
+            return i + 1
+        end = _NAME_RUN.match(text, i).end()
+        self.name_pieces.append(text[i:end])
+        if end == len(text):
+            return end
+        if text[end] == "\\":
+            self.name_pieces.append("\\")
+            self.escaped = True
+            return end + 1
+        try:  # the closing quote; strict json.loads refuses a bad escape or a raw control character
+            self.name = json.loads('"' + "".join(self.name_pieces) + '"')
+        except ValueError:
+            self.failed = True
+        self.step += 1
+        return end + 1
+
+
+class ArgumentStream:
+    """A call's arguments text, released as it comes except what may still be the end of the call object:
+    trailing whitespace, or its closing brace with whitespace around it. Only the new piece is scanned."""
+
+    def __init__(self):
+        self.held: list[str] = []  # text not released yet, in pieces
+        self.held_chars = 0
+        self.space_at: int | None = None  # where in `held` a run of trailing whitespace starts
+        self.brace_at: int | None = None  # where in `held` a trailing `\s*}\s*` starts
+
+    def feed(self, text: str) -> str:
+        """The part of the arguments that is now known not to be the call's end."""
+        if not text:
+            return ""
+        base = self.held_chars
+        self.held.append(text)
+        self.held_chars += len(text)
+        body = text.rstrip()
+        trailing = base + len(body) if len(body) < len(text) else None
+        if not body:  # all whitespace: a run that started here or before goes on
+            self.space_at = base if self.space_at is None else self.space_at
+        elif body.endswith("}"):
+            before = body[:-1].rstrip()
+            # A second brace ends any earlier candidate; the whitespace before this one may reach back.
+            self.brace_at = base + len(before) if before else (base if self.space_at is None else self.space_at)
+            self.space_at = trailing
+        else:
+            self.brace_at, self.space_at = None, trailing
+        safe = next((at for at in (self.brace_at, self.space_at) if at is not None), self.held_chars)
+        if safe == 0:
+            return ""
+        # Every released character is joined here once; what stays held lies within the last few pieces.
+        held = "".join(self.held)
+        rest = held[safe:]
+        self.held, self.held_chars = ([rest] if rest else []), len(rest)
+        self.brace_at = None if self.brace_at is None else self.brace_at - safe
+        self.space_at = None if self.space_at is None else self.space_at - safe
+        return held[:safe]
+
+    def close(self) -> str:
+        """The rest of the arguments once the block has closed: without the call object's brace."""
+        rest = "".join(self.held).rstrip()
+        return rest[:-1].rstrip() if rest.endswith("}") else rest
 
 
 class ToolCallParser:
@@ -41,91 +152,134 @@ class ToolCallParser:
 
     def __init__(self, parallel: bool = True):
         self.parallel = parallel
-        self.calls = 0  # calls started so far
+        self.calls = 0  # calls started so far: the next call's index
+        self.finished_calls = 0  # calls whose block closed
         self.in_call = False
-        self.block = ""  # the current block's text after <tool_call>
-        self.head_end = 0  # where the arguments start in `block`, once the head is read (0: not yet)
-        self.sent = 0  # how much of `block` went out as arguments
-        self.pending = ""  # outside a block: a possible tag start, or whitespace that may precede a call
+        self.held_tag = ""  # a possible start of <tool_call> (outside a block) or </tool_call> (inside one)
+        self.held_space: list[str] = []  # outside a block: whitespace that may be the layout before a call
+        # The current block.
+        self.dropping = False  # a call beyond the one allowed: read to its end and left out
+        self.block: list[str] = []  # its text after <tool_call>, in pieces
+        self.head: CallHead | None = None  # until its name is read
+        self.arguments: ArgumentStream | None = None  # once its name is read and its call has started
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         """(content, call deltas) of `text`; at `final` everything held is released."""
-        content, deltas = "", []
-        buffer, self.pending = self.pending + text, ""
-        while True:
-            if self.in_call:
-                # The closing tag may arrive split across pieces: look for it in the whole block.
-                searched_from = max(0, len(self.block) - len(CALL_END) + 1)
-                self.block += buffer
-                end = self.block.find(CALL_END, searched_from)
-                if end < 0:
-                    deltas += self._stream_arguments()
-                    break
-                self.block, buffer = self.block[:end], self.block[end + len(CALL_END):]
-                deltas += self._stream_arguments()  # a block that came whole reads as a streamed one would
-                text_out, closed = self._close_call()
-                content += text_out
-                deltas += closed
-                continue
-            start = buffer.find(CALL_START)
-            if start >= 0:
-                content += buffer[:start].rstrip()  # the line break before a call is layout, not content
-                buffer = buffer[start + len(CALL_START):]
-                self.in_call, self.block, self.head_end, self.sent = True, "", 0, 0
-                continue
-            # Held: a possible start of <tool_call>, and trailing whitespace, which may come before one.
-            held = held_tag_prefix(buffer, CALL_START)
-            shown = buffer[:len(buffer) - held].rstrip()
-            content += shown
-            self.pending = buffer[len(shown):]
-            break
+        content: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        rest: str | None = text
+        while rest is not None:
+            rest = self._feed_call(rest, final, content, deltas) if self.in_call else self._feed_outside(rest, content)
         if final:
-            if self.in_call:  # cut off inside a call: close it with what was written
-                deltas += self._stream_arguments()
-                text_out, closed = self._close_call()
-                content += text_out
-                deltas += closed
-            if self.pending.strip() or not self.calls:  # whitespace after the last call is layout too
-                content += self.pending
-            self.pending = ""
-        return content, deltas
+            # Whitespace after the last call is layout; a held "<tool" is text.
+            if self.held_tag or not self.calls:
+                content += self.held_space + [self.held_tag]
+            self.held_space, self.held_tag = [], ""
+        return "".join(content), deltas
 
-    def _dropping(self) -> bool:
-        return not self.parallel and self.calls >= 1 and not self.head_end
+    def _feed_outside(self, text: str, content: list[str]) -> str | None:
+        """Content up to the next <tool_call>; the text after it, or None when none is in sight."""
+        text, self.held_tag = self.held_tag + text, ""
+        start = text.find(CALL_START)
+        if start >= 0:
+            shown = text[:start].rstrip()  # the line break before a call is layout, not content
+            if shown:
+                content += self.held_space + [shown]
+            self.held_space = []
+            self._open_call()
+            return text[start + len(CALL_START):]
+        held = held_tag_prefix(text, CALL_START)
+        rest = text[:len(text) - held]
+        shown = rest.rstrip()
+        if shown:
+            content += self.held_space + [shown]
+            self.held_space = []
+        if len(shown) < len(rest):
+            self.held_space.append(rest[len(shown):])
+        self.held_tag = text[len(text) - held:]
+        return None
 
-    def _stream_arguments(self) -> list[ToolCallDelta]:
-        deltas = []
-        if not self.head_end and not self._dropping():
-            head = CALL_HEAD.match(self.block)
-            if head is not None:
-                self.head_end = self.sent = head.end()
-                name = json.loads(f'"{head.group(1)}"')
-                deltas.append(ToolCallDelta(self.calls, new_call_id(), name))
-                self.calls += 1
-        if self.head_end:
-            safe = CALL_TAIL.search(self.block, self.sent).start()
-            if safe > self.sent:
-                deltas.append(ToolCallDelta(self.calls - 1, arguments=self.block[self.sent:safe]))
-                self.sent = safe
-        return deltas
+    def _open_call(self) -> None:
+        self.in_call, self.block, self.arguments = True, [], None
+        self.dropping = not self.parallel and self.calls >= 1
+        self.head = None if self.dropping else CallHead()
 
-    def _close_call(self) -> tuple[str, list[ToolCallDelta]]:
-        """The block is complete: (content, deltas) that finish it."""
-        block, streamed = self.block, bool(self.head_end)
-        self.in_call, self.block, self.head_end = False, "", 0
-        if streamed:
-            arguments = block[self.sent:].rstrip()
-            arguments = arguments[:-1].rstrip() if arguments.endswith("}") else arguments
-            return "", [ToolCallDelta(self.calls - 1, arguments=arguments)] if arguments else []
-        if not self.parallel and self.calls >= 1:
-            return "", []
-        try:
-            call = json.loads(block)
-            name, arguments = call["name"], call.get("arguments", {})
-            if not isinstance(name, str):
-                raise TypeError(name)
-        except (ValueError, KeyError, TypeError):
-            return CALL_START + block + CALL_END, []  # not a call after all: the model's text, as written
+    def _feed_call(self, text: str, final: bool, content: list[str], deltas: list[ToolCallDelta]) -> str | None:
+        """The block's text up to </tool_call>; the text after it, or None while the block goes on."""
+        text, self.held_tag = self.held_tag + text, ""
+        end = text.find(CALL_END)
+        if end >= 0:
+            self._add_to_block(text[:end], deltas)
+            self._close_call(content, deltas)
+            return text[end + len(CALL_END):]
+        # The closing tag may arrive split across pieces: a possible start of it is not block text yet.
+        held = 0 if final else held_tag_prefix(text, CALL_END)
+        self._add_to_block(text[:len(text) - held], deltas)
+        self.held_tag = text[len(text) - held:]
+        if final:
+            self._cut_off(content, deltas)
+        return None
+
+    def _add_to_block(self, text: str, deltas: list[ToolCallDelta]) -> None:
+        if self.dropping or not text:
+            return
+        self.block.append(text)
+        if self.head is not None:
+            start = self.head.feed(text)
+            if start is None:
+                return
+            deltas.append(ToolCallDelta(self.calls, new_call_id(), self.head.name))
+            self.calls += 1
+            self.head, self.arguments, text = None, ArgumentStream(), text[start:]
+        if self.arguments is not None:
+            piece = self.arguments.feed(text)
+            if piece:
+                deltas.append(ToolCallDelta(self.calls - 1, arguments=piece))
+
+    def _close_call(self, content: list[str], deltas: list[ToolCallDelta]) -> None:
+        self.in_call = False
+        if self.dropping:
+            return
+        if self.arguments is not None:
+            piece = self.arguments.close()
+            if piece:
+                deltas.append(ToolCallDelta(self.calls - 1, arguments=piece))
+            self.finished_calls += 1
+            return
+        block = "".join(self.block)
+        call = read_call(block)
+        if call is None:
+            content.append(CALL_START + block + CALL_END)  # not a call after all: the model's text, as written
+            return
+        name, arguments = call
+        deltas.append(ToolCallDelta(self.calls, new_call_id(), name, arguments))
         self.calls += 1
+        self.finished_calls += 1
+
+    def _cut_off(self, content: list[str], deltas: list[ToolCallDelta]) -> None:
+        """The output ended inside a block: never a call. As vLLM's hermes parser, whose whole response
+        gives text it cannot read as a call as content, the block's text is content; a call whose pieces
+        already went out (a stream) gets a last delta that says so."""
+        self.in_call = False
+        if self.dropping:
+            return
+        text = CALL_START + "".join(self.block)
+        if self.arguments is not None:
+            deltas.append(ToolCallDelta(self.calls - 1, cut_off=text))
+        else:
+            content.append(text)
+
+
+def read_call(block: str) -> tuple[str, str] | None:
+    """(name, arguments' JSON text) of a whole block, or None when it is not a call."""
+    try:
+        call = json.loads(block)
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments", {})
+        # A nesting deeper than the interpreter's stack raises RecursionError (json.loads stops there, in
+        # time linear in what it read): text, not a call.
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        return "", [ToolCallDelta(self.calls - 1, new_call_id(), name, text)]
+    except (ValueError, RecursionError):
+        return None
+    return call["name"], text

@@ -84,12 +84,14 @@ BOUNDED = {"type": "function", "function": {"name": "pick_city", "parameters": {
     "required": ["city", "days"], "additionalProperties": False}}}
 
 
+@pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_a_forced_tool_choice_always_returns_a_call_whose_arguments_validate(client, seed):
-    """Random weights never write a tool call unaided: with "required" the worker's grammar makes them."""
+def test_a_forced_tool_choice_always_returns_a_call_whose_arguments_validate(client, seed, parallel):
+    """Random weights never write a tool call unaided: with a named function the worker's grammar makes exactly
+    one, and ends the output there, whether or not parallel calls are allowed."""
     choice = client.chat.completions.create(model="any", messages=CONVERSATION[:1], tools=[WEATHER, BOUNDED],
                                             tool_choice={"type": "function", "function": {"name": "pick_city"}},
-                                            parallel_tool_calls=False, temperature=1.0, seed=seed,
+                                            parallel_tool_calls=parallel, temperature=1.0, seed=seed,
                                             max_tokens=64).choices[0]
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls

@@ -280,7 +280,9 @@ def test_a_forced_tool_choice_constrains_the_worker_to_calls_of_the_allowed_tool
                                              parallel_tool_calls=parallel).choices[0].message
     work = downstreams.works[-1]
     grammar = work.structured_output.grammar
-    assert grammar.startswith("start: call (\"\\n\" call)*\n" if parallel else "start: call\n")
+    # Only "required" with parallel calls lets the grammar go on after a call; a named function is called once.
+    many = parallel and choice == "required"
+    assert grammar.startswith("start: call (\"\\n\" call)*\n" if many else "start: call\n")
     assert sorted(n for n in ("get_weather", "now") if f'"const": "{n}"' in grammar) == names
     assert json.dumps(WEATHER["function"]["parameters"]) in grammar or names == ["now"]
     assert demo_tokenizer.decode(list(work.prompt_token_ids)).endswith("<think>\n\n</think>\n\n")
@@ -321,3 +323,81 @@ def test_a_chats_structured_output_starts_after_the_reasoning(serve, demo_tokeni
     # A completion prompt has no reasoning parser: its constraint holds from the first token.
     client.completions.create(model="qwen3", prompt="{", extra_body={"structured_outputs": {"regex": "[0-9]+"}})
     assert not downstreams.works[-1].structured_output.HasField("start_after_token_id")
+
+
+def grammar_bound(downstreams, demo_tokenizer_dir, script: str):
+    """The worker as its structured-output engine runs it: the model would write `script`; with a grammar,
+    it writes the tokens the grammar takes, and the sequence ends (an "eos") where the grammar is complete."""
+    import llguidance
+    from tokenizers import Tokenizer
+
+    path = demo_tokenizer_dir / "tokenizer.json"
+    encoder = Tokenizer.from_file(str(path))
+    eos = [encoder.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=encoder.get_vocab_size(), eos_token=eos)
+    wanted = downstreams.ids
+
+    def open_worker_stream(work, timeout):
+        downstreams.ids = wanted
+        if work.HasField("structured_output"):
+            matcher = llguidance.LLMatcher(tokenizer, work.structured_output.grammar, log_level=0)
+            taken = matcher.validate_tokens(wanted)
+            assert matcher.consume_tokens(wanted[:taken]) and matcher.is_stopped(), script
+            downstreams.ids = wanted[:taken]
+        return FakeDownstreams.open_worker_stream(downstreams, work, timeout)
+    downstreams.open_worker_stream = open_worker_stream
+
+
+COMPACT_CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("choice, parallel, calls", [
+    ({"type": "function", "function": {"name": "get_weather"}}, True, 1),
+    ({"type": "function", "function": {"name": "get_weather"}}, False, 1),
+    ("required", False, 1),
+    ("required", True, 5),  # "required" with parallel calls: as many as the model writes
+])
+def test_a_forced_tool_choice_returns_its_calls_and_ends(serve, demo_tokenizer_dir, choice, parallel, calls):
+    """A model that would call the tool again and again: the grammar ends the output after the forced calls."""
+    script = "\n".join([COMPACT_CALL] * 5)
+    client, downstreams = serve(script)
+    grammar_bound(downstreams, demo_tokenizer_dir, script)
+    kwargs = dict(messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice, parallel_tool_calls=parallel)
+    whole = client.chat.completions.create(model="qwen3", **kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})] * calls
+    content, _, stream_calls, finish, _ = streamed(client, **kwargs)
+    assert (content, finish, len(stream_calls)) == ("", "tool_calls", calls)
+
+
+def test_a_call_cut_off_by_max_tokens_is_content_in_a_whole_response(serve):
+    """As vLLM: a whole response gives a call that never ended as content; a stream has sent its pieces as they
+    came. Either way finish_reason is "length"."""
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    client, _ = serve(CALLS.split("\n<tool_call>")[0] + "\n" + cut, finish=worker_pb2.FINISH_REASON_LENGTH)
+    whole = client.chat.completions.create(model="qwen3", messages=ASK, tools=[WEATHER]).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content == cut
+    assert [json.loads(c.function.arguments) for c in whole.message.tool_calls] == [{"city": "Paris", "days": 2}]
+    content, _, calls, finish, _ = streamed(client, messages=ASK, tools=[WEATHER])
+    assert (content, finish) == ("", "length") and [c["name"] for c in calls] == ["get_weather"] * 2
+
+
+@pytest.mark.parametrize("bad", [
+    '<tool_call>\n{"name": "get\\q", "arguments": {}}\n</tool_call>',
+    '<tool_call>\n{"name": "get\x01", "arguments": {}}\n</tool_call>',
+    "<tool_call>" + "[" * 5000 + "</tool_call>",
+])
+def test_tool_call_text_the_parser_cannot_read_is_content(serve, bad):
+    client, _ = serve(bad + "\n" + CALLS)
+    whole = client.chat.completions.create(model="qwen3", messages=ASK, tools=[WEATHER]).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == bad
+    assert [json.loads(c.function.arguments) for c in whole.message.tool_calls] == [
+        {"city": "Paris", "days": 2}, {"city": "Zürich"}]
+    content, _, calls, finish, _ = streamed(client, messages=ASK, tools=[WEATHER])
+    assert (content, finish, [c["name"] for c in calls]) == (bad, "tool_calls", ["get_weather"] * 2)
+    # The calls are numbered from 0, the bad block not counted.
+    indexes = [piece.index for chunk in client.chat.completions.create(model="qwen3", messages=ASK, tools=[WEATHER],
+                                                                         stream=True)
+               for piece in chunk.choices[0].delta.tool_calls or []]
+    assert sorted(set(indexes)) == [0, 1] and indexes == sorted(indexes)

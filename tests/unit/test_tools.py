@@ -4,7 +4,7 @@ import json
 import jsonschema
 import pytest
 
-from gateway.core.tools import check_tools, forced_call_constraint, offered_tools, tool_names
+from gateway.core.tools import check_tools, forced_call_constraint, offered_tools, tool_call_grammar, tool_names
 from rpcserver.errors import InvalidArgument
 
 WEATHER = json.dumps({"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -60,3 +60,49 @@ def test_bad_tools_are_named(tools, choice, words):
 
 def test_tool_names():
     assert tool_names([WEATHER, CLOCK]) == ["get_weather", "now"]
+
+
+@pytest.fixture(scope="module")
+def grammar_tokens(demo_tokenizer_dir):
+    """(llguidance tokenizer with Qwen3's end-of-sequence ids, `tokenizers`' encoder, those ids) on the demo vocab."""
+    import llguidance
+    from tokenizers import Tokenizer
+
+    path = demo_tokenizer_dir / "tokenizer.json"
+    encoder = Tokenizer.from_file(str(path))
+    eos = sorted(encoder.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    return llguidance.LLTokenizer(path.read_text(), n_vocab=encoder.get_vocab_size(), eos_token=eos), encoder, eos
+
+
+def allowed_ids(matcher) -> set[int]:
+    import numpy
+
+    bits = numpy.unpackbits(numpy.frombuffer(matcher.compute_bitmask(), dtype=numpy.uint8), bitorder="little")
+    return set(numpy.flatnonzero(bits).tolist())
+
+
+# As the grammar's compact JSON writes them.
+WEATHER_CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+CLOCK_CALL = '<tool_call>\n{"name":"now","arguments":{}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("choice, parallel, first, more_allowed", [
+    ("get_weather", True, WEATHER_CALL, False),  # a named function: one call, parallel or not
+    ("get_weather", False, WEATHER_CALL, False),
+    ("required", False, CLOCK_CALL, False),
+    ("required", True, CLOCK_CALL, True),  # "required" with parallel calls: one or more
+])
+def test_the_forced_call_grammar_ends_after_its_calls(grammar_tokens, choice, parallel, first, more_allowed):
+    import llguidance
+
+    tokenizer, encoder, eos = grammar_tokens
+    grammar = tool_call_grammar(forced_call_constraint([WEATHER, CLOCK], choice), parallel)
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    assert matcher.consume_tokens(encoder.encode(first).ids), matcher.get_error()
+    second = encoder.encode("\n" + WEATHER_CALL).ids
+    if more_allowed:
+        assert matcher.validate_tokens(second) == len(second) and set(eos) <= allowed_ids(matcher)
+    else:
+        # Complete: the worker ends the sequence here, and the only token the grammar still admits is an end.
+        assert matcher.is_stopped() and allowed_ids(matcher) == set(eos)
+        assert matcher.validate_tokens(second) == 0 and matcher.validate_tokens(encoder.encode(" ").ids) == 0
