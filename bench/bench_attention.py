@@ -39,7 +39,7 @@ from bench.bench_engine import DEFAULT_CHECKPOINT, cpu_name, ensure_checkpoint  
 from services.model_worker.config.sampling import SamplingParams  # noqa: E402
 from services.model_worker.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from services.model_worker.engine.scheduler import SchedulerLimits  # noqa: E402
-from services.model_worker.model.layers.attention.dispatch import default_backend  # noqa: E402
+from services.model_worker.model.layers.attention.device_backend import default_backend  # noqa: E402
 from services.model_worker.model.layers.attention.sdpa import TorchAttention  # noqa: E402
 
 TARGETS = {"step_16_vs_1": 1.5}

@@ -9,6 +9,9 @@ drawn from edge cases (empty, zero, negative, NaN, infinities, the largest integ
 multi-script text, special-token text, ids past the vocabulary) and ordinary ones. Any status is
 fine except UNKNOWN and INTERNAL, which mean a bug; afterwards every service must still answer
 SERVING. The last line printed is one JSON object with every count.
+
+Requests are built without a service: `make_request(name, seed)` gives the one the fuzz would send
+to a method of CALLS (`fill(message, rng)` for any message), and `fuzz(...)` runs against addresses.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
@@ -48,9 +53,18 @@ def random_value(field: FieldDescriptor, rng: random.Random):
         return rng.random() < 0.5
     if kind in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE):
         return rng.choice(FLOATS) if rng.random() < 0.6 else rng.uniform(-3, 3)
-    unsigned = kind in (FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64)
-    top = {FieldDescriptor.TYPE_UINT32: 2**32 - 1, FieldDescriptor.TYPE_UINT64: 2**64 - 1,
-           FieldDescriptor.TYPE_INT32: 2**31 - 1, FieldDescriptor.TYPE_INT64: 2**63 - 1}.get(kind, 2**31 - 1)
+    if kind == FieldDescriptor.TYPE_BYTES:
+        return rng.randbytes(rng.choice([0, 1, 32, 300]))
+    if kind == FieldDescriptor.TYPE_ENUM:
+        numbers = [value.number for value in field.enum_type.values]
+        # An open (proto3) enum keeps numbers it does not name, and a service must cope with them.
+        return rng.choice(numbers) if field.enum_type.is_closed or rng.random() < 0.8 else rng.randrange(-5, 600)
+    unsigned = kind in (FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_FIXED32,
+                        FieldDescriptor.TYPE_FIXED64)
+    top = {FieldDescriptor.TYPE_UINT32: 2**32 - 1, FieldDescriptor.TYPE_FIXED32: 2**32 - 1,
+           FieldDescriptor.TYPE_UINT64: 2**64 - 1, FieldDescriptor.TYPE_FIXED64: 2**64 - 1,
+           FieldDescriptor.TYPE_INT64: 2**63 - 1, FieldDescriptor.TYPE_SINT64: 2**63 - 1,
+           FieldDescriptor.TYPE_SFIXED64: 2**63 - 1}.get(kind, 2**31 - 1)
     value = rng.choice(INTS + [top]) if rng.random() < 0.7 else rng.randrange(0, 600)
     return value if unsigned or rng.random() < 0.8 else -min(value, top)
 
@@ -62,7 +76,9 @@ def fill(message, rng: random.Random, depth: int = 0):
             continue
         repeated = field.is_repeated
         count = rng.choice([0, 1, 2, 3, 8, 40]) if repeated else 1
-        if field.type == FieldDescriptor.TYPE_MESSAGE:
+        if is_map(field):
+            fill_map(getattr(message, field.name), field.message_type, count, rng, depth)
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
             if depth < 2:
                 for _ in range(count):
                     fill(getattr(message, field.name).add() if repeated else getattr(message, field.name), rng,
@@ -74,50 +90,95 @@ def fill(message, rng: random.Random, depth: int = 0):
     return message
 
 
+def is_map(field: FieldDescriptor) -> bool:
+    # A map is a repeated message on the wire, but its Python container has no add(): it is filled by key.
+    return field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
+
+
+def fill_map(container, entry, count: int, rng: random.Random, depth: int) -> None:
+    """Put `count` random entries (keys may repeat, so possibly fewer) into a map field's container."""
+    key_field, value_field = entry.fields_by_name["key"], entry.fields_by_name["value"]
+    for _ in range(count):
+        key = random_value(key_field, rng)
+        if value_field.type != FieldDescriptor.TYPE_MESSAGE:
+            container[key] = random_value(value_field, rng)
+        elif depth < 2:
+            fill(container[key], rng, depth + 1)
+
+
 def keep_short(message, rng: random.Random) -> None:
     """Most generations short, so the fuzz sends many requests rather than waits on a few long ones."""
     if rng.random() < 0.9:
         message.max_tokens = rng.randrange(1, 9)
 
 
+def generate_request(cls) -> Callable[[random.Random], object]:
+    """A Generate request of the gateway's or the worker's kind: random fields, most with a short max_tokens."""
+    def make(rng):
+        message = fill(cls(), rng)
+        keep_short(message, rng)
+        return message
+    return make
+
+
+def messages(make_one) -> Callable[[random.Random], list]:
+    """A streaming call's requests: one to four random messages."""
+    return lambda rng: [make_one(rng) for _ in range(rng.randrange(1, 5))]
+
+
+def many_request(rng: random.Random):
+    if rng.random() < 0.2:  # a cancel, of an id this call may or may not have started
+        return worker_pb2.GenerateManyRequest(cancel=rng.choice(["", "a", "b", "\u00e9"]))
+    return worker_pb2.GenerateManyRequest(start=generate_request(worker_pb2.GenerateRequest)(rng))
+
+
+@dataclass(frozen=True)
+class FuzzCall:
+    """One method the fuzz drives."""
+
+    name: str  # "service.Method": the service's key in the addresses, then the stub's method
+    make: Callable[[random.Random], object]  # its request, or for a streaming call a list of them
+    streaming: bool | str  # False: unary; True: server streaming; "lockstep", "bidi": see one_call
+
+
+CALLS = (
+    FuzzCall("gateway.Generate", generate_request(gateway_pb2.GenerateRequest), True),
+    FuzzCall("gateway.GetInfo", lambda rng: gateway_pb2.GetInfoRequest(), False),
+    FuzzCall("tokenizer.Encode", lambda rng: fill(tokenizer_pb2.EncodeRequest(), rng), False),
+    FuzzCall("tokenizer.Decode", lambda rng: fill(tokenizer_pb2.DecodeRequest(), rng), False),
+    FuzzCall("tokenizer.DecodeIncremental", lambda rng: fill(tokenizer_pb2.DecodeIncrementalRequest(), rng), False),
+    FuzzCall("tokenizer.GetInfo", lambda rng: tokenizer_pb2.GetInfoRequest(), False),
+    FuzzCall("worker.Generate", generate_request(worker_pb2.GenerateRequest), True),
+    FuzzCall("worker.GetInfo", lambda rng: worker_pb2.GetInfoRequest(), False),
+    FuzzCall("tokenizer.DecodeStream", messages(lambda rng: fill(tokenizer_pb2.DecodeStreamRequest(), rng)),
+             "lockstep"),
+    FuzzCall("tokenizer.DecodeBatches", messages(lambda rng: fill(tokenizer_pb2.DecodeBatchRequest(), rng)),
+             "lockstep"),
+    FuzzCall("worker.GenerateMany", messages(many_request), "bidi"),
+)
+
+# Methods of the three services the fuzz leaves alone, and why.
+LEFT_OUT = {"worker.WatchLoad": "its request has no fields, and its stream runs until the caller leaves"}
+
+
+def make_request(name: str, seed: int):
+    """The request (a list of them for a streaming call) that CALLS' `name` makes from `seed`; no service needed."""
+    call = next((c for c in CALLS if c.name == name), None)
+    if call is None:
+        raise KeyError(f"no fuzzed method {name!r}; there are {[c.name for c in CALLS]}")
+    return call.make(random.Random(seed))
+
+
 def make_calls(channels: dict[str, grpc.aio.Channel]) -> list:
-    """(name, stub method, request factory, streaming) for every method of every service."""
-    gateway = gateway_pb2_grpc.GatewayServiceStub(channels["gateway"])
-    tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(channels["tokenizer"])
-    worker = worker_pb2_grpc.ModelWorkerServiceStub(channels["worker"])
-
-    def generate_request(cls):
-        def make(rng):
-            message = fill(cls(), rng)
-            keep_short(message, rng)
-            return message
-        return make
-
-    def messages(make_one):
-        """A bidirectional call's messages: one to four random ones."""
-        return lambda rng: [make_one(rng) for _ in range(rng.randrange(1, 5))]
-
-    def many_request(rng):
-        if rng.random() < 0.2:  # a cancel, of an id this call may or may not have started
-            return worker_pb2.GenerateManyRequest(cancel=rng.choice(["", "a", "b", "\u00e9"]))
-        return worker_pb2.GenerateManyRequest(start=generate_request(worker_pb2.GenerateRequest)(rng))
-
-    return [
-        ("gateway.Generate", gateway.Generate, generate_request(gateway_pb2.GenerateRequest), True),
-        ("gateway.GetInfo", gateway.GetInfo, lambda rng: gateway_pb2.GetInfoRequest(), False),
-        ("tokenizer.Encode", tokenizer.Encode, lambda rng: fill(tokenizer_pb2.EncodeRequest(), rng), False),
-        ("tokenizer.Decode", tokenizer.Decode, lambda rng: fill(tokenizer_pb2.DecodeRequest(), rng), False),
-        ("tokenizer.DecodeIncremental", tokenizer.DecodeIncremental,
-         lambda rng: fill(tokenizer_pb2.DecodeIncrementalRequest(), rng), False),
-        ("tokenizer.GetInfo", tokenizer.GetInfo, lambda rng: tokenizer_pb2.GetInfoRequest(), False),
-        ("worker.Generate", worker.Generate, generate_request(worker_pb2.GenerateRequest), True),
-        ("worker.GetInfo", worker.GetInfo, lambda rng: worker_pb2.GetInfoRequest(), False),
-        ("tokenizer.DecodeStream", tokenizer.DecodeStream,
-         messages(lambda rng: fill(tokenizer_pb2.DecodeStreamRequest(), rng)), "lockstep"),
-        ("tokenizer.DecodeBatches", tokenizer.DecodeBatches,
-         messages(lambda rng: fill(tokenizer_pb2.DecodeBatchRequest(), rng)), "lockstep"),
-        ("worker.GenerateMany", worker.GenerateMany, messages(many_request), "bidi"),
-    ]
+    """(name, stub method, request factory, streaming) for each of CALLS, over these channels."""
+    stubs = {"gateway": gateway_pb2_grpc.GatewayServiceStub(channels["gateway"]),
+             "tokenizer": tokenizer_pb2_grpc.TokenizerServiceStub(channels["tokenizer"]),
+             "worker": worker_pb2_grpc.ModelWorkerServiceStub(channels["worker"])}
+    calls = []
+    for call in CALLS:
+        service, method = call.name.split(".")
+        calls.append((call.name, getattr(stubs[service], method), call.make, call.streaming))
+    return calls
 
 
 async def one_call(method, request, streaming: bool | str, timeout: float) -> str:
@@ -221,7 +282,8 @@ def main(argv=None) -> None:
             result = asyncio.run(fuzz(addresses, args.requests, args.seconds, args.concurrency, args.timeout,
                                       args.seed))
             if stack is not None:
-                result["exited"] = {s.name: s.process.returncode for s in stack.services if s.process.poll() is not None}
+                result["exited"] = {s.name: s.process.returncode for s in stack.services
+                                    if s.process.poll() is not None}
         finally:
             if stack is not None:
                 stack.stop()

@@ -1,6 +1,8 @@
-"""The model worker's and the gateway's folders import one way, from the front down; no module of the project imports itself back."""
+"""The model worker's and the gateway's folders import one way, from the front down; no module of the project
+imports itself back or takes a standard-library module's name."""
 import ast
 import pathlib
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKER = ROOT / "services" / "model_worker"
@@ -106,7 +108,10 @@ def project_modules() -> dict[str, pathlib.Path]:
 
 
 def test_no_import_circle():
-    graph = {module: imports(path, at_run_time=True, packages=PROJECT) for module, path in project_modules().items()}
+    # Imports under `if TYPE_CHECKING:` count too: a circle kept only for annotations still ties the two
+    # modules into one idea, and the first annotation evaluated at run time (a dataclass field, a
+    # typing.get_type_hints call) turns it into an ImportError.
+    graph = {module: imports(path, at_run_time=False, packages=PROJECT) for module, path in project_modules().items()}
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     circles = []
 
@@ -123,6 +128,25 @@ def test_no_import_circle():
         if module not in state:
             visit(module, [module])
     assert not circles, "\n".join(circles)
+
+
+def stdlib_namesakes(modules) -> list[str]:
+    """The modules among `modules` whose own name is a standard-library module's."""
+    return sorted(m for m in modules
+                  if m.rpartition(".")[2] in sys.stdlib_module_names and not m.rpartition(".")[2].startswith("__"))
+
+
+def test_no_module_is_named_after_a_standard_library_module():
+    # A module named like the standard library's shadows it wherever its folder comes first on sys.path (a
+    # file of that folder run as a script): the standard library's own `import select`, in subprocess and
+    # selectors, then loads the project's module. Readers and tools confuse the two names too.
+    namesakes = stdlib_namesakes(project_modules())
+    assert not namesakes, namesakes
+
+
+def test_the_namesake_check_sees_one():
+    assert stdlib_namesakes(["services.model_worker.model.layers.quant.select", "gateway.fleet.router",
+                             "services.model_worker.__main__"]) == ["services.model_worker.model.layers.quant.select"]
 
 
 def test_the_checks_see_a_circle_and_an_upward_import(tmp_path):

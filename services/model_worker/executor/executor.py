@@ -18,7 +18,7 @@ from services.model_worker.executor.step_channel import StepChannel
 from services.model_worker.kernels import cpu_argmax, cpu_decoder, cpu_norm
 from services.model_worker.model.fused_decode import use_activation_kernel, use_fused_decode
 from services.model_worker.model.layers.linear import linear_layers
-from services.model_worker.model.layers.quant.select import linear_methods
+from services.model_worker.model.layers.quant.choose_method import linear_methods
 from services.model_worker.model.layers.norm import use_norm_kernel
 from services.model_worker.model.loader import load_model, resolve_device, resolve_dtype
 

@@ -22,7 +22,7 @@ from services.model_worker.executor.model_runner import ModelRunner
 from services.model_worker.executor.prompt_logprobs import score_rows
 from services.model_worker.executor.sampler import Sampler
 from services.model_worker.executor.step_inputs import StepInputs
-from services.model_worker.model.layers.attention.dispatch import default_backend
+from services.model_worker.model.layers.attention.device_backend import default_backend
 
 GIB = 1 << 30
 

@@ -9,7 +9,7 @@ from services.model_worker.executor.cuda_graphs import DecodeGraphs
 from services.model_worker.executor.kv_cache import KVCache
 from services.model_worker.executor.step_inputs import StepInputs
 from services.model_worker.model.layers.attention.backend import AttentionBackend
-from services.model_worker.model.layers.attention.dispatch import default_backend
+from services.model_worker.model.layers.attention.device_backend import default_backend
 from services.model_worker.model.layers.attention.metadata import AttentionMetadata
 from services.model_worker.model.qwen3 import Qwen3ForCausalLM
 

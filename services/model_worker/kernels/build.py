@@ -7,6 +7,8 @@ A cached library that no longer loads (a truncated write, a disk error) is rebui
 PyTorch path is taken. It links torch's own OpenMP runtime, so a kernel's threads are
 the same pool, and the same thread count, as torch's: two runtimes in one process would each
 keep a team of spinning threads on the same cores.
+A cache directory or library that another user could have written is refused, not loaded: its code
+would run inside the worker.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import os
 import pathlib
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 
@@ -31,6 +34,40 @@ def cache_dir() -> pathlib.Path:
     root = os.environ.get("VLLM_V0_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
                                                           os.path.expanduser("~/.cache"), "vllm_v0")
     return pathlib.Path(root) / "kernels"
+
+
+class UnsafeCacheError(RuntimeError):
+    """The kernel cache, or a library in it, could have been written by another user."""
+
+
+def check_private(path: pathlib.Path) -> None:
+    """Raise UnsafeCacheError unless only this user (or root) can have put what is at `path` there.
+
+    A cached library is loaded into the worker and runs as it, so a file or directory that another
+    user can write is a way for them to run code as this user. Root-owned is trusted, as by ssh:
+    root can change anything anyway, and a shared cache built ahead by root is safe to read.
+    """
+    info = os.lstat(path)
+    kind = "directory" if os.path.isdir(path) else "file"
+    uid = os.getuid()
+    if stat.S_ISLNK(info.st_mode):
+        # Whoever can write the folder holding a link can point it elsewhere at any time after a check.
+        why = f"is a symbolic link (to {os.readlink(path)})"
+        fix = ("replace the link with a directory of your own (`mkdir -m 700`), or set VLLM_V0_CACHE elsewhere"
+               if kind == "directory" else "remove the link (the worker builds its kernel again)")
+    elif info.st_uid not in (uid, 0):
+        why = f"is owned by uid {info.st_uid}, not by this user (uid {uid}) or root"
+        fix = "remove it (the worker builds its kernels again), or set VLLM_V0_CACHE to a directory of your own"
+    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = " and ".join(name for bit, name in ((stat.S_IWGRP, "its group"), (stat.S_IWOTH, "every user"))
+                           if info.st_mode & bit)
+        why = f"is writable by {who} (mode {stat.filemode(info.st_mode)})"
+        chmod = "chmod -R go-w" if kind == "directory" else "chmod go-w"
+        fix = f"run `{chmod} {path}` if you trust what is in it, else remove it (the worker builds its kernels again)"
+    else:
+        return
+    raise UnsafeCacheError(f"refusing the kernel cache {kind} {path}: it {why}, so another user could have "
+                           f"replaced the code it loads; {fix}")
 
 
 def cpu_features() -> str:
@@ -68,9 +105,12 @@ def build(source: pathlib.Path, compiler: str | None = None) -> pathlib.Path:
         raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (set CC to use another)")
     torch_lib = pathlib.Path(torch.__file__).parent / "lib"
     target = cache_path(source, compiler)
-    if target.exists():
+    if not os.path.lexists(target.parent):
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private(target.parent)
+    if os.path.lexists(target):
+        check_private(target)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = pathlib.Path(tmp) / target.name
         gomp = [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"] if (torch_lib / "libgomp.so.1").exists() else []
@@ -78,6 +118,9 @@ def build(source: pathlib.Path, compiler: str | None = None) -> pathlib.Path:
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
+        # The linker's mode follows the umask, which may let the group write (umask 002): the check above
+        # would then refuse this very file on the next start.
+        out.chmod(0o755)
         os.replace(out, target)  # atomic: a concurrent build of the same key writes the same file
     return target
 

@@ -1,1 +1,1 @@
-"""Paged attention: the step's metadata, one module per backend, and the dispatch between them."""
+"""Paged attention: the step's layout and metadata, one module per backend, the pick for a device, the dispatch."""

@@ -1,12 +1,9 @@
 """The interface every attention backend implements, and the cache gather they share."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:  # annotations only: the metadata module imports this one
-    from services.model_worker.model.layers.attention.metadata import AttentionMetadata, PrefillLayout
+from services.model_worker.model.layers.attention.layout import PrefillLayout
 
 
 class AttentionBackend:
@@ -15,9 +12,14 @@ class AttentionBackend:
     name = "base"
     whole_step = False  # True: attend() takes decodes and prefills together, no layout needed
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+               context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, max_query_len: int,
                scale: float) -> torch.Tensor:
-        """q: (T, H, D) for the whole step, its keys already in the cache. Returns (T, H, D)."""
+        """q: (T, H, D) for the whole step, its keys already in the cache. Returns (T, H, D).
+
+        Takes the step's tensors rather than its AttentionMetadata, which holds a backend: naming it
+        here would make the two modules import each other.
+        """
         raise NotImplementedError
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
@@ -46,10 +48,3 @@ def gather_cache(cache: torch.Tensor, slots: torch.Tensor, batch: int) -> torch.
     """(Hkv, slots, D) cache rows at the given slots, as (batch, Hkv, slots / batch, D)."""
     rows = cache.index_select(1, slots)
     return rows.view(cache.shape[0], batch, -1, cache.shape[2]).transpose(0, 1)
-
-
-def cache_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """(N, length) cache slots of positions 0..length-1 of each sequence (past a table's end: its last block)."""
-    j = torch.arange(length, device=block_tables.device)
-    blocks = torch.clamp(j // block_size, max=block_tables.shape[1] - 1)
-    return block_tables.long()[:, blocks] * block_size + j % block_size

@@ -1,15 +1,11 @@
 """Plain PyTorch attention: SDPA over keys gathered from the cache, for decodes on any device and for prompt chunks."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-from services.model_worker.model.layers.attention.backend import AttentionBackend, cache_slots, gather_cache
-
-if TYPE_CHECKING:  # annotations only: the metadata module imports this one
-    from services.model_worker.model.layers.attention.metadata import PrefillLayout
+from services.model_worker.model.layers.attention.backend import AttentionBackend, gather_cache
+from services.model_worker.model.layers.attention.layout import PrefillLayout, cache_slots
 
 
 class TorchAttention(AttentionBackend):

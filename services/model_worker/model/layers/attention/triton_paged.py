@@ -11,6 +11,7 @@ class TritonPagedAttention(AttentionBackend):
     name = "triton"
     whole_step = True
 
-    def attend(self, q, k_cache, v_cache, meta, scale):
-        return triton_attention.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.context_lens,
-                                                meta.block_tables, meta.block_size, meta.max_query_len, scale)
+    def attend(self, q, k_cache, v_cache, query_start_loc, context_lens, block_tables, block_size, max_query_len,
+               scale):
+        return triton_attention.paged_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables,
+                                                block_size, max_query_len, scale)
