@@ -13,10 +13,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.fleet.bearer import bearer_interceptors
 from gateway.fleet.fleet_metrics import RETRIED, ROUTED
 from gateway.fleet.router import Router
-from gateway.fleet.worker_mux import MuxRequest, WorkerMux
+from gateway.fleet.worker_mux import JoinedCall, MuxRequest, WorkerMux
 from gateway.fleet.workers import Fleet, Worker, parse_targets
 from gateway.text.detokenize import Detokenizer
 from rpcserver.errors import Unavailable
+from rpcserver.pieces import GRPC_MESSAGE_BYTES
 from rpcserver.shared import read_file
 from vllm_v0.gateway.v1 import gateway_pb2
 from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -64,20 +65,22 @@ WORKER_STREAMS = ("multiplexed", "per-request")
 
 
 def generate_call(worker: Worker, work: worker_pb2.GenerateRequest, timeout: float | None):
-    """The request as its own Generate call."""
-    return worker.stub.Generate(work, timeout=timeout)
+    """The request as its own Generate call, its prompt logprobs' pieces joined."""
+    return JoinedCall(worker.stub.Generate(work, timeout=timeout))
 
 
 class MultiplexedCalls:
     """The request on the worker's shared GenerateMany call, opened on demand."""
 
-    def __init__(self):
+    def __init__(self, max_message_bytes: int = GRPC_MESSAGE_BYTES):
         self._muxes: dict[str, tuple[Worker, WorkerMux]] = {}  # address -> the worker it was opened for, its mux
+        self.max_message_bytes = max_message_bytes  # the most a start may take: the worker's limit, taken as ours
 
     def __call__(self, worker: Worker, work: worker_pb2.GenerateRequest, timeout: float | None) -> MuxRequest:
         known = self._muxes.get(worker.address)
         if known is None or known[0] is not worker:  # a worker that left and came back has a new channel
-            known = self._muxes[worker.address] = (worker, WorkerMux(worker.stub.GenerateMany, worker.address))
+            known = self._muxes[worker.address] = (worker, WorkerMux(worker.stub.GenerateMany, worker.address,
+                                                                          self.max_message_bytes))
         return known[1].open(work, timeout)
 
 
@@ -147,17 +150,19 @@ class Downstreams:
 
     def __init__(self, tokenizer_addr: str, worker_targets: list[str] | str, tls: DownstreamTLS,
                  health_interval: float = 1.0, router: Router | None = None, worker_stream: str = "multiplexed",
-                 api_key: str | None = None):
+                 api_key: str | None = None, max_message_bytes: int = GRPC_MESSAGE_BYTES):
         if worker_stream not in WORKER_STREAMS:
             raise ValueError(f"worker_stream must be one of {', '.join(WORKER_STREAMS)}, got {worker_stream!r}")
         self.tls = tls
         # One shared call per worker costs a message per engine step rather than one per request per step.
-        self._open_call: OpenCall = MultiplexedCalls() if worker_stream == "multiplexed" else generate_call
+        self._open_call: OpenCall = (MultiplexedCalls(max_message_bytes) if worker_stream == "multiplexed"
+                                     else generate_call)
         self.addresses = {"tokenizer": tokenizer_addr, "worker": ",".join(parse_targets(worker_targets))}
         self._tokenizer_channel = open_channel(tokenizer_addr, tls, api_key)
         self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(self._tokenizer_channel)
         self._tokenizer_health = health_pb2_grpc.HealthStub(self._tokenizer_channel)
-        self.detokenizer = Detokenizer(self.tokenizer)  # one DecodeBatches call for every request's text
+        # One DecodeBatches call for every request's text; its messages kept within the limit, taken as ours.
+        self.detokenizer = Detokenizer(self.tokenizer, max_message_bytes)
         self.fleet = Fleet(parse_targets(worker_targets), lambda address: open_channel(address, tls, api_key),
                            health_interval, router or Router())
         self.token_text: dict[int, str] = {}  # special token id -> text, for stop reasons

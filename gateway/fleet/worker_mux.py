@@ -5,10 +5,12 @@ import asyncio
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 
 import grpc
 
+from rpcserver.errors import Unavailable
+from rpcserver.pieces import GRPC_MESSAGE_BYTES, PromptLogprobsJoiner, element_bytes
 from rpcserver.status import SharedCallError, status_from_number
 from vllm_v0.worker.v1 import worker_pb2
 
@@ -16,6 +18,34 @@ log = logging.getLogger(__name__)
 
 # Opens a GenerateMany call that sends what the iterator yields: a worker stub's method, or a fake in tests.
 OpenCall = Callable[[AsyncIterator[worker_pb2.GenerateManyRequest]], grpc.aio.StreamStreamCall]
+
+
+async def joined_steps(steps: AsyncIterable[worker_pb2.GenerateResponse]) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    """A worker's token stream with the pieces of its prompt logprobs joined onto the first token's message,
+    so what follows sees one message per token, as when the prompt was short."""
+    joiner = PromptLogprobsJoiner()
+    async for step in steps:
+        try:
+            if step.prompt_logprobs_only:
+                joiner.add(step)
+                continue
+            joiner.complete(step)
+        except ValueError as e:
+            raise Unavailable(f"the model worker's prompt logprobs do not join up: {e}") from None
+        yield step
+
+
+class JoinedCall:
+    """A Generate call whose steps come out joined (see `joined_steps`): async-iterable, with cancel()."""
+
+    def __init__(self, call):
+        self.call = call
+
+    def __aiter__(self):
+        return joined_steps(self.call)
+
+    def cancel(self) -> bool:
+        return self.call.cancel()
 
 
 class MuxRequest:
@@ -31,7 +61,7 @@ class MuxRequest:
         self.timer: asyncio.TimerHandle | None = None
 
     def __aiter__(self):
-        return self._steps()
+        return joined_steps(self._steps())
 
     async def _steps(self):
         while True:
@@ -53,11 +83,14 @@ class MuxCall:
     A reader task hands each output to its request. Wire ids are unique for the call's life, so a
     cancelled request's outputs still in flight never reach a later request of the same caller id.
     When its last request ends the call is half-closed, so the worker ends it: a draining worker
-    is not held open, and no idle call lingers.
+    is not held open, and no idle call lingers. A start larger than `max_message_bytes` never goes
+    out: the worker's gRPC would end the whole call for it, so it fails alone, here.
     """
 
-    def __init__(self, open_call: OpenCall, on_closed: Callable[[MuxCall], None], label: str):
+    def __init__(self, open_call: OpenCall, on_closed: Callable[[MuxCall], None], label: str,
+                 max_message_bytes: int = GRPC_MESSAGE_BYTES):
         self.label = label  # the worker's address, for logs
+        self.max_message_bytes = max_message_bytes  # the worker's receive limit, taken to be the gateway's own
         self._on_closed = on_closed
         self._outgoing: asyncio.Queue = asyncio.Queue()  # messages to send; None half-closes
         self._requests: dict[str, MuxRequest] = {}       # wire id -> request, open ones only
@@ -75,11 +108,18 @@ class MuxCall:
             request.outputs.put_nowait(SharedCallError(grpc.StatusCode.INVALID_ARGUMENT, (
                 f"request id {request_id!r} is already generating; use a unique id")))
             return request
-        self._requests[request.wire_id] = request
-        self._caller_ids.add(request_id)
         start = worker_pb2.GenerateRequest()
         start.CopyFrom(work)
         start.request_id = request.wire_id
+        size = element_bytes(start.ByteSize())
+        if size > self.max_message_bytes:
+            request.outputs.put_nowait(SharedCallError(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                f"the request takes {size} bytes on the way to the model worker, over the {self.max_message_bytes} "
+                "bytes a message may take (--max-message-bytes): shorten the prompt or the structured output")))
+            self._close_if_idle()
+            return request
+        self._requests[request.wire_id] = request
+        self._caller_ids.add(request_id)
         self._outgoing.put_nowait(worker_pb2.GenerateManyRequest(start=start))
         if timeout is not None:
             request.timer = asyncio.get_running_loop().call_later(timeout, self._expire, request)
@@ -159,14 +199,15 @@ class MuxCall:
 class WorkerMux:
     """A worker's multiplexed calls: the one new requests go on, opened on demand."""
 
-    def __init__(self, open_call: OpenCall, label: str):
+    def __init__(self, open_call: OpenCall, label: str, max_message_bytes: int = GRPC_MESSAGE_BYTES):
         self.open_call = open_call
         self.label = label
+        self.max_message_bytes = max_message_bytes
         self.current: MuxCall | None = None
 
     def open(self, work: worker_pb2.GenerateRequest, timeout: float | None) -> MuxRequest:
         if self.current is None:
-            self.current = MuxCall(self.open_call, self._closed, self.label)
+            self.current = MuxCall(self.open_call, self._closed, self.label, self.max_message_bytes)
         return self.current.start(work, timeout)
 
     def _closed(self, call: MuxCall) -> None:

@@ -7,6 +7,7 @@ from gateway.core.generation import Delta, GenerationCore
 from gateway.core.metrics import RequestRecord
 from gateway.core.request_id import caller_request_id
 from gateway.grpc_api.convert import from_proto
+from rpcserver.pieces import GRPC_MESSAGE_BYTES, piece_budget, split_prompt_logprobs
 from rpcserver.status import code_for, grpc_errors
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -15,10 +16,13 @@ FINISH_REASONS = {"eos": gateway_pb2.FINISH_REASON_EOS, "stop": gateway_pb2.FINI
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, core: GenerationCore, model_name: str, log_prompts: bool = False):
+    def __init__(self, core: GenerationCore, model_name: str, log_prompts: bool = False,
+                 max_message_bytes: int = GRPC_MESSAGE_BYTES):
         self.core = core
         self.model_name = model_name
         self.log_prompts = log_prompts  # prompts are user data: off the logs unless asked for
+        # A message past the send limit would fail the call: long prompt logprobs go in pieces within this.
+        self.budget = piece_budget(max_message_bytes)
 
     @grpc_errors
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -30,7 +34,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             call_ids: dict[int, str] = {}  # each tool call's id, repeated on its later pieces
             # Deadlines pass down to every downstream call.
             async for delta in self.core.generate(req, record, timeout=context.time_remaining):
-                yield to_proto(delta, record.request_id, call_ids)
+                for reply in in_pieces(to_proto(delta, record.request_id, call_ids), self.budget):
+                    yield reply
         except BaseException as e:
             error = e
             raise
@@ -45,6 +50,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             max_prompt_tokens=limits.max_prompt_tokens, max_tokens_limit=limits.max_tokens_limit,
             max_stop_strings=limits.max_stop_strings, max_stop_string_chars=limits.max_stop_string_chars,
             max_logprobs=limits.max_logprobs, workers=self.core.downstreams.worker_statuses())
+
+
+def in_pieces(reply: gateway_pb2.GenerateResponse, budget: int) -> list[gateway_pb2.GenerateResponse]:
+    """The reply, after pieces of its prompt logprobs when they pass `budget` (gateway.proto says how);
+    the first piece then carries the request id, as the first message does."""
+    replies = split_prompt_logprobs(reply, budget, gateway_pb2.GenerateResponse)
+    replies[0].request_id = reply.request_id
+    return replies
 
 
 def to_proto(delta: Delta, request_id: str,

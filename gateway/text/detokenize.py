@@ -9,6 +9,7 @@ import logging
 import grpc
 
 from rpcserver.errors import Unavailable
+from rpcserver.pieces import GRPC_MESSAGE_BYTES, PIECE_HEADROOM, element_bytes, piece_budget, runs
 from rpcserver.status import SharedCallError, status_from_number
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 
@@ -21,10 +22,16 @@ class Detokenizer:
     gRPC costs a fixed amount of CPU per message on each side, so the streams' new ids travel
     together: one message per event-loop iteration for every stream that added ids in it.
     A call that fails is dropped with its streams; the next `open` starts a new one.
+
+    One message over the tokenizer's limit would end the call and every stream's text with it, so
+    none goes out larger than the piece budget of `max_message_bytes` (the gateway's own limit,
+    which the tokenizer is expected to share): a long prompt's ids and logprob pieces are spread
+    over several items and messages, and its replies come back in parts, joined here.
     """
 
-    def __init__(self, tokenizer_stub):
+    def __init__(self, tokenizer_stub, max_message_bytes: int = GRPC_MESSAGE_BYTES):
         self.stub = tokenizer_stub
+        self.budget = piece_budget(max_message_bytes)
         self.batch: BatchCall | None = None
         self.stream_ids = itertools.count(1)
 
@@ -32,7 +39,7 @@ class Detokenizer:
         """A stream for one generation; call from the event loop that will use it."""
         loop = asyncio.get_running_loop()
         if self.batch is None or self.batch.failure is not None or self.batch.loop is not loop:
-            self.batch = BatchCall(self.stub.DecodeBatches(), loop)
+            self.batch = BatchCall(self.stub.DecodeBatches(), loop, self.budget)
         return TextStream(self.batch, next(self.stream_ids), skip_special_tokens)
 
     async def close(self) -> None:
@@ -56,14 +63,34 @@ class TextStream:
     async def add(self, token_ids: list[int], final: bool = False,
                   piece_ids: list[int] = ()) -> tuple[str, list[bytes]]:
         """(text delta, raw bytes of each id in piece_ids)."""
-        item = tokenizer_pb2.DecodeBatchItem(stream_id=self.stream_id, token_ids=token_ids, final=final,
-                                             piece_ids=piece_ids)
+        items = self._items(token_ids, final, piece_ids)
         if not self.opened:
-            item.skip_special_tokens = self.skip_special_tokens
-        reply = self.batch.submit(item)
+            items[0].skip_special_tokens = self.skip_special_tokens
+        replies = [self.batch.submit(item) for item in items]
         self.opened = True
         self.finished = final
-        return await reply
+        if len(replies) == 1:
+            return await replies[0]
+        # Every part is awaited, so none is left with an exception nobody reads.
+        parts = await asyncio.gather(*replies, return_exceptions=True)
+        for part in parts:
+            if isinstance(part, BaseException):
+                raise part
+        return "".join(text for text, _ in parts), [piece for _, pieces in parts for piece in pieces]
+
+    def _items(self, token_ids: list[int], final: bool, piece_ids: list[int]) -> list[tokenizer_pb2.DecodeBatchItem]:
+        """One item, or for many ids several, each within the budget: the piece ids' runs, then the
+        token ids' (the service decodes a stream's items in order, so their texts join), `final` on the last."""
+        per_item = max(1, (self.batch.budget - PIECE_HEADROOM) // 5)  # 5: the most bytes a uint32 id takes
+        if len(token_ids) + len(piece_ids) <= per_item:
+            return [tokenizer_pb2.DecodeBatchItem(stream_id=self.stream_id, token_ids=token_ids, final=final,
+                                                  piece_ids=piece_ids)]
+        items = [tokenizer_pb2.DecodeBatchItem(stream_id=self.stream_id, piece_ids=piece_ids[i:i + per_item])
+                 for i in range(0, len(piece_ids), per_item)]
+        items += [tokenizer_pb2.DecodeBatchItem(stream_id=self.stream_id, token_ids=token_ids[i:i + per_item])
+                  for i in range(0, len(token_ids), per_item)]
+        items[-1].final = final
+        return items
 
     def cancel(self) -> None:
         """Let the service forget an unfinished stream; a no-op once it is finished or its call is gone."""
@@ -73,19 +100,22 @@ class TextStream:
 
 
 class BatchCall:
-    """One DecodeBatches call: items added in one loop iteration go out as one message, replies match in order.
+    """One DecodeBatches call: items added in one loop iteration go out as one message (several when they
+    pass `budget` bytes), and results answer the items in order, a result cut into parts joined first.
 
     The call has no deadline of its own: each request's deadline bounds its generation upstream.
     """
 
-    def __init__(self, call, loop: asyncio.AbstractEventLoop):
+    def __init__(self, call, loop: asyncio.AbstractEventLoop, budget: int = piece_budget(GRPC_MESSAGE_BYTES)):
         self.call = call
         self.loop = loop
+        self.budget = budget  # the most bytes a message sent may take
         self.failure: str | None = None  # why the call is over, once it is
         self.items: list[tokenizer_pb2.DecodeBatchItem] = []  # the next message
         # (stream id, future) per item of the next message that is not a close; then of each one sent, unanswered.
         self.replies: list[tuple[int, asyncio.Future]] = []
-        self.in_flight: collections.deque[list[tuple[int, asyncio.Future]]] = collections.deque()
+        self.in_flight: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+        self.parts: list[tokenizer_pb2.DecodeBatchResult] = []  # the leading parts of a result cut short
         self.outbox: asyncio.Queue[tokenizer_pb2.DecodeBatchRequest] = asyncio.Queue()
         self.tasks = [loop.create_task(self._write()), loop.create_task(self._read())]
 
@@ -105,8 +135,10 @@ class BatchCall:
     def _flush(self) -> None:
         if self.failure is not None or not self.items:
             return
-        self.outbox.put_nowait(tokenizer_pb2.DecodeBatchRequest(items=self.items))
-        self.in_flight.append(self.replies)
+        items = self.items
+        for run in runs([element_bytes(item.ByteSize()) for item in items], self.budget):
+            self.outbox.put_nowait(tokenizer_pb2.DecodeBatchRequest(items=items[run.start:run.stop]))
+        self.in_flight.extend(self.replies)
         self.items, self.replies = [], []
 
     async def _write(self) -> None:
@@ -135,21 +167,24 @@ class BatchCall:
             self.fail(f"the gateway's DecodeBatches call failed ({type(e).__name__}: {e}); retry")
 
     def _answer(self, response: tokenizer_pb2.DecodeBatchResponse) -> None:
-        if not self.in_flight:
-            raise RuntimeError("the tokenizer service sent a DecodeBatches reply to no message")
-        replies = self.in_flight.popleft()
-        if len(response.results) != len(replies):
-            raise RuntimeError(f"the tokenizer service sent {len(response.results)} results for "
-                               f"{len(replies)} items")
-        for (stream_id, reply), result in zip(replies, response.results):
+        # Results, not replies, match items: a request's results may span several replies.
+        for result in response.results:
+            if not self.in_flight:
+                raise RuntimeError("the tokenizer service sent a DecodeBatches result for no item")
+            stream_id, reply = self.in_flight[0]
             if result.stream_id != stream_id:
                 raise RuntimeError(f"the tokenizer service answered stream {result.stream_id} for {stream_id}")
+            if result.more:
+                self.parts.append(result)
+                continue
+            self.in_flight.popleft()
+            parts, self.parts = [*self.parts, result], []
             if reply.done():  # its add was cancelled: the text goes nowhere
                 continue
             if result.error_code:  # this stream's item was refused; the call and the other streams go on
                 reply.set_exception(SharedCallError(status_from_number(result.error_code), result.error_message))
             else:
-                reply.set_result((result.text, list(result.pieces)))
+                reply.set_result(("".join(part.text for part in parts), [p for part in parts for p in part.pieces]))
 
     async def _fail_with_status(self) -> None:
         code, details = await self.call.code(), await self.call.details()
@@ -160,8 +195,8 @@ class BatchCall:
         if self.failure is not None:
             return
         self.failure = reason
-        waiting = [reply for _, reply in [*self.replies, *(r for replies in self.in_flight for r in replies)]]
-        self.items, self.replies = [], []
+        waiting = [reply for _, reply in [*self.replies, *self.in_flight]]
+        self.items, self.replies, self.parts = [], [], []
         self.in_flight.clear()
         for reply in waiting:
             if not reply.done():

@@ -1,25 +1,30 @@
-"""Per-call state of DecodeBatches: the open streams of one caller, each a DecodeStreamState, by stream id."""
+"""Per-call state of DecodeBatches: the open streams of one caller, each a DecodeStreamState, by stream id;
+and its replies, cut to stay under the message limit."""
 from __future__ import annotations
 
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from rpcserver.errors import InvalidArgument, ResourceExhausted
+from rpcserver.pieces import GRPC_MESSAGE_BYTES, PIECE_HEADROOM, element_bytes, piece_budget, runs
 from services.tokenizer.core import TokenizerCore
 from services.tokenizer.decode_stream import DecodeStreamState
+from vllm_v0.tokenizer.v1 import tokenizer_pb2
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class StreamLimits:
-    """How many streams one call may hold open, for callers that never send `final` or `close`."""
+    """How many streams one call may hold open, for callers that never send `final` or `close`,
+    and the largest message it may send."""
 
     max_streams: int = 65536  # a gateway's open generations share one call: room for a large fleet's
     idle_s: float = 300.0     # a stream this long without an item may be dropped to make room
+    max_message_bytes: int = GRPC_MESSAGE_BYTES  # the server's send limit: a larger reply would end the call
 
     def __post_init__(self) -> None:
         if self.max_streams < 1:
@@ -88,3 +93,50 @@ class DecodeBatchState:
                         self.limits.idle_s)
         self.dropped += 1
         self.forget(oldest)
+
+
+def reply_messages(results: list[tokenizer_pb2.DecodeBatchResult],
+                   max_message_bytes: int) -> Iterator[tokenizer_pb2.DecodeBatchResponse]:
+    """One request's results as replies of at most the piece budget each, a large result cut into parts.
+
+    gRPC ends the whole call, every stream on it, when one message passes the send limit; the
+    logprob pieces of a long prompt (about 7 bytes an id, 21 ids a position) pass 4 MiB at some
+    30,000 positions. Parts are cut down to one piece or a few characters of text, so every
+    message fits whatever the request held.
+    """
+    budget = piece_budget(max_message_bytes)
+    parts = [part for result in results for part in _cut(result, budget)]
+    if not parts:
+        yield tokenizer_pb2.DecodeBatchResponse()  # a request of closes alone is still answered
+        return
+    sizes = [element_bytes(part.ByteSize()) for part in parts]
+    for run in runs(sizes, budget):
+        yield tokenizer_pb2.DecodeBatchResponse(results=parts[run.start:run.stop])
+
+
+def _cut(result: tokenizer_pb2.DecodeBatchResult, budget: int) -> list[tokenizer_pb2.DecodeBatchResult]:
+    """The result whole if it fits `budget`, else parts of its text, then runs of its pieces, all but the last
+    with `more`."""
+    if element_bytes(result.ByteSize()) <= budget:
+        return [result]
+    room = max(4, budget - PIECE_HEADROOM)  # 4: a whole UTF-8 character always fits
+    parts = [tokenizer_pb2.DecodeBatchResult(stream_id=result.stream_id, text=chunk)
+             for chunk in _text_chunks(result.text, room)]
+    pieces = list(result.pieces)
+    for run in runs([element_bytes(len(piece)) for piece in pieces], room):
+        parts.append(tokenizer_pb2.DecodeBatchResult(stream_id=result.stream_id, pieces=pieces[run.start:run.stop]))
+    for part in parts[:-1]:
+        part.more = True
+    return parts
+
+
+def _text_chunks(text: str, limit: int) -> Iterator[str]:
+    """`text` in chunks of at most `limit` UTF-8 bytes, cut between characters."""
+    data = text.encode()
+    start = 0
+    while start < len(data):
+        end = min(start + limit, len(data))
+        while end < len(data) and data[end] & 0xC0 == 0x80:  # a continuation byte: back to the character's start
+            end -= 1
+        yield data[start:end].decode()
+        start = end

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from tests.integration.stack import Service, free_port, wait_serving
+from tests.integration.stack import Service, free_port, make_stack, wait_serving
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from vllm_v0.worker.v1 import worker_pb2
 
@@ -172,3 +172,49 @@ def test_a_per_request_gateway_streams_what_the_multiplexed_one_does(stack, gate
         assert [len(ids) for _, ids in got] == [10, 11, 12, 13]
     finally:
         per_request.stop()
+
+
+def test_a_long_prompts_logprobs_pass_every_hop_in_pieces_beside_a_neighbour(checkpoint, reference_model, reference,
+                                                                              tmp_path):
+    """With every service at a 16 KiB message limit, 1,000 positions of 20 prompt logprobs (some 230 KB)
+    pass the worker's GenerateMany, the tokenizer's DecodeBatches and the public stream in pieces,
+    while a neighbour request shares the same calls."""
+    import torch
+
+    _, tokenizer = reference
+    stack = make_stack(str(checkpoint), str(tmp_path), common_flags=["--max-message-bytes", "16KiB"])
+    stack.start()
+    try:
+        with grpc.insecure_channel(stack.gateway.address) as channel:
+            gateway = gateway_pb2_grpc.GatewayServiceStub(channel)
+            text = " ".join(["the quick brown fox jumps over the lazy dog"] * 110)
+            prompt = tokenizer(text)["input_ids"]
+            assert 900 <= len(prompt) <= 1020  # within the checkpoint's 1,024 positions
+            long = gateway.Generate(gateway_pb2.GenerateRequest(prompt=text, max_tokens=2, temperature=0,
+                                                                prompt_logprobs=20, logprobs=5), timeout=120)
+            short_prompt = "Hello there, neighbour"
+            short = gateway.Generate(gateway_pb2.GenerateRequest(prompt=short_prompt, max_tokens=8, temperature=0,
+                                                                 ignore_eos=True), timeout=120)
+            with ThreadPoolExecutor(2) as pool:
+                replies, neighbour = pool.map(list, [long, short])
+    finally:
+        stack.stop()
+
+    assert len(replies) > 3  # pieces, then the two tokens
+    assert all(r.ByteSize() <= 16 << 10 for r in replies)
+    entries = [e for r in replies for e in r.prompt_logprobs]
+    assert [e.token_id for e in entries] == prompt
+    with torch.no_grad():
+        expected = reference_model(torch.tensor([prompt])).logits[0].float().log_softmax(dim=-1)
+    assert not entries[0].HasField("logprob")
+    for position in range(1, len(prompt)):
+        row = expected[position - 1]
+        assert abs(entries[position].logprob - row[prompt[position]].item()) <= 1e-3
+        values, ids = row.topk(20)
+        assert [t.token_id for t in entries[position].top][:5] == ids.tolist()[:5]  # the order of near ties may vary
+        assert max(abs(t.logprob - v) for t, v in zip(entries[position].top, values.tolist())) <= 1e-3
+    greedy, _ = reference
+    assert [t for r in replies for t in r.token_ids] == greedy(prompt, 2)
+    short_ids = tokenizer(short_prompt)["input_ids"]
+    got, expected_ids = [t for r in neighbour for t in r.token_ids], greedy(short_ids, 8)
+    assert len(got) == 8 and got[:len(expected_ids)] == expected_ids  # the reference may stop at an eos

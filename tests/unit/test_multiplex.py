@@ -6,6 +6,7 @@ import asyncio
 import grpc
 
 from rpcserver.errors import InvalidArgument, Unavailable
+from rpcserver.pieces import piece_budget
 from services.model_worker.engine.llm_engine import StepOutput
 from services.model_worker.engine.sequence import FinishReason
 from services.model_worker.server.multiplex import MultiplexedCall
@@ -143,3 +144,30 @@ def test_an_engine_that_is_not_ready_refuses_each_request_without_ending_the_cal
         return [outputs(r) async for r in call.serve(caller.messages())]
 
     assert asyncio.run(run()) == [[("x", grpc.StatusCode.UNAVAILABLE.value[0])]]
+
+
+def test_a_step_too_large_for_one_message_goes_out_in_several_under_the_budget():
+    limit = 64 << 10
+    names = [f"r{i}" for i in range(400)]
+    top = [(t, -1.0 - t / 64) for t in range(20)]  # 20 alternatives: some 250 bytes an output
+
+    async def run():
+        engine = FakeEngine()
+        call = MultiplexedCall(lambda: engine, lambda request: None, max_message_bytes=limit)
+        caller = Caller()
+        reading = asyncio.create_task(collect(call.serve(caller.messages())))
+        caller.send(*(start(name) for name in names))
+        caller.close()
+        await settle(lambda: len(engine.sinks) == len(names))
+        # One step's frame for every request, as the engine client dispatches it.
+        for name in names:
+            engine.sinks.pop(f"e-{name}").put_nowait(StepOutput(name, 5, -0.5, top, FinishReason.LENGTH, 3))
+        return await reading
+
+    async def collect(responses):
+        return [r async for r in responses]
+
+    got = asyncio.run(run())
+    assert len(got) > 1 and all(r.ByteSize() <= piece_budget(limit) for r in got)
+    assert [o.request_id for r in got for o in r.outputs] == names  # every output, in order
+    assert all([(t.token_id, t.logprob) for t in o.step.top_logprobs] == top for r in got for o in r.outputs)

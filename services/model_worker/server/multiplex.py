@@ -9,6 +9,7 @@ import grpc
 
 from rpcserver.errors import InvalidArgument, ServiceError
 from rpcserver.handlers import MalformedRequest
+from rpcserver.pieces import GRPC_MESSAGE_BYTES, element_bytes, piece_budget, runs, split_prompt_logprobs
 from rpcserver.status import status_for
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.core.client import EngineClient
@@ -23,8 +24,15 @@ FINISH_REASONS = {None: worker_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.EOS: 
                   FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH}
 
 
+def step_messages(out: StepOutput, first: bool, budget: int) -> list[worker_pb2.GenerateResponse]:
+    """One step of one request as Generate streams it: prompt logprobs too large for `budget` go
+    first in pieces of their own (worker.proto's GenerateResponse.prompt_logprobs), then the token's message."""
+    return split_prompt_logprobs(step_message(out, first), budget,
+                                 lambda: worker_pb2.GenerateResponse(prompt_logprobs_only=True))
+
+
 def step_message(out: StepOutput, first: bool) -> worker_pb2.GenerateResponse:
-    """One step of one request as Generate streams it; the prompt length rides on the first."""
+    """One step of one request as Generate streams it, whole; the prompt length rides on the first."""
     msg = worker_pb2.GenerateResponse(token_id=out.token_id, finish_reason=FINISH_REASONS[out.finish_reason],
                                       prompt_tokens=out.prompt_tokens if first else 0)
     if out.spec_accepted is not None:
@@ -61,15 +69,23 @@ class MultiplexedCall:
     the dispatch of that step's frame; each lands in this call's pending list and sets one event.
     The single writer wakes once, after the whole step, and sends everything pending as one
     message: one wake-up and one message per step, however many requests the call carries.
+
+    gRPC ends the whole call when one message passes the send limit, so no message may: pending
+    outputs go out in messages of at most the piece budget, a request's large prompt logprobs in
+    pieces, and an output that would still pass `max_message_bytes` fails its own request instead.
     """
 
     def __init__(self, engine: Callable[[], EngineClient],
-                 make_params: Callable[[worker_pb2.GenerateRequest], SamplingParams]):
+                 make_params: Callable[[worker_pb2.GenerateRequest], SamplingParams],
+                 max_message_bytes: int = GRPC_MESSAGE_BYTES):
         self._engine = engine  # raises Unavailable while the model loads
         self._make_params = make_params
+        self._max_message_bytes = max_message_bytes  # the server's send limit
+        self._budget = piece_budget(max_message_bytes)
         self._client: EngineClient | None = None  # the engine the open requests went to
         self._open: dict[str, tuple[str, _RequestSink]] = {}  # request id -> (engine's id, sink)
         self._pending: list[worker_pb2.RequestOutput] = []
+        self._pending_sizes: list[int] = []  # each pending output's bytes in a GenerateManyResponse
         self._ready = asyncio.Event()
 
     @property
@@ -87,8 +103,10 @@ class MultiplexedCall:
         try:
             while True:
                 if self._pending:
-                    batch, self._pending = self._pending, []
-                    yield worker_pb2.GenerateManyResponse(outputs=batch)
+                    batch, sizes = self._pending, self._pending_sizes
+                    self._pending, self._pending_sizes = [], []
+                    for run in runs(sizes, self._budget):
+                        yield worker_pb2.GenerateManyResponse(outputs=batch[run.start:run.stop])
                     continue
                 if reader.done():
                     reader.result()  # an unreadable message ends the call with its status
@@ -155,13 +173,25 @@ class MultiplexedCall:
             code = status_for(item) if isinstance(item, ServiceError) else grpc.StatusCode.INTERNAL
             self._fail(request_id, code, str(item))
             return
-        self._pending.append(worker_pb2.RequestOutput(request_id=request_id, step=step_message(item, sink.first)))
+        outputs = [worker_pb2.RequestOutput(request_id=request_id, step=step)
+                   for step in step_messages(item, sink.first, self._budget)]
+        sizes = [element_bytes(output.ByteSize()) for output in outputs]
+        if max(sizes) > self._max_message_bytes:
+            # Sent, it would end the call and every request on it: this request alone fails.
+            self.cancel(request_id)
+            self._fail(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                f"an output of {max(sizes)} bytes is over the worker's message limit of {self._max_message_bytes} "
+                "bytes (--max-message-bytes); ask for fewer logprobs or raise the limit"))
+            return
         sink.first = False
+        self._pending.extend(outputs)
+        self._pending_sizes.extend(sizes)
         if item.finish_reason is not None:
             del self._open[request_id]
         self._ready.set()
 
     def _fail(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
-        self._pending.append(worker_pb2.RequestOutput(request_id=request_id, error_code=code.value[0],
-                                                      error_message=message))
+        output = worker_pb2.RequestOutput(request_id=request_id, error_code=code.value[0], error_message=message)
+        self._pending.append(output)
+        self._pending_sizes.append(element_bytes(output.ByteSize()))
         self._ready.set()

@@ -121,18 +121,20 @@ class DecodeBatchRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[DecodeBatchItem, _Mapping]]] = ...) -> None: ...
 
 class DecodeBatchResult(_message.Message):
-    __slots__ = ("stream_id", "text", "pieces", "error_code", "error_message")
+    __slots__ = ("stream_id", "text", "pieces", "error_code", "error_message", "more")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     text: str
     pieces: _containers.RepeatedScalarFieldContainer[bytes]
     error_code: int
     error_message: str
-    def __init__(self, stream_id: _Optional[int] = ..., text: _Optional[str] = ..., pieces: _Optional[_Iterable[bytes]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+    more: bool
+    def __init__(self, stream_id: _Optional[int] = ..., text: _Optional[str] = ..., pieces: _Optional[_Iterable[bytes]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class DecodeBatchResponse(_message.Message):
     __slots__ = ("results",)

@@ -109,7 +109,15 @@ class TokenizerServiceServicer:
     def DecodeBatches(self, request_iterator, context):
         """Incremental detokenization of many generations over one call: each
         message carries the new ids of any number of streams, told apart by the
-        caller's `stream_id`, and gets exactly one reply, in order. A gateway sends
+        caller's `stream_id`, and gets its results in order: one reply, or
+        several when the results would pass the service's piece budget (1 MiB, or
+        half of --max-message-bytes when that is smaller), a large result cut
+        into parts (see DecodeBatchResult.more). So the logprob pieces of a long
+        prompt never end the call for the other streams. A request message must
+        fit the service's --max-message-bytes, or gRPC ends the whole call: a
+        caller with many ids (a long prompt, its logprob candidates) spreads them
+        over several items of the stream, in as many messages as it takes. A
+        gateway sends
         one message per worker step for all its streams, so the per-message cost
         of gRPC is paid once per step instead of once per token. The service keeps
         each open stream's window until its `final` or `close` item, or until the

@@ -76,7 +76,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_id", "logprob", "top_logprobs", "finish_reason", "prompt_tokens", "prompt_logprobs", "spec_accepted")
+    __slots__ = ("token_id", "logprob", "top_logprobs", "finish_reason", "prompt_tokens", "prompt_logprobs", "spec_accepted", "prompt_logprobs_offset", "prompt_logprobs_only")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,8 @@ class GenerateResponse(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_ONLY_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
@@ -91,7 +93,9 @@ class GenerateResponse(_message.Message):
     prompt_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprob]
     spec_accepted: int
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ..., spec_accepted: _Optional[int] = ...) -> None: ...
+    prompt_logprobs_offset: int
+    prompt_logprobs_only: bool
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ..., spec_accepted: _Optional[int] = ..., prompt_logprobs_offset: _Optional[int] = ..., prompt_logprobs_only: _Optional[bool] = ...) -> None: ...
 
 class GenerateManyRequest(_message.Message):
     __slots__ = ("start", "cancel")

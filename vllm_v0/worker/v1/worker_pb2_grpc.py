@@ -62,7 +62,9 @@ class ModelWorkerServiceServicer:
     def Generate(self, request, context):
         """Generates from prompt token ids. The stream carries exactly one message
         per decode step of this sequence: one new token each, the last one with
-        `finish_reason` set. Cancelling the call drops the sequence and frees its
+        `finish_reason` set. The one exception: prompt logprobs too large for the
+        first token's message come before it, in messages of their own (see
+        GenerateResponse.prompt_logprobs). Cancelling the call drops the sequence and frees its
         KV cache at the next step boundary.
         Errors: INVALID_ARGUMENT (empty prompt, ids outside the vocabulary,
         prompt + max_tokens beyond the context, bad sampling values),
@@ -76,12 +78,18 @@ class ModelWorkerServiceServicer:
         """Generate for many requests on one long-lived call, for a gateway that
         keeps one such call open per worker. Each response message carries what
         one engine step produced for all of this call's open requests, so a step
-        costs one message per call rather than one per request. Requests start and
+        costs one message per call rather than one per request. No message passes
+        the worker's piece budget (1 MiB, or half of --max-message-bytes when that
+        is smaller): a step whose outputs would takes several messages, in order,
+        and a request's large prompt logprobs come in pieces (see
+        GenerateResponse.prompt_logprobs), so no request's payload can end the
+        call for the others. Requests start and
         are cancelled by messages on the call; each request keeps every rule of
         Generate (one output per decode step, the last with `finish_reason`), and
         a request that fails gets one output with `error_code` set, the status
         Generate would have ended with: INVALID_ARGUMENT (bad request, missing or
-        duplicate `request_id`), RESOURCE_EXHAUSTED (waiting queue full),
+        duplicate `request_id`), RESOURCE_EXHAUSTED (waiting queue full, or an
+        output that even in pieces would pass --max-message-bytes),
         UNAVAILABLE (the engine is down or died mid-stream, or the worker is
         draining: retry on another worker). A failed request never ends the call
         nor touches its other requests. When the caller half-closes, the call
