@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 from prometheus_client import REGISTRY
@@ -45,7 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--max-stop-strings", 8, "most stop strings per request")
     add_flag(parser, "--max-stop-string-chars", 128, "longest stop string, in characters")
     add_flag(parser, "--max-logprobs", 20, "most top logprobs per token")
-    add_flag(parser, "--max-prompt-chars", 1_000_000, "longest prompt (or chat) text, in characters")
+    add_flag(parser, "--max-prompt-chars", 1_000_000, "longest prompt, in characters; for a chat, its contents, "
+             "tools' JSON and past tool calls together. Checked before anything is encoded")
     add_flag(parser, "--downstream-tls-ca", None, "CA bundle to verify the tokenizer and worker (TLS to them)")
     add_flag(parser, "--downstream-tls-cert", None, "client certificate presented to them (mTLS)")
     add_flag(parser, "--downstream-tls-key", None, "key of --downstream-tls-cert")
@@ -89,6 +91,20 @@ def limits_overrides(args: argparse.Namespace) -> dict:
                 max_logprobs=args.max_logprobs, max_prompt_chars=args.max_prompt_chars)
 
 
+def served_model_name(flag: str, downstreams: Downstreams) -> Callable[[], str]:
+    """The model's id in the HTTP API: --model-name, else the workers'. The last one seen is kept while no
+    worker answers (one restarting), so requests for another model are still refused as unknown."""
+    last = flag
+
+    def name() -> str:
+        nonlocal last
+        info = downstreams.worker_info
+        if not flag and info is not None:
+            last = info.model
+        return last
+    return name
+
+
 async def watch_downstreams(server: GrpcServer, downstreams: Downstreams, interval: float) -> None:
     """Serve only while the tokenizer and at least one worker do; refetch the tokenizer's facts when it comes back."""
     serving = None
@@ -125,15 +141,16 @@ async def serve(args: argparse.Namespace) -> None:
     downstreams = Downstreams(args.tokenizer_addr, args.worker_addr,
                               DownstreamTLS(args.downstream_tls_ca, args.downstream_tls_cert, args.downstream_tls_key),
                               args.health_interval, Router(RouterConfig(args.routing)), args.worker_stream,
-                              downstream_api_key(args))
+                              downstream_api_key(args), args.max_message_bytes)
     REGISTRY.register(FleetCollector(downstreams.fleet))
     core = GenerationCore(downstreams, limits_overrides(args))
-    add_servicer(server.server, service, GatewayServicer(core, args.model_name, args.log_prompts))
+    add_servicer(server.server, service,
+                 GatewayServicer(core, args.model_name, args.log_prompts, args.max_message_bytes))
     await server.start()
     await downstreams.start()
     http = None
     if args.http_port:
-        app = create_app(core, lambda: args.model_name or getattr(downstreams.worker_info, "model", ""), lambda: server.serving,
+        app = create_app(core, served_model_name(args.model_name, downstreams), lambda: server.serving,
                          api_key_from_args(args), args.max_message_bytes, args.log_prompts,
                          request_timeout_s=args.http_request_timeout)
         http = HttpServer(app, server.config, args.http_port, args.log_level)

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rpcserver.config import ServerConfig
+from rpcserver.loop_lag import LoopLagMonitor
 from rpcserver.metrics import MetricsInterceptor, start_metrics_server
 from rpcserver.shared import read_file
 
@@ -78,6 +79,8 @@ class GrpcServer:
         self.port = 0
         self.draining = False
         self.serving = False
+        # Every front of the process (gRPC, and the gateway's HTTP) shares this loop: one monitor covers them.
+        self.loop_lag = LoopLagMonitor()
 
     async def start(self) -> int:
         address = f"{self.config.host}:{self.config.port}"
@@ -93,6 +96,7 @@ class GrpcServer:
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         start_metrics_server(self.config.host, self.config.metrics_port)
         await self.server.start()
+        self.loop_lag.start()
         log.info("listening on %s:%d (%s)", self.config.host, self.port, "TLS" if credentials else "plaintext")
         return self.port
 
@@ -100,6 +104,7 @@ class GrpcServer:
         """Stop at once if still running: a start that fails after the port is bound (a checkpoint refused)
         must stop the server on its own loop, or grpc's __del__ does it after the loop is closed, with
         a traceback ("Event loop is closed") under the one-line reason. Harmless after a graceful stop."""
+        await self.loop_lag.stop()
         await self.server.stop(None)
 
     async def set_serving(self, serving: bool) -> None:
@@ -134,6 +139,7 @@ class GrpcServer:
         if on_stop is not None:
             await on_stop()
         stopping.cancel()
+        await self.loop_lag.stop()
         log.info("stopped")
 
 

@@ -4,13 +4,21 @@ Plain Python over the downstreams object; the gRPC servicer and the HTTP front b
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.core.metrics import RequestRecord
 from gateway.core.request_id import new_request_id
 from gateway.core.tools import forced_call_constraint, offered_tools, tool_call_grammar
-from gateway.core.validation import GenerationRequest, Limits, check_prompt_length, validate
+from gateway.core.validation import (
+    GenerationRequest,
+    Limits,
+    RequestLimits,
+    check_for_worker,
+    check_prompt_length,
+    check_request,
+)
 from gateway.text.chat_output import ChatOutput
 from gateway.text.reasoning_parser import THINK_END, ReasoningParser, prompt_opens_reasoning
 from gateway.text.stop import StopStringMatcher
@@ -65,6 +73,25 @@ class Delta:
     prompt_text: str | None = None
 
 
+class SharedEncodes:
+    """One HTTP request's Encode calls: each distinct prompt is encoded once, for all its choices and repeats."""
+
+    def __init__(self):
+        self._calls: dict[bytes, asyncio.Future] = {}
+
+    async def encode(self, tokenizer, request: tokenizer_pb2.EncodeRequest,
+                     timeout: float | None) -> tokenizer_pb2.EncodeResponse:
+        # The same message gets the same ids: the message itself is the key.
+        key = request.SerializeToString(deterministic=True)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._calls[key] = asyncio.ensure_future(tokenizer.Encode(request, timeout=timeout))
+            # Read its outcome even when every choice waiting on it has gone, so asyncio does not report it.
+            call.add_done_callback(lambda done: done.cancelled() or done.exception())
+        # One choice cancelled (a stop string, its error) leaves the call running for the others.
+        return await asyncio.shield(call)
+
+
 class GenerationCore:
     """Runs one request at a time per call of `generate`, any number concurrently."""
 
@@ -78,9 +105,14 @@ class GenerationCore:
             raise Unavailable("the model worker has not answered yet; retry shortly")
         return Limits.for_worker(info, **self.limits_overrides)
 
+    def check(self, req: GenerationRequest) -> None:
+        """Refuses a request invalid on its face, before anything waits on the tokenizer or a worker: it gets
+        its INVALID_ARGUMENT even while no worker serves."""
+        check_request(req, RequestLimits.from_overrides(self.limits_overrides))
+
     async def encode(self, req: GenerationRequest, timeout: float | None, add_generation_prompt: bool = True,
-                     add_special_tokens: bool = False) -> tuple[list[int], str]:
-        """(prompt ids, the rendered chat prompt or "")."""
+                     add_special_tokens: bool = False, encodes: SharedEncodes | None = None) -> tuple[list[int], str]:
+        """(prompt ids, the rendered chat prompt or ""); with `encodes`, a prompt already encoded there is reused."""
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids), ""
         encode = tokenizer_pb2.EncodeRequest(add_generation_prompt=add_generation_prompt,
@@ -92,20 +124,26 @@ class GenerationCore:
                 encode.enable_thinking = req.enable_thinking
         else:
             encode.text = req.prompt
-        reply = await self.downstreams.tokenizer.Encode(encode, timeout=timeout)
+        if encodes is not None:
+            reply = await encodes.encode(self.downstreams.tokenizer, encode, timeout)
+        else:
+            reply = await self.downstreams.tokenizer.Encode(encode, timeout=timeout)
         return list(reply.token_ids), reply.rendered
 
     async def generate(self, req: GenerationRequest, record: RequestRecord, timeout=lambda: None,
-                       with_pieces: bool = False) -> AsyncIterator[Delta]:
+                       with_pieces: bool = False, encodes: SharedEncodes | None = None) -> AsyncIterator[Delta]:
         """Deltas of one request; the last has `finish_reason`. Leaving early cancels the worker's sequence.
 
         `timeout()` gives the seconds left for the request (None: no deadline); `with_pieces`
-        adds each logprob token's raw bytes (the OpenAI shapes need token strings).
+        adds each logprob token's raw bytes (the OpenAI shapes need token strings); `encodes` shares
+        one Encode call among the choices of one HTTP request.
         """
-        limits = self.limits()
-        validate(req, limits)
+        self.check(req)
         constraint = forced_call_constraint(req.tools, req.tool_choice)
         if constraint is not None:
+            if req.structured_output is not None:
+                raise InvalidArgument('tool_choice "required" or a named function already constrains the output; '
+                                      "leave out response_format and structured_outputs")
             # The constraint holds from the first token, so the model answers without a think block:
             # the prompt closes it, as enable_thinking false does.
             if req.enable_thinking:
@@ -113,12 +151,14 @@ class GenerationCore:
                                       "first token, which leaves no room for thinking; set enable_thinking to "
                                       "false or use tool_choice \"auto\"")
             req.enable_thinking = False
-        prompt_ids, rendered = await self.encode(req, timeout())
+        limits = self.limits()
+        check_for_worker(req, limits)
+        prompt_ids, rendered = await self.encode(req, timeout(), encodes=encodes)
         record.prompt_tokens = len(prompt_ids)
         # Callers choose their ids freely and may reuse one; the worker needs each open request's id to be
         # unique, so it gets the gateway's own.
         record.worker_request_id = new_request_id()
-        max_tokens = check_prompt_length(len(prompt_ids), req.max_tokens, limits)
+        max_tokens = check_prompt_length(len(prompt_ids), req.max_tokens, limits, req.name_of("max_tokens"))
         # max_tokens 0 scores the prompt: the worker runs its prefill and one token, which is dropped here.
         work = worker_request(req, prompt_ids, max(max_tokens, 1), record.worker_request_id)
         if constraint is not None:
@@ -244,10 +284,8 @@ def chat_message(req: GenerationRequest, index: int) -> tokenizer_pb2.ChatMessag
 
 def constrain(work: worker_pb2.GenerateRequest, req: GenerationRequest, constraint: dict) -> None:
     """A forced tool call ("required" or a named function): the worker's grammar engine admits only
-    `<tool_call>` blocks whose JSON is a call of an allowed tool with valid arguments."""
-    if req.structured_output is not None:
-        raise InvalidArgument('tool_choice "required" or a named function already constrains the output; '
-                              "leave out response_format and structured_outputs")
+    `<tool_call>` blocks whose JSON is a call of an allowed tool with valid arguments (a structured output
+    beside it is refused before the request reaches a worker)."""
     work.structured_output.grammar = tool_call_grammar(constraint, req.parallel_tool_calls)
 
 

@@ -3,7 +3,7 @@
 import functools
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from gateway.core.request_id import check_request_id
 from gateway.core.tools import ToolCall, check_tools
@@ -15,18 +15,30 @@ log = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
 
 
-@dataclass(frozen=True)
-class Limits:
-    """What the gateway accepts; the None defaults are resolved from max_context."""
+@dataclass(frozen=True, kw_only=True)
+class RequestLimits:
+    """The gateway's own bounds, known before any worker answers: a request is checked against them first."""
+
+    max_stop_strings: int = 8
+    max_stop_string_chars: int = 128
+    max_logprobs: int = 20
+    max_prompt_chars: int = 1_000_000  # the prompt, or a chat's contents, tools and past calls
+    max_messages: int = 512
+
+    @classmethod
+    def from_overrides(cls, overrides: dict) -> "RequestLimits":
+        """Those of the gateway's limit flags (`overrides`, as Limits.for_worker takes them) that need no worker."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{name: value for name, value in overrides.items() if name in names})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits(RequestLimits):
+    """What the gateway accepts once a worker has answered; the None defaults are resolved from max_context."""
 
     max_context: int
     max_prompt_tokens: int | None = None  # None: max_context - 1, leaving room for one token
     max_tokens_limit: int | None = None  # None: max_context
-    max_stop_strings: int = 8
-    max_stop_string_chars: int = 128
-    max_logprobs: int = 20
-    max_prompt_chars: int = 1_000_000
-    max_messages: int = 512
     vocab_size: int = 0  # the worker's; 0: unknown (token ids are then checked by the worker alone)
 
     @classmethod
@@ -102,10 +114,23 @@ class GenerationRequest:
     # (kind, value): ("json_schema", JSON text), ("json_object", True), ("regex", str), ("choice", [str]),
     # ("grammar", str); compiled and checked by the worker, which enforces it at the logits.
     structured_output: tuple[str, object] | None = None
+    # The caller's names for fields it spells otherwise (chat's top_logprobs is `logprobs` here), so that
+    # an error names the field that was sent.
+    field_names: dict[str, str] = field(default_factory=dict)
+
+    def name_of(self, name: str) -> str:
+        return self.field_names.get(name, name)
 
 
 def validate(req: GenerationRequest, limits: Limits) -> None:
     """Raises InvalidArgument naming the first field that is out of range."""
+    check_request(req, limits)
+    check_for_worker(req, limits)
+
+
+def check_request(req: GenerationRequest, limits: RequestLimits) -> None:
+    """The checks a request can fail on its face, without the tokenizer or any worker: a bad request is
+    refused at once, whether or not a worker is serving."""
     check_request_id(req.request_id)
     _check_input(req, limits)
     if req.tools or req.tool_choice not in ("auto", "none"):
@@ -117,7 +142,8 @@ def validate(req: GenerationRequest, limits: Limits) -> None:
     # 0 scores the prompt without generating, which only makes sense with prompt logprobs.
     scoring = req.prompt_logprobs is not None or req.echo
     if req.max_tokens is not None and req.max_tokens < (0 if scoring else 1):
-        raise InvalidArgument(f"max_tokens must be >= 1 (0 only with prompt logprobs or echo), got {req.max_tokens}")
+        raise InvalidArgument(f"{req.name_of('max_tokens')} must be >= 1 (0 only with prompt logprobs or echo), "
+                              f"got {req.max_tokens}")
     if len(req.stop) > limits.max_stop_strings:
         raise InvalidArgument(
             f"stop has {len(req.stop)} strings; at most {limits.max_stop_strings} are allowed"
@@ -133,24 +159,40 @@ def validate(req: GenerationRequest, limits: Limits) -> None:
     for i, token_id in enumerate(req.stop_token_ids):
         if token_id < 0:
             raise InvalidArgument(f"stop_token_ids[{i}] must be >= 0, got {token_id}")
-    if req.logprobs is not None:
-        _check_int_range("logprobs", req.logprobs, 0, limits.max_logprobs)
-    if req.prompt_logprobs is not None:
-        _check_int_range("prompt_logprobs", req.prompt_logprobs, 0, limits.max_logprobs)
-    _check_logit_bias(req.logit_bias, limits)
-
-
-def _check_logit_bias(bias: dict[int, float], limits: Limits) -> None:
-    for token_id, value in bias.items():
-        if token_id < 0 or (limits.vocab_size and token_id >= limits.vocab_size):
-            raise InvalidArgument(f"logit_bias key {token_id} is not a token id of this model's vocabulary "
-                                  f"[0, {limits.vocab_size - 1}]")
+    _check_logprobs(req, limits)
+    for token_id, value in req.logit_bias.items():
+        if token_id < 0:
+            raise InvalidArgument(f"logit_bias key {token_id} is not a token id")
         if not math.isfinite(value) or not -100 <= value <= 100:
             raise InvalidArgument(f'logit_bias["{token_id}"] must be in [-100, 100], got {value:g}')
 
 
-def check_prompt_length(prompt_tokens: int, max_tokens: int | None, limits: Limits) -> int:
-    """Checks the tokenized prompt against the context; returns the max_tokens to use."""
+def check_for_worker(req: GenerationRequest, limits: Limits) -> None:
+    """What only the worker's facts bound: token ids within its vocabulary, top logprobs within what it serves."""
+    _check_logprobs(req, limits)
+    vocab = limits.vocab_size
+    if not vocab:
+        return
+    for i, token_id in enumerate(req.prompt_token_ids or ()):
+        if token_id >= vocab:
+            raise InvalidArgument(f"prompt[{i}] is {token_id}, not a token id of this model's vocabulary "
+                                  f"[0, {vocab - 1}]")
+    for token_id in req.logit_bias:
+        if token_id >= vocab:
+            raise InvalidArgument(f"logit_bias key {token_id} is not a token id of this model's vocabulary "
+                                  f"[0, {vocab - 1}]")
+
+
+def _check_logprobs(req: GenerationRequest, limits: RequestLimits) -> None:
+    if req.logprobs is not None:
+        _check_int_range(req.name_of("logprobs"), req.logprobs, 0, limits.max_logprobs)
+    if req.prompt_logprobs is not None:
+        _check_int_range(req.name_of("prompt_logprobs"), req.prompt_logprobs, 0, limits.max_logprobs)
+
+
+def check_prompt_length(prompt_tokens: int, max_tokens: int | None, limits: Limits,
+                        max_tokens_name: str = "max_tokens") -> int:
+    """Checks the tokenized prompt against the context; returns the max_tokens to use (sent as `max_tokens_name`)."""
     if prompt_tokens <= 0:
         raise InvalidArgument("the prompt is empty after tokenization; give some text to continue")
     if prompt_tokens > limits.max_prompt_tokens:
@@ -162,22 +204,25 @@ def check_prompt_length(prompt_tokens: int, max_tokens: int | None, limits: Limi
         return allowed
     if max_tokens > allowed:
         raise InvalidArgument(
-            f"max_tokens must be in [1, {allowed}] for this prompt of {prompt_tokens} tokens (context "
+            f"{max_tokens_name} must be in [1, {allowed}] for this prompt of {prompt_tokens} tokens (context "
             f"{limits.max_context} tokens, max_tokens limit {limits.max_tokens_limit}), got {max_tokens}"
         )
     return max_tokens
 
 
-def _check_input(req: GenerationRequest, limits: Limits) -> None:
-    if (req.prompt is None) + (req.messages is None) + (req.prompt_token_ids is None) != 2:
-        raise InvalidArgument("give exactly one of prompt and messages")
+def _check_input(req: GenerationRequest, limits: RequestLimits) -> None:
+    given = (req.prompt is not None) + (req.messages is not None) + (req.prompt_token_ids is not None)
+    if given == 0:
+        raise InvalidArgument("neither prompt nor messages is given: give a prompt, or messages with at least "
+                              "one message")
+    if given > 1:
+        raise InvalidArgument("give exactly one of prompt and messages, not both")
     if req.prompt_token_ids is not None:
         if not req.prompt_token_ids:
             raise InvalidArgument("prompt is an empty list of token ids; give at least one")
         for i, token_id in enumerate(req.prompt_token_ids):
-            if token_id < 0 or (limits.vocab_size and token_id >= limits.vocab_size):
-                raise InvalidArgument(f"prompt[{i}] is {token_id}, not a token id of this model's vocabulary "
-                                      f"[0, {limits.vocab_size - 1}]")
+            if token_id < 0:
+                raise InvalidArgument(f"prompt[{i}] is {token_id}, not a token id")
         return
     if req.prompt is not None:
         if req.prompt == "":
@@ -198,11 +243,21 @@ def _check_input(req: GenerationRequest, limits: Limits) -> None:
             raise InvalidArgument(
                 f"messages[{i}].role is {role!r}; it must be one of {', '.join(ROLES)}"
             )
-    chars = sum(len(content) for _, content in req.messages)
+    chars = chat_chars(req)
     if chars > limits.max_prompt_chars:
         raise InvalidArgument(
-            f"messages hold {chars} characters of content; at most {limits.max_prompt_chars} are allowed"
+            f"messages hold {chars} characters of content, tools and tool calls; at most {limits.max_prompt_chars} "
+            "are allowed"
         )
+
+
+def chat_chars(req: GenerationRequest) -> int:
+    """The text a chat brings to its prompt: contents, the tools' JSON and past calls' names and arguments.
+    Counted before anything is encoded, so an oversized chat costs no tokenizer time."""
+    calls = sum(len(call.id) + len(call.name) + len(call.arguments)
+                for message_calls in req.message_tool_calls.values() for call in message_calls)
+    return (sum(len(content) for _, content in req.messages) + sum(len(tool) for tool in req.tools) + calls
+            + sum(len(call_id) for call_id in req.tool_call_ids.values()))
 
 
 def _check_sampling(req: GenerationRequest) -> None:

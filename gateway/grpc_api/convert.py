@@ -13,9 +13,9 @@ def from_proto(msg: gateway_pb2.GenerateRequest) -> GenerationRequest:
     """Copies the fields across; range checks are validate()'s job, not this one's."""
     optional = {name: getattr(msg, name) if msg.HasField(name) else None for name in _OPTIONAL_FIELDS}
     messages = [(m.role, m.content) for m in msg.messages] or None
-    # `prompt` is a plain proto3 string, so "" is also "not given". Keep it as an empty
-    # prompt only when there are no messages either, so validate() says it is empty.
-    prompt = msg.prompt if msg.prompt or messages is None else None
+    # proto3 cannot tell an empty `prompt` or `messages` from one not sent: both empty is neither given,
+    # which validate() says naming both.
+    prompt = msg.prompt or None
     tools = list(msg.tools)
     return GenerationRequest(
         tools=tools,

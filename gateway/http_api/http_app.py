@@ -10,7 +10,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.core.generation import Delta, GenerationCore
+from gateway.core.generation import Delta, GenerationCore, SharedEncodes
 from gateway.core.metrics import RequestRecord
 from gateway.core.request_id import check_request_id, new_request_id
 from gateway.core.validation import GenerationRequest
@@ -48,7 +48,7 @@ class Deadline:
 
 
 async def recorded(core: GenerationCore, req: GenerationRequest, record: RequestRecord,
-                   with_pieces: bool, deadline: Deadline) -> AsyncIterator[Delta]:
+                   with_pieces: bool, deadline: Deadline, encodes: SharedEncodes) -> AsyncIterator[Delta]:
     """The core's deltas for one choice, with its log line and metrics written however it ends.
 
     The deadline reaches every downstream call, as a gRPC caller's does: past it the worker's
@@ -56,7 +56,8 @@ async def recorded(core: GenerationCore, req: GenerationRequest, record: Request
     """
     error = None
     try:
-        async for delta in core.generate(req, record, timeout=deadline.remaining, with_pieces=with_pieces):
+        async for delta in core.generate(req, record, timeout=deadline.remaining, with_pieces=with_pieces,
+                                         encodes=encodes):
             yield delta
     except BaseException as e:
         error = e
@@ -135,6 +136,14 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
     add_error_handlers(app)
     checker = ApiKeyInterceptor(api_key) if api_key else None
 
+    def check_model(requested: str) -> None:
+        """vLLM's answer to a model this server does not serve. No name means the served model, as in vLLM; a
+        name is checked once the served one is known (--model-name, or a worker's answer)."""
+        served = model_name()
+        if requested and served and requested != served:
+            raise HttpError(grpc.StatusCode.NOT_FOUND, f"The model `{requested}` does not exist.", param="model",
+                            error_type="NotFoundError", error_code=404)
+
     async def read_body(request: Request) -> bytes:
         if checker is not None:
             refusal = checker.refusal(request.headers.get("authorization"))
@@ -157,18 +166,22 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
         choices = None
         try:
             body = parse(ChatRequest if chat else CompletionRequest, await read_body(request))
+            check_model(body.model)
             reqs = [chat_request(body)] if chat else completion_requests(body)
+            for req in reqs:  # every prompt, before any of them waits on the tokenizer or a worker
+                core.check(req)
             want_logprobs = reqs[0].logprobs is not None
             request_id = request.headers.get("x-request-id", "")
             check_request_id(request_id)  # the gRPC request_id's rule
             request_id = request_id or new_request_id()
             # Choice p * n + i is prompt p's i-th, as OpenAI numbers them.
             per_choice = [r for req in reqs for r in choice_requests(req, body.n)]
+            encodes = SharedEncodes()  # a prompt is encoded once for its n choices, and for its repeats
             streams = []
             for index, r in enumerate(per_choice):
                 prompt = _logged_prompt(r) if log_prompts else None
                 record = RequestRecord(request_id if len(per_choice) == 1 else f"{request_id}-{index}", prompt)
-                streams.append(recorded(core, r, record, want_logprobs, deadline))
+                streams.append(recorded(core, r, record, want_logprobs, deadline, encodes))
             choices = Choices(streams)
             fmt = ResponseFormat(chat, model_name(), len(per_choice), want_logprobs, choices_per_prompt=body.n)
             firsts = await choices.first()

@@ -32,16 +32,19 @@ _LEADING_PATH = re.compile(r'([A-Za-z_]\w*)(?:\[[^\]]*\]|\.[A-Za-z_]\w*)*')
 
 
 class HttpError(Exception):
-    """A failure of the HTTP front itself; `http_status`, `param` and `error_code` override what `code` gives."""
+    """A failure of the HTTP front itself; `http_status`, `param`, `error_type` and `error_code` override what
+    `code` gives."""
 
     def __init__(self, code: grpc.StatusCode, message: str, http_status: int | None = None,
-                 param: str | None = None, error_code: str | None = None, headers: dict | None = None):
+                 param: str | None = None, error_code: str | int | None = None, headers: dict | None = None,
+                 error_type: str | None = None):
         super().__init__(message)
         self.code = code
         self.http_status = http_status
         self.param = param
         self.error_code = error_code
         self.headers = headers
+        self.error_type = error_type
 
 
 def grpc_code(error: BaseException | None) -> grpc.StatusCode:
@@ -71,6 +74,7 @@ def error_body(error: BaseException) -> tuple[int, dict]:
     param = getattr(error, "param", None)  # HttpError's, or a refused unknown field's
     if isinstance(error, HttpError):
         status = error.http_status or status
+        kind = error.error_type or kind
     if isinstance(error, grpc.aio.AioRpcError):
         message = error.details() or code.name
     elif code == grpc.StatusCode.INTERNAL and not isinstance(error, ServiceError):

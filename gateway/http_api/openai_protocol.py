@@ -235,7 +235,8 @@ def completion_requests(body: CompletionRequest) -> list[GenerationRequest]:
     requests = []
     for prompt in prompts:
         req = GenerationRequest(max_tokens=body.max_tokens, logprobs=body.logprobs, echo=body.echo,
-                                prompt_logprobs=body.logprobs if body.echo else None)
+                                prompt_logprobs=body.logprobs if body.echo else None,
+                                field_names={"prompt_logprobs": "logprobs"})
         if isinstance(prompt, str):
             req.prompt = prompt
         else:
@@ -286,11 +287,16 @@ def chat_request(body: ChatRequest) -> GenerationRequest:
         raise InvalidArgument("give max_completion_tokens or max_tokens, not both")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    # Chat's count of top logprobs is its top_logprobs (its `logprobs` is a switch), and its max_tokens may be
+    # spelled max_completion_tokens: errors name the field the caller sent.
+    field_names = {"logprobs": "top_logprobs"}
+    if body.max_completion_tokens is not None:
+        field_names["max_tokens"] = "max_completion_tokens"
     return _common(body, GenerationRequest(
         messages=messages, enable_thinking=thinking, max_tokens=max_tokens, logprobs=logprobs,
         tools=[json.dumps(tool, ensure_ascii=False) for tool in body.tools or []],
         tool_choice=_tool_choice(body), parallel_tool_calls=body.parallel_tool_calls,
-        message_tool_calls=message_tool_calls, tool_call_ids=tool_call_ids))
+        message_tool_calls=message_tool_calls, tool_call_ids=tool_call_ids, field_names=field_names))
 
 
 def _tool_choice(body: ChatRequest) -> str:

@@ -89,7 +89,9 @@ class TokenizerCore:
         """Token ids of `text`; special-token strings in it become their ids."""
         if not isinstance(text, str):
             raise InvalidArgument(f"text must be a string, got {type(text).__name__}")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works (encode holds it), so an encode on a worker thread
+        # leaves the server's event loop running; the ids are the same.
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def render_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool | None = None,
@@ -144,7 +146,8 @@ class TokenizerCore:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; a cut or invalid UTF-8 sequence becomes U+FFFD."""
         self.check_ids(ids)
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        # decode_batch, as encode_batch above: it lets go of the GIL, decode does not.
+        return self.tokenizer.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def decode_incremental(
         self, token_ids: list[int], read_offset: int, skip_special_tokens: bool = False, final: bool = False

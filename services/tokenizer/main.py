@@ -15,7 +15,7 @@ from rpcserver.handlers import add_servicer
 from rpcserver.server import GrpcServer, setup_logging
 from services.tokenizer.core import TokenizerCore, TokenizerLoadError
 from services.tokenizer.decode_batches import StreamLimits
-from services.tokenizer.servicer import TokenizerServicer
+from services.tokenizer.servicer import DEFAULT_THREADS, TokenizerServicer
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 
 log = logging.getLogger("tokenizer")
@@ -30,18 +30,21 @@ def parse_args(argv=None) -> argparse.Namespace:
              "hold open; a new one past it replaces the least recently used if that one is idle, else is refused")
     add_flag(parser, "--decode-stream-idle-timeout", StreamLimits.idle_s, "seconds without an item after which "
              "a DecodeBatches stream may be dropped to make room for a new one (a caller that never sends final)")
+    add_flag(parser, "--tokenize-threads", DEFAULT_THREADS, "threads that encode, render chat templates and decode "
+             "long inputs, off the event loop that carries every stream's text")
     add_auth_flags(parser)  # for deployments without mTLS; the gateway sends its --downstream-api-key
     args = parser.parse_args(argv)
     check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--max-decode-streams", 1, None),
-                                ("--decode-stream-idle-timeout", 0, None)))
+                                ("--decode-stream-idle-timeout", 0, None), ("--tokenize-threads", 1, None)))
     return args
 
 
 async def serve(args: argparse.Namespace) -> None:
     service = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"]
     server = GrpcServer(ServerConfig.from_args(args), [service.full_name], interceptors=auth_interceptors(args))
-    servicer = TokenizerServicer(stream_limits=StreamLimits(args.max_decode_streams,
-                                                            args.decode_stream_idle_timeout))
+    servicer = TokenizerServicer(stream_limits=StreamLimits(args.max_decode_streams, args.decode_stream_idle_timeout,
+                                                            args.max_message_bytes),
+                                 threads=args.tokenize_threads)
     add_servicer(server.server, service, servicer)
     await server.start()  # health answers NOT_SERVING while the tokenizer loads
     try:

@@ -27,7 +27,7 @@ def per_item(results: dict) -> dict[int, list[float]]:
 def test_local_completions_scores_as_hf(stack, checkpoint, monkeypatch):
     monkeypatch.chdir(ROOT)  # the task's data_files path is relative to the repository
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    ours = evaluate("local-completions", f"model=qwen3-tiny,base_url={stack.http_url}/v1/completions,"
+    ours = evaluate("local-completions", f"model={checkpoint.name},base_url={stack.http_url}/v1/completions,"
                     f"tokenizer={checkpoint},tokenizer_backend=huggingface,num_concurrent=2,max_retries=1")
     reference = evaluate("hf", f"pretrained={checkpoint},dtype=float32")
     ours_items, reference_items = per_item(ours), per_item(reference)

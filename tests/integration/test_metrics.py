@@ -129,7 +129,7 @@ def test_log_prompts_adds_the_prompt(metrics_stack, tmp_path):
             list(gateway_pb2_grpc.GatewayServiceStub(channel).Generate(gateway_pb2.GenerateRequest(
                 prompt=f"{SECRET}\nsecond line", max_tokens=2, request_id="logged-0")))
     finally:
-        gateway.text.stop()
+        gateway.stop()
     lines = [line for line in gateway.log().splitlines() if "request logged-0: OK," in line]
     assert len(lines) == 1
     assert f"prompt text '{SECRET}\\nsecond line'" in lines[0]  # repr keeps the request on one line

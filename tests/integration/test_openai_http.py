@@ -38,7 +38,7 @@ def grpc_generate(gateway, **fields) -> tuple[str, list[gateway_pb2.GenerateResp
 
 def test_completion_greedy_equals_grpc(client, gateway):
     want, messages = grpc_generate(gateway, prompt=PROMPT, max_tokens=24, temperature=0)
-    reply = client.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0)
+    reply = client.completions.create(model="", prompt=PROMPT, max_tokens=24, temperature=0)
     assert reply.object == "text_completion" and len(reply.choices) == 1
     assert reply.choices[0].text == want
     usage = messages[-1].usage
@@ -50,7 +50,7 @@ def test_completion_greedy_equals_grpc(client, gateway):
 
 def test_completion_stream_with_usage(client, gateway):
     want, messages = grpc_generate(gateway, prompt=PROMPT, max_tokens=20, temperature=0)
-    chunks = list(client.completions.create(model="any", prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+    chunks = list(client.completions.create(model="", prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert "".join(texts) == want and len(texts) == messages[-1].usage.completion_tokens
@@ -63,7 +63,7 @@ def test_completion_stream_with_continuous_usage_counts_every_chunk(client, gate
     # vLLM's continuous_usage_stats (guidellm sends it): each chunk's usage is the tokens so far.
     _, messages = grpc_generate(gateway, prompt=PROMPT, max_tokens=12, temperature=0, ignore_eos=True)
     chunks = list(client.completions.create(
-        model="any", prompt=PROMPT, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        model="", prompt=PROMPT, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True},
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counted = [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in chunks if c.choices]
     prompt = messages[-1].usage.prompt_tokens
@@ -72,7 +72,7 @@ def test_completion_stream_with_continuous_usage_counts_every_chunk(client, gate
 
 
 def test_completion_without_max_tokens_stops_at_16(client):
-    reply = client.completions.create(model="any", prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    reply = client.completions.create(model="", prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"
 
 
@@ -80,11 +80,11 @@ def test_chat_greedy_equals_grpc_streaming_and_not(client, gateway):
     want, _ = grpc_generate(gateway, messages=[gateway_pb2.ChatMessage(**m) for m in MESSAGES],
                             enable_thinking=False, max_tokens=16, temperature=0)
     extra = {"chat_template_kwargs": {"enable_thinking": False}}
-    reply = client.chat.completions.create(model="any", messages=MESSAGES, max_completion_tokens=16,
+    reply = client.chat.completions.create(model="", messages=MESSAGES, max_completion_tokens=16,
                                            temperature=0, extra_body=extra)
     assert reply.object == "chat.completion"
     assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content == want
-    chunks = list(client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=16, temperature=0,
+    chunks = list(client.chat.completions.create(model="", messages=MESSAGES, max_tokens=16, temperature=0,
                                                  stream=True, extra_body=extra))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
@@ -92,7 +92,7 @@ def test_chat_greedy_equals_grpc_streaming_and_not(client, gateway):
 
 def test_completion_logprobs_match_grpc(client, gateway):
     _, messages = grpc_generate(gateway, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)
-    reply = client.completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2,
+    reply = client.completions.create(model="", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2,
                                       extra_body={"ignore_eos": True})
     lp = reply.choices[0].logprobs
     want = [m.logprobs[0] for m in messages]
@@ -104,7 +104,7 @@ def test_completion_logprobs_match_grpc(client, gateway):
 
 
 def test_chat_logprobs_bytes_add_up_to_the_text(client, stack):
-    reply = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=12, temperature=0,
+    reply = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=12, temperature=0,
                                            logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
     content = reply.choices[0].logprobs.content
     assert len(content) == 12 and all(len(entry.top_logprobs) == 3 for entry in content)
@@ -118,13 +118,13 @@ def test_stop_string_as_grpc(client, gateway):
     stop = full[len(full) // 2: len(full) // 2 + 2]
     want, messages = grpc_generate(gateway, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
     assert messages[-1].finish_reason == gateway_pb2.FINISH_REASON_STOP
-    reply = client.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop)
+    reply = client.completions.create(model="", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop)
     assert reply.choices[0].text == want and reply.choices[0].finish_reason == "stop"
 
 
 def test_seed_reproduces_and_n_fans_out(client):
     def sample(n):
-        return client.completions.create(model="any", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=1234,
+        return client.completions.create(model="", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=1234,
                                          n=n, extra_body={"top_k": 0, "ignore_eos": True})
     first, second, pair = sample(1), sample(1), sample(2)
     assert first.choices[0].text == second.choices[0].text
@@ -132,7 +132,7 @@ def test_seed_reproduces_and_n_fans_out(client):
     assert pair.choices[0].text == first.choices[0].text  # choice 0 keeps the seed; choice 1 takes seed + 1
     assert pair.choices[1].text != pair.choices[0].text
     assert pair.usage.completion_tokens == 32
-    streamed = list(client.completions.create(model="any", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=1234,
+    streamed = list(client.completions.create(model="", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=1234,
                                               n=2, stream=True, extra_body={"top_k": 0, "ignore_eos": True}))
     for index in (0, 1):
         assert "".join(c.choices[0].text for c in streamed if c.choices[0].index == index) == \
@@ -141,11 +141,11 @@ def test_seed_reproduces_and_n_fans_out(client):
 
 def test_bad_requests_are_400_with_the_message(client):
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        client.completions.create(model="any", prompt=PROMPT, temperature=-1)
+        client.completions.create(model="", prompt=PROMPT, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="n must be"):
-        client.completions.create(model="any", prompt=PROMPT, n=0)
+        client.completions.create(model="", prompt=PROMPT, n=0)
     with pytest.raises(openai.BadRequestError, match=r"max_tokens must be in \[1, \d+\] for this prompt of \d+ tokens"):
-        client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=1020)
+        client.chat.completions.create(model="", messages=MESSAGES, max_tokens=1020)
 
 
 def test_model_id_is_the_checkpoint_folder_name(client, gateway, checkpoint):
@@ -204,7 +204,7 @@ def test_chunked_body_over_the_limit_is_refused_before_it_ends(stack):
 
 def test_chunked_body_under_the_limit_is_served(stack, gateway):
     want, _ = grpc_generate(gateway, prompt=PROMPT, max_tokens=4, temperature=0)
-    body = json.dumps({"model": "any", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).encode()
+    body = json.dumps({"model": "", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).encode()
     with chunked_upload(stack.http_url, "/v1/completions", [body[:10], body[10:]], finish=True) as sock:
         reply = http.client.HTTPResponse(sock)
         reply.begin()
@@ -220,7 +220,7 @@ def curl_stream(url: str, body: dict, *headers: str) -> subprocess.Popen:
 def test_curl_streams_server_sent_events(stack, gateway):
     want, _ = grpc_generate(gateway, prompt=PROMPT, max_tokens=12, temperature=0)
     curl = curl_stream(stack.http_url + "/v1/completions",
-                       {"model": "any", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True})
+                       {"model": "", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True})
     out, _ = curl.communicate(timeout=120)
     lines = out.split("\n")
     assert lines[-3:] == ["data: [DONE]", "", ""]
@@ -243,7 +243,7 @@ def wait_idle(worker, timeout: float = 10.0) -> worker_pb2.GetInfoResponse:
 
 def test_curl_disconnect_frees_the_workers_blocks(stack, worker):
     curl = curl_stream(stack.http_url + "/v1/chat/completions",
-                       {"model": "any", "messages": MESSAGES, "max_tokens": 1000, "stream": True,
+                       {"model": "", "messages": MESSAGES, "max_tokens": 1000, "stream": True,
                         "ignore_eos": True}, "x-request-id: curl-disconnect")
     for _ in range(6):
         assert curl.stdout.readline()  # streaming has started
@@ -282,10 +282,10 @@ def test_api_key_and_full_queue(keyed_small_stack):
     url = keyed_small_stack.http_url + "/v1"
     with openai.OpenAI(base_url=url, api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError, match="invalid API key"):
-            bad.completions.create(model="any", prompt=PROMPT, max_tokens=4)
+            bad.completions.create(model="", prompt=PROMPT, max_tokens=4)
     with openai.OpenAI(base_url=url, api_key="sesame", max_retries=0, timeout=300) as good, \
             grpc.insecure_channel(keyed_small_stack.gateway.address) as channel, ThreadPoolExecutor(2) as pool:
-        assert good.completions.create(model="any", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+        assert good.completions.create(model="", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
         # Over gRPC the same key is required: one running and one waiting sequence fill the worker.
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         started = threading.Event()
@@ -303,7 +303,7 @@ def test_api_key_and_full_queue(keyed_small_stack):
             assert time.monotonic() < deadline, "the second stream never queued"
             time.sleep(0.05)
         with pytest.raises(openai.RateLimitError, match="queue is full"):
-            good.completions.create(model="any", prompt=PROMPT, max_tokens=2)
+            good.completions.create(model="", prompt=PROMPT, max_tokens=2)
         for call in calls:
             call.result(timeout=300)
 
@@ -312,7 +312,7 @@ def test_non_streaming_disconnect_frees_the_workers_blocks(stack, worker):
     """A client that gives up on a non-streaming completion cancels it, though nothing was written to it yet."""
     curl = subprocess.Popen(["curl", "-s", stack.http_url + "/v1/completions", "-H", "Content-Type: application/json",
                              "-H", "x-request-id: curl-gives-up", "-d",
-                             json.dumps({"model": "any", "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True})],
+                             json.dumps({"model": "", "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True})],
                             stdout=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while worker.GetInfo(worker_pb2.GetInfoRequest()).running != 1:
@@ -351,7 +351,7 @@ def engine_hung(stack):
 def test_http_deadline_ends_requests_on_a_hung_engine(deadline_stack):
     with openai.OpenAI(base_url=deadline_stack.http_url + "/v1", api_key="unused", max_retries=0,
                        timeout=60) as client:
-        stream = client.completions.create(model="any", prompt=PROMPT, max_tokens=1000, stream=True,
+        stream = client.completions.create(model="", prompt=PROMPT, max_tokens=1000, stream=True,
                                            extra_body={"ignore_eos": True})
         assert next(iter(stream)).choices  # streaming has started
         with engine_hung(deadline_stack):
@@ -361,7 +361,7 @@ def test_http_deadline_ends_requests_on_a_hung_engine(deadline_stack):
                     pass
             assert ended.value.type == "timeout"
             with pytest.raises(openai.InternalServerError, match="--http-request-timeout") as refused:
-                client.completions.create(model="any", prompt=PROMPT, max_tokens=4)
+                client.completions.create(model="", prompt=PROMPT, max_tokens=4)
             assert refused.value.status_code == 504 and refused.value.type == "timeout"
     # Both were cancelled on the worker: once its engine runs again, it holds nothing for them.
     with grpc.insecure_channel(deadline_stack.worker.address) as channel:

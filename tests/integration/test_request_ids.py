@@ -25,7 +25,7 @@ def tokens(replies: list[gateway_pb2.GenerateResponse]) -> list[int]:
 
 
 def post_completion(url: str, request_id: str, max_tokens: int) -> tuple[str, dict]:
-    body = json.dumps({"model": "any", "prompt": "Hello", "max_tokens": max_tokens, "temperature": 0,
+    body = json.dumps({"model": "", "prompt": "Hello", "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": True}).encode()
     request = urllib.request.Request(url + "/v1/completions", data=body, headers={
         "content-type": "application/json", "x-request-id": request_id})

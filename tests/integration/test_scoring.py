@@ -37,7 +37,7 @@ def assert_scored(model, ids: list[int], token_logprobs: list[float | None]) -> 
 
 def test_echo_max_tokens_0_scores_the_prompt(client, reference_model, tokenizer):
     ids = tokenizer.encode(PROMPT)
-    reply = client.completions.create(model="any", prompt=PROMPT, echo=True, logprobs=2, max_tokens=0)
+    reply = client.completions.create(model="", prompt=PROMPT, echo=True, logprobs=2, max_tokens=0)
     choice = reply.choices[0]
     assert choice.text == PROMPT and choice.finish_reason == "length"
     assert reply.usage.completion_tokens == 0 and reply.usage.prompt_tokens == len(ids)
@@ -61,7 +61,7 @@ def test_echo_with_a_generated_token_twice_over_a_warm_prefix_cache(client, refe
     ids = tokenizer.encode(PROMPT)
     greedy = int(reference_logprobs(reference_model, ids)[-1].argmax())
     for _ in range(2):
-        reply = client.completions.create(model="any", prompt=ids, echo=True, logprobs=1, max_tokens=1,
+        reply = client.completions.create(model="", prompt=ids, echo=True, logprobs=1, max_tokens=1,
                                           temperature=0)
         logprobs = reply.choices[0].logprobs
         assert len(logprobs.token_logprobs) == len(ids) + 1
@@ -71,7 +71,7 @@ def test_echo_with_a_generated_token_twice_over_a_warm_prefix_cache(client, refe
 
 def test_batched_token_id_prompts_are_indexed_as_openai_does(client, gateway, tokenizer):
     prompts = [tokenizer.encode("Hello there"), tokenizer.encode("One two three four")]
-    reply = client.completions.create(model="any", prompt=prompts, n=2, max_tokens=5, temperature=0)
+    reply = client.completions.create(model="", prompt=prompts, n=2, max_tokens=5, temperature=0)
     assert [c.index for c in reply.choices] == [0, 1, 2, 3]
     for p, ids in enumerate(prompts):
         messages = list(gateway.Generate(gateway_pb2.GenerateRequest(
@@ -84,7 +84,7 @@ def test_batched_token_id_prompts_are_indexed_as_openai_does(client, gateway, to
 
 def test_batched_string_prompts_stream(client):
     strings = ["Hello there", "One two three four", "x"]
-    chunks = list(client.completions.create(model="any", prompt=strings, max_tokens=4, temperature=0, stream=True,
+    chunks = list(client.completions.create(model="", prompt=strings, max_tokens=4, temperature=0, stream=True,
                                             echo=True))
     texts = {}
     for chunk in chunks:
@@ -98,10 +98,10 @@ def test_batched_string_prompts_stream(client):
 def test_logit_bias_forces_and_bans(client, gateway, reference_model, tokenizer):
     ids = tokenizer.encode(PROMPT)
     forced = 9707  # any id of the vocabulary
-    reply = client.completions.create(model="any", prompt=PROMPT, max_tokens=3, temperature=0,
+    reply = client.completions.create(model="", prompt=PROMPT, max_tokens=3, temperature=0,
                                       logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
     assert reply.choices[0].text == tokenizer.decode([forced] * 3)
-    chat = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+    chat = client.chat.completions.create(model="", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                           temperature=0, logit_bias={str(forced): 100})
     assert chat.choices[0].message.content == tokenizer.decode([forced] * 2)
     # -100 on the greedy token: the next best, from the reference's own logits, is chosen instead.
@@ -154,5 +154,5 @@ def test_grpc_refuses_bad_values(gateway, fields, says):
 
 def test_http_refuses_max_tokens_0_without_echo(client):
     with pytest.raises(openai.BadRequestError) as error:
-        client.completions.create(model="any", prompt=PROMPT, max_tokens=0)
+        client.completions.create(model="", prompt=PROMPT, max_tokens=0)
     assert error.value.body["param"] == "max_tokens"

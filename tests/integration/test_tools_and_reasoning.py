@@ -47,7 +47,7 @@ def test_tokenize_with_tools_equals_transformers_and_detokenize_inverts_it(stack
     want = tokenizer.apply_chat_template(CONVERSATION, tools=[WEATHER], add_generation_prompt=True,
                                          enable_thinking=False)["input_ids"]
     body = post(stack.http_url + "/tokenize", {
-        "model": "any", "messages": CONVERSATION, "tools": [WEATHER],
+        "model": "", "messages": CONVERSATION, "tools": [WEATHER],
         "chat_template_kwargs": {"enable_thinking": False}})
     assert body["tokens"] == list(want) and body["count"] == len(want) and body["max_model_len"] == 1024
     text = post(stack.http_url + "/detokenize", {"tokens": body["tokens"]})["prompt"]
@@ -58,7 +58,7 @@ def test_tokenize_with_tools_equals_transformers_and_detokenize_inverts_it(stack
 
 def test_chat_with_tools_over_http_and_grpc_agree(client, gateway, stack):
     counted = post(stack.http_url + "/tokenize", {"messages": CONVERSATION, "tools": [WEATHER]})["count"]
-    whole = client.chat.completions.create(model="any", messages=CONVERSATION, tools=[WEATHER], max_tokens=24,
+    whole = client.chat.completions.create(model="", messages=CONVERSATION, tools=[WEATHER], max_tokens=24,
                                            temperature=0)
     assert whole.usage.prompt_tokens == counted
     message = whole.choices[0].message
@@ -73,7 +73,7 @@ def test_chat_with_tools_over_http_and_grpc_agree(client, gateway, stack):
     assert "".join(r.reasoning_text for r in replies) == (message.model_extra["reasoning_content"] or "")
     assert not any(r.tool_calls for r in replies) and message.tool_calls is None
 
-    streamed = client.chat.completions.create(model="any", messages=CONVERSATION, tools=[WEATHER], max_tokens=24,
+    streamed = client.chat.completions.create(model="", messages=CONVERSATION, tools=[WEATHER], max_tokens=24,
                                               temperature=0, stream=True)
     chunks = [c.choices[0].delta for c in streamed if c.choices]
     assert "".join(d.content or "" for d in chunks) == (message.content or "")
@@ -89,7 +89,7 @@ BOUNDED = {"type": "function", "function": {"name": "pick_city", "parameters": {
 def test_a_forced_tool_choice_always_returns_a_call_whose_arguments_validate(client, seed, parallel):
     """Random weights never write a tool call unaided: with a named function the worker's grammar makes exactly
     one, and ends the output there, whether or not parallel calls are allowed."""
-    choice = client.chat.completions.create(model="any", messages=CONVERSATION[:1], tools=[WEATHER, BOUNDED],
+    choice = client.chat.completions.create(model="", messages=CONVERSATION[:1], tools=[WEATHER, BOUNDED],
                                             tool_choice={"type": "function", "function": {"name": "pick_city"}},
                                             parallel_tool_calls=parallel, temperature=1.0, seed=seed,
                                             max_tokens=64).choices[0]

@@ -26,7 +26,7 @@ def make_client(demo_tokenizer):
 
 def test_n_choices_non_streaming(make_client, demo_tokenizer):
     client, downstreams = make_client()
-    reply = client.post("/v1/completions", json={"model": "x", "prompt": "hi", "n": 3, "seed": 5})
+    reply = client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "n": 3, "seed": 5})
     assert reply.status_code == 200
     body = reply.json()
     want = unicodedata.normalize("NFC", TEXT)
@@ -39,7 +39,7 @@ def test_n_choices_non_streaming(make_client, demo_tokenizer):
 def test_n_choices_streaming_events(make_client):
     client, _ = make_client()
     with client.stream("POST", "/v1/chat/completions", json={
-            "model": "x", "messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True,
+            "model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True,
             "stream_options": {"include_usage": True}}) as reply:
         lines = [line for line in reply.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
@@ -54,10 +54,10 @@ def test_n_choices_streaming_events(make_client):
 
 def test_errors_are_openai_error_objects(make_client):
     client, downstreams = make_client()
-    reply = client.post("/v1/completions", json={"model": "x", "prompt": "hi", "temperature": "hot"})
+    reply = client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "temperature": "hot"})
     assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
     assert "temperature" in reply.json()["error"]["message"]
-    reply = client.post("/v1/completions", json={"model": "x", "prompt": "hi", "top_p": 0})
+    reply = client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "top_p": 0})
     assert reply.status_code == 400 and "top_p" in reply.json()["error"]["message"]
     reply = client.post("/v1/completions", content=b"x" * (2 << 20), headers={"content-type": "application/json"})
     assert reply.status_code == 413 and reply.json()["error"]["type"] == "invalid_request_error"
@@ -113,7 +113,7 @@ def test_unknown_routes_and_methods_answer_openai_error_objects(make_client):
 def test_errors_name_the_field_in_param_without_pydantic_wording(make_client, body, param, says):
     client, downstreams = make_client()
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    error = error_of(client.post(path, json={"model": "x", **body}), 400)
+    error = error_of(client.post(path, json={"model": "fake-model", **body}), 400)
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert error["message"].startswith(says), error["message"]
     # pydantic's names for the members of a union (prompt.str, content.list[ChatContentPart]) stay out.
@@ -140,7 +140,7 @@ def test_api_key(make_client):
 
 def test_request_id_header_is_checked_echoed_and_not_sent_to_the_worker(make_client):
     client, downstreams = make_client()
-    body = {"model": "x", "prompt": "hi", "max_tokens": 2}
+    body = {"model": "fake-model", "prompt": "hi", "max_tokens": 2}
     for _ in range(2):
         reply = client.post("/v1/completions", json=body, headers={"x-request-id": "mine-1"})
         assert reply.status_code == 200 and reply.headers["x-request-id"] == "mine-1"
@@ -166,9 +166,9 @@ def test_retrieve_the_served_model_by_id(make_client):
 
 def test_max_tokens_unset_is_16_for_completions_and_the_context_for_chat(make_client, demo_tokenizer):
     client, downstreams = make_client()
-    assert client.post("/v1/completions", json={"model": "x", "prompt": "hi"}).status_code == 200
+    assert client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi"}).status_code == 200
     assert downstreams.works[-1].max_tokens == 16  # OpenAI's and vLLM's default for completions
-    chat = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
+    chat = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
     assert client.post("/v1/chat/completions", json=chat).status_code == 200
     # vLLM's for chat: whatever the context leaves after the prompt.
     assert downstreams.works[-1].max_tokens == 1024 - len(downstreams.works[-1].prompt_token_ids)

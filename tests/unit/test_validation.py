@@ -5,7 +5,16 @@ import math
 import pytest
 
 from gateway.core.request_id import caller_request_id
-from gateway.core.validation import GenerationRequest, Limits, check_prompt_length, validate
+from gateway.core.tools import ToolCall
+from gateway.core.validation import (
+    GenerationRequest,
+    Limits,
+    RequestLimits,
+    check_for_worker,
+    check_prompt_length,
+    check_request,
+    validate,
+)
 from gateway.grpc_api.convert import from_proto
 from rpcserver.errors import InvalidArgument
 from vllm_v0.gateway.v1 import gateway_pb2
@@ -127,6 +136,28 @@ def test_chat_content_counts_against_prompt_chars():
 
 def test_empty_messages():
     rejects(GenerationRequest(messages=[]), "messages", "empty")
+
+
+WEATHER_TOOL = '{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}'
+
+
+def test_tools_count_against_prompt_chars():
+    """Their JSON is rendered into the prompt, so it is counted before anything is encoded."""
+    req = GenerationRequest(messages=[("user", "hi")], tools=[WEATHER_TOOL, WEATHER_TOOL])
+    limits = Limits(max_context=4096, max_prompt_chars=2 + 2 * len(WEATHER_TOOL))
+    validate(req, limits)
+    rejects(req, "messages", str(2 + 2 * len(WEATHER_TOOL)), limits=Limits(max_context=4096,
+                                                                          max_prompt_chars=2 * len(WEATHER_TOOL)))
+
+
+def test_past_tool_calls_count_against_prompt_chars():
+    arguments = '{"city": "' + "x" * 50 + '"}'
+    req = GenerationRequest(messages=[("user", "hi"), ("assistant", ""), ("tool", "sunny")],
+                            message_tool_calls={1: [ToolCall("c1", "get_weather", arguments)]},
+                            tool_call_ids={2: "c1"})
+    chars = len("hi") + len("sunny") + len("c1") + len("get_weather") + len(arguments) + len("c1")
+    validate(req, Limits(max_context=4096, max_prompt_chars=chars))
+    rejects(req, "messages", str(chars), limits=Limits(max_context=4096, max_prompt_chars=chars - 1))
 
 
 @pytest.mark.parametrize("role", ["", "User", "bot", "function"])
@@ -363,8 +394,41 @@ def test_from_proto_copies_everything():
     validate(req, LIMITS)
 
 
-def test_from_proto_empty_request_is_an_empty_prompt():
-    rejects(from_proto(gateway_pb2.GenerateRequest()), "prompt", "empty")
+@pytest.mark.parametrize("msg", [gateway_pb2.GenerateRequest(), gateway_pb2.GenerateRequest(messages=[]),
+                                 gateway_pb2.GenerateRequest(prompt="", messages=[])])
+def test_from_proto_with_neither_prompt_nor_messages_names_both(msg):
+    """proto3 cannot tell an empty prompt or messages from an absent one: the message names both fields."""
+    message = rejects(from_proto(msg), "neither prompt nor messages", "at least one message")
+    assert "prompt is empty" not in message
+
+
+def test_a_field_is_named_as_the_caller_spelled_it():
+    rejects(prompt(logprobs=50, field_names={"logprobs": "top_logprobs"}), "top_logprobs must be in [0, 20], got 50")
+    rejects(prompt(max_tokens=0, field_names={"max_tokens": "max_completion_tokens"}), "max_completion_tokens must")
+    with pytest.raises(InvalidArgument, match=r"^max_completion_tokens must be in \[1, 4095\]"):
+        check_prompt_length(1, 5000, LIMITS, "max_completion_tokens")
+
+
+def test_the_face_checks_need_no_worker_and_the_vocabulary_waits_for_one():
+    for req, words in [(prompt(top_p=2.0), "top_p"), (GenerationRequest(prompt=""), "empty"),
+                       (prompt(seed=-1), "seed"), (prompt(logprobs=21), "logprobs"),
+                       (GenerationRequest(prompt_token_ids=[-1]), "prompt[0]"), (prompt(logit_bias={-1: 1.0}), "logit_bias")]:
+        with pytest.raises(InvalidArgument, match=words.replace("[", r"\[").replace("]", r"\]")):
+            check_request(req, RequestLimits())
+    beyond = [GenerationRequest(prompt_token_ids=[5, 4096]), prompt(logit_bias={4096: 1.0})]
+    for req in beyond:
+        check_request(req, RequestLimits())
+        with pytest.raises(InvalidArgument, match="vocabulary"):
+            check_for_worker(req, Limits(max_context=4096, vocab_size=4096))
+
+
+def test_request_limits_take_the_gateway_flags_that_need_no_worker():
+    overrides = dict(max_prompt_tokens=100, max_tokens_limit=None, max_stop_strings=2, max_stop_string_chars=5,
+                     max_logprobs=3, max_prompt_chars=7)
+    limits = RequestLimits.from_overrides(overrides)
+    assert (limits.max_stop_strings, limits.max_stop_string_chars, limits.max_logprobs,
+            limits.max_prompt_chars) == (2, 5, 3, 7)
+    assert not hasattr(limits, "max_prompt_tokens")
 
 
 def test_from_proto_nan_reaches_validation():
