@@ -91,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--step-timeout", 120.0, "seconds the engine core may go without finishing a step while "
              "requests are open; past it the core is taken as hung: its stacks are logged, its streams get "
              "UNAVAILABLE, and it is restarted (0: never)")
+    add_flag(parser, "--grammar-compile-timeout", 10.0, "seconds a structured-output grammar may take to compile "
+             "(beside the engine's steps) before its request fails with RESOURCE_EXHAUSTED")
     add_flag(parser, "--speculative-method", "", "speculative decoding: ngram (prompt lookup: propose what followed "
              "the latest earlier occurrence of the last tokens) or draft (a smaller checkpoint with the same "
              "vocabulary, --speculative-model); empty: off", choices=("", "ngram", "draft"))
@@ -125,6 +127,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head, int8_activations=args.int8_activations,
         vnni_weights=None if args.vnni_weights else False,  # on: where the CPU and compiler allow
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
         limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting,
                                args.scheduling_policy),
         speculative=SpeculativeConfig(
@@ -136,7 +139,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 async def serve(args: argparse.Namespace) -> None:
     service = worker_pb2.DESCRIPTOR.services_by_name["ModelWorkerService"]
     server = GrpcServer(ServerConfig.from_args(args), [service.full_name], interceptors=auth_interceptors(args))
-    servicer = ModelWorkerServicer(served_model_name(args.model))
+    servicer = ModelWorkerServicer(served_model_name(args.model), max_message_bytes=args.max_message_bytes)
     add_servicer(server.server, service, servicer)
     await server.start()  # health answers NOT_SERVING while the weights load
     try:

@@ -11,9 +11,9 @@ import pytest
 from rpcserver.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.model_worker.config.engine import EngineConfig
 from services.model_worker.config.engine import SchedulerLimits
-from services.model_worker.core import protocol as ipc
 from services.model_worker.core.client import EngineClient
 from services.model_worker.core.process import CoreProcess, CoreStartError
+from services.model_worker.server.metrics import EngineCollector
 from tests.checkpoints import make_checkpoint
 from tests.unit.test_batching import VOCAB, greedy, make_engine, requests
 
@@ -56,6 +56,17 @@ async def eventually(condition, timeout: float = WAIT_S) -> bool:
 
 async def collect(client: EngineClient, request_id: str, prompt, params) -> list[int]:
     return [out.token_id async for out in client.generate(request_id, prompt, params)]
+
+
+def exported_restarts(client: EngineClient) -> float:
+    """The restart counter as the worker's /metrics page shows it."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(client))
+    (line,) = [line for line in generate_latest(registry).decode().splitlines()
+               if line.startswith("vllm_v0_worker_engine_core_restarts_total ")]
+    return float(line.split()[1])
 
 
 def test_streams_match_the_engine_and_the_full_queue_refuses_exactly_the_excess(checkpoint, capfd):
@@ -157,11 +168,12 @@ def test_killed_core_fails_open_streams_then_restarts_and_serves(checkpoint, cap
 
         assert await eventually(lambda: client.serving, START_S)
         assert client.process.pid != killed and serving_changes == [True, False, True]
-        return await collect(client, "again", [3, 1, 4, 1, 5], greedy(8))
+        return await collect(client, "again", [3, 1, 4, 1, 5], greedy(8)), exported_restarts(client)
 
     with caplog.at_level(logging.ERROR, logger="services.model_worker.core.client"):
-        tokens = run_client(checkpoint, scenario, on_serving=on_serving)
+        tokens, restarts = run_client(checkpoint, scenario, on_serving=on_serving)
     assert tokens == make_engine(checkpoint).generate([[3, 1, 4, 1, 5]], greedy(8))[0]
+    assert restarts == 1  # what the worker's /metrics says: one dead core, restarted
     assert any("was killed by SIGKILL" in r.getMessage() and "3 open streams" in r.getMessage()
                for r in caplog.records)
 
@@ -184,36 +196,32 @@ def test_an_error_outside_a_step_ends_the_core_loudly_like_a_death(checkpoint, c
     assert "the engine core failed outside a step" in err and "unknown command 'no such command'" in err
 
 
-def test_an_add_that_raises_a_non_service_error_kills_the_core_which_is_restarted(checkpoint, capfd):
-    """Any failure outside a step: exit 1 with the traceback logged, open streams UNAVAILABLE,
-    serving turns off (health NOT_SERVING in the worker) and back on once a new core is ready."""
+def test_an_add_that_raises_a_non_service_error_fails_that_request_alone(checkpoint, capfd):
+    """Whatever a request brings fails that request alone: INVALID_ARGUMENT naming the exception, its traceback
+    logged, the stream beside it whole, the same core serving on, never restarted."""
     serving_changes = []
 
     async def on_serving(serving: bool) -> None:
         serving_changes.append(serving)
 
     async def scenario(client: EngineClient):
-        stream = client.generate("open", [1, 2, 3], greedy(400))
-        await stream.__anext__()
-        failed = client.process
+        core = client.process
+        out: asyncio.Queue = asyncio.Queue()
+        stream = client.generate("open", [1, 2, 3], greedy(40))
+        first = await stream.__anext__()
         # A prompt of text, not ids: the engine's add raises TypeError, no ServiceError.
-        failed.send({"type": "add", "id": "bad", "prompt": "abc", "params": ipc.params_to_dict(greedy(2))})
-        with pytest.raises(Unavailable, match="exited with code 1"):
-            await asyncio.wait_for(collect_rest(stream), WAIT_S)
-        assert failed.popen.returncode == 1
-        assert await eventually(lambda: not client.serving and serving_changes[-1] is False)
-        assert await eventually(lambda: client.serving, START_S)
-        assert serving_changes == [True, False, True] and client.process is not failed
-        return await collect(client, "again", [3, 1, 4], greedy(6))
+        client.submit("bad", "abc", greedy(2), out)
+        error = await asyncio.wait_for(out.get(), WAIT_S)
+        rest = [o.token_id async for o in stream]
+        assert client.process is core and core.popen.poll() is None and client.serving
+        return [first.token_id] + rest, error, client.restarts
 
-    async def collect_rest(stream):
-        async for _ in stream:
-            pass
-
-    tokens = run_client(checkpoint, scenario, on_serving=on_serving, restart_delay_s=(0.05, 0.1))
-    assert tokens == make_engine(checkpoint).generate([[3, 1, 4]], greedy(6))[0]
+    tokens, error, restarts = run_client(checkpoint, scenario, on_serving=on_serving, restart_delay_s=(0.05, 0.1))
+    assert isinstance(error, InvalidArgument) and "TypeError" in str(error)
+    assert tokens == make_engine(checkpoint).generate([[1, 2, 3]], greedy(40))[0]
+    assert serving_changes == [True] and restarts == 0
     err = capfd.readouterr().err
-    assert "the engine core failed outside a step" in err and "Traceback" in err and "TypeError" in err
+    assert "request 1 could not be added" in err and "Traceback" in err and "TypeError" in err
 
 
 def test_core_exits_when_the_worker_goes(checkpoint):

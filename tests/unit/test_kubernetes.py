@@ -317,6 +317,7 @@ def test_the_adapter_rule_adds_the_workers_running_and_waiting_gauges():
 
     class Stats:
         info = None  # no speculative decoding: its series are not exported
+        restarts = 0
         stats = dict(waiting=3, running=5, kv_blocks_used=0, kv_blocks_free=1, prefix_queries=0, prefix_hits=0,
                      prefix_cache_hit_rate=0.0, preemptions=0)
 

@@ -134,6 +134,9 @@ class EngineConfig:
     # int8 weights on CPU in bf16: each matmul's input rows quantized to int8 too (one scale per row) and
     # multiplied in integers (AMX-INT8, or VNNI at a few rows); False keeps bf16 activations (q8_linear.c).
     int8_activations: bool = True
+    # A structured-output grammar still compiling after this long fails its request (RESOURCE_EXHAUSTED). Compiles
+    # run beside the steps and take milliseconds; the limit is for the schema built to take far longer.
+    grammar_compile_timeout_s: float = 10.0
     limits: SchedulerLimits = None  # type: ignore[assignment]
     speculative: SpeculativeConfig = None  # type: ignore[assignment]
 
@@ -158,6 +161,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be none, fp8 or int8, got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout_s}")
 
     def to_dict(self) -> dict:
         """As JSON-ready data: how the config crosses to the engine core and to tensor-parallel ranks."""

@@ -74,6 +74,8 @@ class EngineClient:
         # Tokens computed for requests whose caller had already gone: the price of aborting only
         # at step boundaries, which should stay at a step or two per cancelled stream.
         self.tokens_after_cancel = 0
+        # Cores found dead (exited, killed, or hung) and restarted: each one ended every stream it held.
+        self.restarts = 0
         self.process: CoreProcess | None = None  # the latest core started, ready or not
         self._core: CoreProcess | None = None    # the core serving requests; None while loading or restarting
         self._down_reason = "the model is still loading; retry shortly"
@@ -223,6 +225,7 @@ class EngineClient:
                     self.failure = why
                     self.failed.set()
                     return
+                self.restarts += 1
                 delay = first_delay
                 while True:
                     log.error("%s; restarting it in %.0f s", why, delay)

@@ -22,11 +22,13 @@ from collections.abc import Callable
 
 import torch
 
-from rpcserver.errors import ServiceError, Unavailable
+from rpcserver.errors import InvalidArgument, ServiceError, Unavailable
 from rpcserver.server import setup_logging
 from services.model_worker.config.engine import EngineConfig
 from services.model_worker.config.model import ConfigError
+from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.core import protocol
+from services.model_worker.core.grammar_compiles import GrammarCompiles
 from services.model_worker.core.stats_log import StatsLog
 from services.model_worker.engine.llm_engine import LLMEngine, StepOutput
 from services.model_worker.host import cpu_affinity
@@ -34,9 +36,15 @@ from services.model_worker.model.loader import LoadError
 
 log = logging.getLogger("engine_core")
 
+# Put in the command queue when a grammar has compiled, so that an idle core looks at once.
+_WAKE = object()
+
 
 class EngineDeadError(Exception):
-    """A step failed inside the model's forward or the sampler.
+    """A step failed inside the model's forward or the sampler: the one failure that ends the core.
+
+    Whatever a request brings (its parameters, its grammar, any exception while it is added or its grammar
+    compiles) fails that request alone, and the core serves on.
 
     The device may be poisoned (after a CUDA illegal address or launch failure every later step
     fails too), so the core ends and the worker starts a fresh one, as vLLM v1's EngineDeadError.
@@ -46,7 +54,9 @@ class EngineDeadError(Exception):
 class EngineCore:
     """Owns the engine; commands come in from a queue and one update frame goes out per step.
 
-    Commands are applied between steps, so a sequence joins or leaves at any step boundary.
+    Commands are applied between steps, so a sequence joins or leaves at any step boundary. A request with
+    structured output joins once its grammar has compiled on a thread of its own (GrammarCompiles), so the
+    running sequences keep stepping meanwhile.
     """
 
     def __init__(self, engine: LLMEngine, send: Callable[[dict], None], stats_interval_s: float = 10.0):
@@ -57,34 +67,46 @@ class EngineCore:
         self.adds_applied = 0  # lets the worker count adds still in flight, for its exact queue limit
         self.steps = 0
         self.errors: list[list] = []  # for the next update frame
+        self.compiles = GrammarCompiles(engine.grammar, engine.engine_config.grammar_compile_timeout_s, self._wake)
+        self._commands: queue.SimpleQueue | None = None
 
     def run(self, commands: queue.SimpleQueue) -> None:
         """Until a shutdown command or the end of the socket (None in the queue)."""
+        self._commands = commands
         while True:
             batch = self._take(commands)
             for command in batch:
+                if command is _WAKE:
+                    continue
                 if isinstance(command, BaseException):
                     raise command  # the reader thread failed
                 if command is None or command["type"] == "shutdown":
                     return
                 self._apply(command)
+            self._admit_compiled()
             if self.engine.has_work():
                 self._step()
-            elif batch:
+            elif batch or self.errors:
                 self._send_update([], None)  # e.g. aborts that emptied the engine: the worker's stats must say so
 
     def stats(self) -> dict:
         blocks = self.engine.block_manager
-        return {**self.engine.stats(), "prefix_queries": blocks.prefix_queries, "prefix_hits": blocks.prefix_hits,
+        stats = self.engine.stats()
+        # A compiling request waits like a queued one, and counts against the worker's queue limit.
+        stats["waiting"] += len(self.compiles)
+        return {**stats, "prefix_queries": blocks.prefix_queries, "prefix_hits": blocks.prefix_hits,
                 "adds_applied": self.adds_applied, "steps": self.steps}
 
     def _take(self, commands: queue.SimpleQueue) -> list:
-        """Every command waiting; when there is nothing to step, block until one comes."""
+        """Every command waiting; when there is nothing to step, block until one comes (or a compile ends)."""
         batch = []
         if not self.engine.has_work():
             self.stats_log.maybe_log()  # the tail of a busy spell
+            # Until a stats line is due or a compile's time limit needs checking, whichever comes first.
+            waits = [s for s in (self.stats_log.seconds_until_due(), self.compiles.seconds_until_due())
+                     if s is not None]
             try:
-                batch.append(commands.get(timeout=self.stats_log.seconds_until_due()))
+                batch.append(commands.get(timeout=min(waits, default=None)))
             except queue.Empty:
                 return batch
         while True:
@@ -99,16 +121,53 @@ class EngineCore:
             request_id = command["id"]
             self.adds_applied += 1
             try:
-                self.engine.add_request(request_id, command["prompt"], protocol.params_from_dict(command["params"]))
-            except ServiceError as e:
-                self.errors.append(protocol.error_to_list(request_id, e))
+                self._add(request_id, command["prompt"], protocol.params_from_dict(command["params"]))
+            except Exception as e:  # noqa: BLE001 - whatever a request brings fails that request alone
+                self._fail(request_id, e)
             else:
                 self.live.add(request_id)
         elif kind == "abort":
             self.engine.abort(command["id"])
+            self.compiles.discard(command["id"])
             self.live.discard(command["id"])
         else:
             raise protocol.ProtocolError(f"unknown command {kind!r}")
+
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if request_id in self.compiles:
+            raise InvalidArgument(f"request id {request_id!r} is already in use")
+        if params.structured_output is None:
+            self.engine.add_request(request_id, prompt, params)
+        else:
+            self.compiles.submit(self.engine.new_sequence(request_id, prompt, params))
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar has compiled join the batch; those whose compile failed or timed out end."""
+        if not len(self.compiles):
+            return
+        ready, failed = self.compiles.take_settled()
+        for seq in ready:
+            try:
+                self.engine.admit(seq)
+            except Exception as e:  # noqa: BLE001 - e.g. the queue filled while it compiled
+                self.live.discard(seq.request_id)
+                self._fail(seq.request_id, e)
+        for request_id, error in failed:
+            self.live.discard(request_id)
+            self._fail(request_id, error)
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        """Ends one request with an error status; anything but a ServiceError is logged as the bug it is."""
+        if not isinstance(error, ServiceError):
+            log.error("request %s could not be added; it fails alone and the core serves on", request_id,
+                      exc_info=error)
+            error = InvalidArgument(f"the request could not be added: {type(error).__name__}: {error}")
+        self.errors.append(protocol.error_to_list(request_id, error))
+
+    def _wake(self) -> None:
+        """On a compile thread, as a compile ends."""
+        if self._commands is not None:
+            self._commands.put(_WAKE)
 
     def _step(self) -> None:
         self.stats_log.step_started()

@@ -97,6 +97,15 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Checks, compiles the grammar (if any) here and now, and queues the sequence; the engine core
+        compiles on a thread of its own instead (new_sequence, then admit)."""
+        seq = self.new_sequence(request_id, prompt_ids, params)
+        if params.structured_output is not None:
+            seq.grammar = self.grammar.matcher(params.structured_output)
+        return self.admit(seq)
+
+    def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """The request as a sequence, its grammar not compiled; InvalidArgument naming what is wrong with it."""
         if request_id in self._seqs:
             raise InvalidArgument(f"request id {request_id!r} is already in use")
         if not prompt_ids:
@@ -113,11 +122,14 @@ class LLMEngine:
         if max_tokens > room:
             raise InvalidArgument(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                                   f"context of {self.max_model_len} tokens; lower max_tokens to at most {room}")
-        seq = Sequence(request_id, prompt_ids, params, max_tokens, self.eos_ids, self.device)
-        if params.structured_output is not None:
-            seq.grammar = self.grammar.matcher(params.structured_output)
+        return Sequence(request_id, prompt_ids, params, max_tokens, self.eos_ids, self.device)
+
+    def admit(self, seq: Sequence) -> Sequence:
+        """Queues a checked sequence (its grammar compiled, if it has one) for the next steps."""
+        if seq.request_id in self._seqs:
+            raise InvalidArgument(f"request id {seq.request_id!r} is already in use")
         self.scheduler.add(seq)
-        self._seqs[request_id] = seq
+        self._seqs[seq.request_id] = seq
         return seq
 
     def abort(self, request_id: str) -> bool:

@@ -7,23 +7,94 @@ Qwen's 151,936 tokens in ~0.05 ms a step.
 
 JSON is generated compact (no whitespace between tokens of the JSON syntax), so even a model with
 random weights cannot stall an object with spaces: only strings and numbers can run long.
+
+Everything here is fed text a client wrote. Its size and nesting depth are checked before any parser
+sees it (Python's json and llguidance's GBNF converter recurse, and llguidance's JSON compiler refuses
+past a depth of its own with a plain ValueError); llguidance's fuel limits bound the work of a compile
+and of each mask; and the engine core compiles on compile_pool's threads, under a time limit
+(core/grammar_compiles.py), so no grammar holds back another request's step.
 """
 from __future__ import annotations
 
 import json
 import pathlib
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy
 import torch
 
-from rpcserver.errors import InvalidArgument
-from services.model_worker.config.sampling import StructuredOutput
+from rpcserver.errors import InvalidArgument, ServiceError
+from services.model_worker.config.sampling import MAX_STRUCTURED_CHARS, StructuredOutput
 
 # Compact JSON: "," and ":" with no whitespace around them (OpenAI's and vLLM's outputs may hold
 # spaces; a parser cannot tell the difference).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+# Brackets open at once in a constraint's text. llguidance's JSON compiler refuses a schema of about 64
+# nested objects (128 brackets: each level is a schema object and its "properties"), and the GBNF
+# converter and Python's json recurse once a level, so deeper text is refused before either reads it.
+# Real schemas stay far below: OpenAI allows 10 levels of nested objects.
+MAX_NESTING_DEPTH = 128
+# Threads compiling grammars: more than one, so a slow compile does not queue every other behind it.
+COMPILE_THREADS = 2
+
+
+def parser_limits():
+    """llguidance's bounds on the work of a compile and of each mask fill, pinned here (at the values
+    llguidance 1.9.1 ships by default) so that an upgrade cannot loosen them unseen: initial_lexer_fuel bounds the
+    lexer's construction (~20 ms), step_lexer_fuel and step_max_items each mask (~14 ms and ~2.5 ms),
+    max_grammar_size the compiled grammar, max_items_in_row a rule's alternatives."""
+    import llguidance
+
+    return llguidance.LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+                                     step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000)
+
+
+def nesting_depth(text: str, quotes: str, classes: bool) -> int:
+    """The most brackets ((, [ and {) open at once, in one linear pass: none inside quoted strings, after a
+    backslash, or (classes: a regex or grammar) inside a [...] character class."""
+    depth = deepest = 0
+    quote, in_class, escaped = None, False, False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif quote is not None:
+            quote = None if ch == quote else quote
+        elif in_class:
+            in_class = ch != "]"
+        elif ch in quotes:
+            quote = ch
+        elif classes and ch == "[":
+            in_class = True
+        elif ch in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in ")]}":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+def check_bounds(constraint: StructuredOutput) -> None:
+    """InvalidArgument when a constraint's text is longer or nested deeper than any parser here is asked to take."""
+    kind, value = constraint.kind, constraint.value
+    if len(value) > MAX_STRUCTURED_CHARS:
+        raise InvalidArgument(f"structured_output {kind} is {len(value)} characters; "
+                              f"at most {MAX_STRUCTURED_CHARS} are allowed")
+    if kind in ("json_schema", "choice"):
+        depth = nesting_depth(value, quotes='"', classes=False)
+    elif kind == "regex":
+        depth = nesting_depth(value, quotes="", classes=True)
+    elif kind == "grammar":
+        depth = nesting_depth(value, quotes='"', classes=True)
+    else:
+        depth = 0
+    if depth > MAX_NESTING_DEPTH:
+        raise InvalidArgument(f"structured_output {kind} is nested {depth} levels deep; at most "
+                              f"{MAX_NESTING_DEPTH} are allowed (flatten it, or move shared parts to $defs)")
 
 
 def grammar_text(constraint: StructuredOutput) -> str:
@@ -36,11 +107,14 @@ def grammar_text(constraint: StructuredOutput) -> str:
     if kind == "json_schema":
         try:
             schema = json.loads(value)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise InvalidArgument(f"structured_output json_schema is not JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidArgument("structured_output json_schema must be a JSON object")
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
+        except ValueError as e:  # e.g. "recursion limit exceeded" past its own nesting depth
+            raise InvalidArgument(f"structured_output json_schema is invalid: {_first_line(str(e))}") from None
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value)
     if kind == "choice":
@@ -50,8 +124,8 @@ def grammar_text(constraint: StructuredOutput) -> str:
     if kind == "grammar":
         try:
             return llguidance.grammar_from("grammar", value)  # GBNF, EBNF or Lark
-        except ValueError as e:
-            raise InvalidArgument(f"structured_output grammar is invalid: {e}") from None
+        except (ValueError, RecursionError) as e:
+            raise InvalidArgument(f"structured_output grammar is invalid: {_first_line(str(e))}") from None
     raise InvalidArgument(f"unknown structured_output kind {kind!r}")
 
 
@@ -68,6 +142,10 @@ class GrammarEngine:
         self._tokenizer = None
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._compile_pool: ThreadPoolExecutor | None = None
+        # When the tokenizer finished loading (time.monotonic()); None before. A compile's time limit runs
+        # from here at the earliest, so the first constrained request is not failed for the load.
+        self.tokenizer_loaded_at: float | None = None
 
     @property
     def tokenizer(self):
@@ -83,6 +161,7 @@ class GrammarEngine:
                     # A request error, not a dead engine: free text still works on this checkpoint.
                     raise InvalidArgument(f"structured_output needs the checkpoint's tokenizer.json, which this "
                                           f"worker cannot read: {type(e).__name__}: {e}") from None
+                self.tokenizer_loaded_at = time.monotonic()
             return self._tokenizer
 
     @property
@@ -91,17 +170,30 @@ class GrammarEngine:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         return self._pool
 
+    @property
+    def compile_pool(self) -> ThreadPoolExecutor:
+        """Where the engine core compiles (apart from the mask thread, which a step waits on)."""
+        if self._compile_pool is None:
+            self._compile_pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        return self._compile_pool
+
     def matcher(self, constraint: StructuredOutput) -> GrammarState:
-        """A matcher at the grammar's start; InvalidArgument naming what is wrong with the constraint."""
+        """A matcher at the grammar's start, its first mask filled on this thread; InvalidArgument naming what
+        is wrong with the constraint, whatever the parsers raised."""
         import llguidance
 
-        grammar = grammar_text(constraint)
+        check_bounds(constraint)
+        tokenizer = self.tokenizer
+        limits = parser_limits()
         try:
-            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+            grammar = grammar_text(constraint)
+            error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
             if error and not error.startswith("WARNING"):
                 raise InvalidArgument(f"structured_output {constraint.kind} is invalid: {_first_line(error)}")
-            matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        except (ValueError, RuntimeError) as e:  # the compiler's own refusals, whatever their spelling
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+        except ServiceError:
+            raise
+        except (ValueError, RuntimeError, RecursionError) as e:  # the compiler's own refusals, whatever their spelling
             raise InvalidArgument(f"structured_output {constraint.kind} is invalid: {_first_line(str(e))}") from None
         if matcher.is_error():
             raise InvalidArgument(f"structured_output {constraint.kind} is invalid: "
@@ -109,6 +201,9 @@ class GrammarEngine:
         return GrammarState(matcher, self.vocab_size, self.pool, constraint.start_after)
 
     def close(self) -> None:
+        if self._compile_pool is not None:
+            # A compile past its time limit may still run; closing does not wait for it.
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
@@ -127,7 +222,11 @@ class GrammarState:
         # Until this token is generated (the end of the reasoning) nothing is masked or matched.
         self.waiting_for = start_after
         if self.active:
-            self.prepare()
+            # The first mask is filled here, on the constructing thread (the engine core's compile thread), not
+            # on the mask thread every step waits on: a new grammar's first fill, like its compile, delays no step.
+            self._fill()
+            self._pending = Future()
+            self._pending.set_result(None)
 
     @property
     def active(self) -> bool:

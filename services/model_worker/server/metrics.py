@@ -48,6 +48,10 @@ class EngineCollector:
                                 value=stats["prefix_cache_hit_rate"])
         yield CounterMetricFamily("vllm_v0_worker_preemptions", "sequences preempted for lack of KV blocks",
                                   value=stats["preemptions"])
+        # Read from the client, not the core's snapshot: it outlives every core it restarts.
+        yield CounterMetricFamily("vllm_v0_worker_engine_core_restarts", "engine cores found dead (a failed step, "
+                                  "a crash, a hang) and restarted; each ended every stream it held",
+                                  value=self.client.restarts)
         method = (self.client.info or {}).get("speculative_method")
         if method:
             proposed = CounterMetricFamily("vllm_v0_worker_spec_proposed_tokens", "speculative decoding: tokens "

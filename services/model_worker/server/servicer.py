@@ -1,17 +1,19 @@
 """ModelWorkerService: requests to engine calls and engine outputs to stream messages."""
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterator
 
 from rpcserver.errors import Unavailable
+from rpcserver.pieces import GRPC_MESSAGE_BYTES, piece_budget
 from rpcserver.shared import SAMPLING_FIELDS
 from rpcserver.status import grpc_errors
 from services.model_worker.config.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from services.model_worker.core.client import EngineClient
 from services.model_worker.core.kv_events import LoadDelta
 from services.model_worker.server.metrics import REQUESTS
-from services.model_worker.server.multiplex import MultiplexedCall, step_message
+from services.model_worker.server.multiplex import MultiplexedCall, step_messages
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -46,16 +48,18 @@ def structured_output(message: worker_pb2.StructuredOutput) -> StructuredOutput 
         constraint = StructuredOutput.choice(list(message.choice.choices))
     else:
         constraint = StructuredOutput(kind, getattr(message, kind))
-    if message.HasField("start_after_token_id"):
-        constraint.start_after = message.start_after_token_id
+    if message.HasField("start_after_token_id"):  # the constraint is frozen: a copy that waits for the token
+        constraint = dataclasses.replace(constraint, start_after=message.start_after_token_id)
     return constraint
 
 
 class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
-    def __init__(self, model_name: str, engine: EngineClient | None = None):
+    def __init__(self, model_name: str, engine: EngineClient | None = None,
+                 max_message_bytes: int = GRPC_MESSAGE_BYTES):
         # Registered before the server starts; the engine arrives once the checkpoint is found.
         self._engine = engine
         self.model_name = model_name
+        self.max_message_bytes = max_message_bytes  # the server's send limit, which no stream message may pass
 
     @property
     def engine(self) -> EngineClient:
@@ -88,13 +92,14 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
         request_id = request.request_id or uuid.uuid4().hex
         first = True
         async for out in self.engine.generate(request_id, list(request.prompt_token_ids), params):
-            yield step_message(out, first)
+            for message in step_messages(out, first, piece_budget(self.max_message_bytes)):
+                yield message
             first = False
 
     @grpc_errors
     async def GenerateMany(self, requests, context):
         # Each request's errors are outputs on the call; only an unreadable message ends it early.
-        async for response in MultiplexedCall(lambda: self.engine, self._params).serve(requests):
+        async for response in MultiplexedCall(lambda: self.engine, self._params, self.max_message_bytes).serve(requests):
             yield response
 
     @grpc_errors
