@@ -1,4 +1,7 @@
 """Flags every service shares: --version, and range checks that name the flag at start."""
+import pathlib
+import re
+
 import pytest
 
 from gateway.main import parse_args as gateway_args
@@ -64,3 +67,23 @@ def test_max_message_bytes_takes_a_size():
 def test_http_requests_have_a_deadline_by_default():
     assert gateway_args([]).http_request_timeout == 600
     assert gateway_args(["--http-request-timeout", "0"]).http_request_timeout == 0
+
+
+def documented_flags() -> set[str]:
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    return set(re.findall(r"`(--[a-z0-9-]+)", text))
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_every_flag_is_in_the_configuration_reference(name, capsys, monkeypatch):
+    """docs/configuration.md is the reference the README points to: a new flag goes in it."""
+    monkeypatch.setenv("COLUMNS", "10000")  # no flag name broken across lines
+    with pytest.raises(SystemExit):
+        SERVICES[name](["--help"])
+    flags = set(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", capsys.readouterr().out))
+    flags -= {"--help", "--version"}
+    assert flags, "no flags read from --help"
+    # `--no-x` is documented beside its `--x`
+    missing = sorted(f for f in flags if f not in documented_flags()
+                     and not (f.startswith("--no-") and "--" + f[5:] in documented_flags()))
+    assert not missing, f"{name}: flags missing from docs/configuration.md: {missing}"
