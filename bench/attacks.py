@@ -170,30 +170,39 @@ def grpc_tools(rng, served):
     return req
 
 
-def forced_call_text(rng: random.Random) -> str:
-    """A regex whose one match is call text that breaks a naive tool-call parser."""
-    head = '<tool_call>\\n\\{"name": '
+def lark_text(text: str) -> str:
+    """`text` as a Lark string literal."""
+    return json.dumps(text)
+
+
+def forced_call_grammar(rng: random.Random) -> str:
+    """A Lark grammar whose one sentence is call text that breaks a naive tool-call parser.
+
+    `<tool_call>` is Qwen3's own token, named as one (unquoted): the model writes it as that token."""
+    call = "start: <tool_call> "
     kind = rng.randrange(6)
     if kind == 0:  # a whitespace run then another character, inside the arguments
-        return head + '"get_weather", "arguments": \\{"city": "x", {1500}z"\\}\\}\\n</tool_call>'
+        return (call + lark_text('\n{"name": "get_weather", "arguments": {"city": "x",') + " SPACES "
+                + lark_text('z"}}\n') + " </tool_call>\nSPACES: / {1500}/\n")
     if kind == 1:  # a name that never ends
-        return head + '"' + "a{2500}"
+        return call + lark_text('\n{"name": "') + " NAME\nNAME: /a{2500}/\n"
     if kind == 2:  # an invalid escape in the name
-        return head + '"get\\\\q", "arguments": \\{\\}\\}\\n</tool_call>'
+        return call + lark_text('\n{"name": "get\\q", "arguments": {}}\n') + " </tool_call>\n"
     if kind == 3:  # a raw control character in the name
-        return head + '"get\\x01weather", "arguments": \\{\\}\\}\\n</tool_call>'
+        return call + lark_text('\n{"name": "get') + " CONTROL " + lark_text('weather", "arguments": {}}\n') \
+            + " </tool_call>\nCONTROL: /\\x01/\n"
     if kind == 4:  # brackets deeper than Python's recursion limit
-        return "<tool_call>\\n\\[{2500}"
-    return "(<tool_call>\\n){300}"  # unterminated calls, one after another
+        return call + lark_text("\n") + " BRACKETS\nBRACKETS: /\\[{2500}/\n"
+    return "start: opened{300}\nopened: <tool_call> " + lark_text("\n") + "\n"  # unterminated calls in a row
 
 
 def steered_by_grammar(rng, served):
-    """Tools offered, and the output forced by a regex into text that breaks naive parsers."""
+    """Tools offered, and the output forced by a grammar into text that breaks naive parsers."""
     req = gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user", content=ASK[0]["content"])],
                                       max_tokens=3000, temperature=0, enable_thinking=False)
     req.tools.append(json.dumps(WEATHER))
-    req.structured_output.regex = forced_call_text(rng)
-    req.logit_bias[served.space] = 100.0  # where the regex allows any amount of it, the longest whitespace run
+    req.structured_output.grammar = forced_call_grammar(rng)
+    req.logit_bias[served.space] = 100.0  # where the grammar allows any amount of it, the longest whitespace run
     return req
 
 
