@@ -80,14 +80,24 @@ async def grpc_stream(stub, text: str, new_tokens: int) -> list[float]:
     return stamps
 
 
+def completion_body(text: str, new_tokens: int) -> bytes:
+    # An empty model name is the served model, as in vLLM; any other name but the served one is a 404.
+    return json.dumps({"model": "", "prompt": text, "max_tokens": new_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+
+
 async def http_stream(port: int, text: str, new_tokens: int) -> list[float]:
     """POST /v1/completions with stream: true; one stamp per `data: {` event."""
-    body = json.dumps({"model": "m", "prompt": text, "max_tokens": new_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True}).encode()
+    body = completion_body(text, new_tokens)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
     await writer.drain()
+    status = await reader.readline()
+    if status.split()[1:2] != [b"200"]:
+        # A refused request has no events: timing it would report nothing, or a figure for nothing.
+        writer.close()
+        raise RuntimeError(f"POST /v1/completions answered {status.decode(errors='replace').strip()!r}")
     stamps = []
     async for line in reader:  # chunked framing lines are skipped: only event lines start with `data:`
         if line.startswith(b"data: {"):

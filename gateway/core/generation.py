@@ -140,17 +140,9 @@ class GenerationCore:
         """
         self.check(req)
         constraint = forced_call_constraint(req.tools, req.tool_choice)
-        if constraint is not None:
-            if req.structured_output is not None:
-                raise InvalidArgument('tool_choice "required" or a named function already constrains the output; '
-                                      "leave out response_format and structured_outputs")
-            # The constraint holds from the first token, so the model answers without a think block:
-            # the prompt closes it, as enable_thinking false does.
-            if req.enable_thinking:
-                raise InvalidArgument('tool_choice "required" or a named function constrains the output from its '
-                                      "first token, which leaves no room for thinking; set enable_thinking to "
-                                      "false or use tool_choice \"auto\"")
-            req.enable_thinking = False
+        if constraint is not None and req.structured_output is not None:
+            raise InvalidArgument('tool_choice "required" or a named function already constrains the output; '
+                                  "leave out response_format and structured_outputs")
         limits = self.limits()
         check_for_worker(req, limits)
         prompt_ids, rendered = await self.encode(req, timeout(), encodes=encodes)
@@ -161,11 +153,12 @@ class GenerationCore:
         max_tokens = check_prompt_length(len(prompt_ids), req.max_tokens, limits, req.name_of("max_tokens"))
         # max_tokens 0 scores the prompt: the worker runs its prefill and one token, which is dropped here.
         work = worker_request(req, prompt_ids, max(max_tokens, 1), record.worker_request_id)
-        if constraint is not None:
-            constrain(work, req, constraint)
-        elif work.HasField("structured_output") and reasoning_comes_first(req, rendered):
-            # As in vLLM: the model reasons freely, and the constraint holds from the end of its think block.
-            think_end = next((i for i, text in self.downstreams.token_text.items() if text == THINK_END), None)
+        if constraint is not None or work.HasField("structured_output"):
+            # As in vLLM with a reasoning parser: in a chat that thinks, the model reasons freely and the
+            # constraint (a structured output, or the forced calls) holds from the end of its think block.
+            think_end = self._think_end() if reasoning_comes_first(req, rendered) else None
+            if constraint is not None:
+                constrain(work, req, constraint, after_reasoning=think_end is not None)
             if think_end is not None:
                 work.structured_output.start_after_token_id = think_end
 
@@ -206,8 +199,9 @@ class GenerationCore:
                     delta.finish_reason, delta.stop_reason = "stop", matched
                 elif final:
                     delta.finish_reason = FINISH_REASONS[step.finish_reason]
-                    grammar_done = req.structured_output is not None and not _is_stop_id(step.token_id, req,
-                                                                                          self.downstreams)
+                    # A grammar that completes ends the sequence on its own last token: no stop reason to give.
+                    constrained = req.structured_output is not None or constraint is not None
+                    grammar_done = constrained and not _is_stop_id(step.token_id, req, self.downstreams)
                     if delta.finish_reason == "eos" and not grammar_done:
                         delta.stop_reason = self.downstreams.token_text.get(step.token_id, str(step.token_id))
                     delta.text += stops.flush()
@@ -232,6 +226,10 @@ class GenerationCore:
                 stream.cancel()  # frees the worker's sequence on a stop string, an error or a client cancel
             if text is not None:
                 text.cancel()  # a no-op once its final ids went out
+
+    def _think_end(self) -> int | None:
+        """The id of the token that ends a think block (`</think>`), when the served tokenizer has one."""
+        return next((i for i, text in self.downstreams.token_text.items() if text == THINK_END), None)
 
     async def _prompt_extras(self, req: GenerationRequest, prompt_ids: list[int], step: worker_pb2.GenerateResponse,
                              with_pieces: bool) -> tuple[list[PromptLogprob] | None, str | None]:
@@ -282,11 +280,13 @@ def chat_message(req: GenerationRequest, index: int) -> tokenizer_pb2.ChatMessag
                     for c in req.message_tool_calls.get(index, [])])
 
 
-def constrain(work: worker_pb2.GenerateRequest, req: GenerationRequest, constraint: dict) -> None:
+def constrain(work: worker_pb2.GenerateRequest, req: GenerationRequest, constraint: dict,
+              after_reasoning: bool = False) -> None:
     """A forced tool call ("required" or a named function): the worker's grammar engine admits only
     `<tool_call>` blocks whose JSON is a call of an allowed tool with valid arguments (a structured output
-    beside it is refused before the request reaches a worker)."""
-    work.structured_output.grammar = tool_call_grammar(constraint, req.parallel_tool_calls)
+    beside it is refused before the request reaches a worker). `after_reasoning`: the grammar starts
+    right after the model's `</think>`, not at its first token."""
+    work.structured_output.grammar = tool_call_grammar(constraint, req.parallel_tool_calls, after_reasoning)
 
 
 def worker_request(req: GenerationRequest, prompt_ids: list[int], max_tokens: int,

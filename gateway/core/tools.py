@@ -85,7 +85,7 @@ def forced_call_constraint(tools: list[str], tool_choice: str) -> dict | None:
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
-def tool_call_grammar(constraint: dict, parallel: bool) -> str:
+def tool_call_grammar(constraint: dict, parallel: bool, after_reasoning: bool = False) -> str:
     """The forced-call constraint as a Lark grammar for the worker's structured-output engine.
 
     One `<tool_call>` block, or several on their own lines when parallel calls are allowed (and the
@@ -95,6 +95,8 @@ def tool_call_grammar(constraint: dict, parallel: bool) -> str:
     tokens (unquoted): llguidance will not spell a special token's text out of other tokens.
     The grammar ends with the last call: once it is complete the matcher admits only an end-of-
     sequence token, so nothing, not even whitespace, follows the forced calls.
+    `after_reasoning`: the grammar starts right after the model's `</think>`, where Qwen3 writes a blank
+    line before its answer; that line is allowed (at most two newlines), so the model keeps its own format.
     """
     rules = []
     for i, structure in enumerate(constraint["structures"]):
@@ -105,5 +107,7 @@ def tool_call_grammar(constraint: dict, parallel: bool) -> str:
         rules.append(f"json{i}: %json {json.dumps(schema)}")
     calls = " | ".join(f"call{i}" for i in range(len(constraint["structures"])))
     many = parallel and not constraint.get("stop_after_first", False)
-    start = 'start: call ("\\n" call)*' if many else "start: call"
+    start = "start: " + ("BLANK? " if after_reasoning else "") + ('call ("\\n" call)*' if many else "call")
+    if after_reasoning:
+        rules.append("BLANK: /\\n\\n?/")
     return "\n".join([start, f"call: {calls}", *rules]) + "\n"

@@ -66,8 +66,10 @@ def to_proto(delta: Delta, request_id: str,
     call_ids = {} if call_ids is None else call_ids
     for call in delta.tool_calls:
         call_ids.setdefault(call.index, call.id)
+    # A cut-off mark adds nothing to a stream: the call's pieces went out as they came, and the finish
+    # reason (LENGTH, or STOP for a stop string) says it is cut; sent, it would be an empty piece.
     calls = [gateway_pb2.ToolCall(id=call_ids[c.index], name=c.name or "", arguments=c.arguments)
-             for c in delta.tool_calls]
+             for c in delta.tool_calls if c.cut_off is None]
     reply = gateway_pb2.GenerateResponse(
         text=delta.text, token_ids=delta.token_ids, reasoning_text=delta.reasoning_text, tool_calls=calls, logprobs=[
         gateway_pb2.Logprobs(chosen=gateway_pb2.TokenLogprob(token_id=lp.chosen.token_id, logprob=lp.chosen.logprob),

@@ -243,7 +243,7 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
             return error_response(e)
         return served
 
-    add_tokenize_routes(app, core, read_body, request_timeout_s or None)
+    add_tokenize_routes(app, core, read_body, request_timeout_s or None, check_model)
 
     @app.get("/health")
     async def health():

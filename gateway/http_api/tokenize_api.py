@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request
 
 from gateway.core.generation import GenerationCore
-from gateway.core.validation import GenerationRequest, validate
+from gateway.core.validation import GenerationRequest, check_for_worker
 from gateway.http_api.openai_errors import error_response
 from gateway.http_api.openai_protocol import ChatRequest, DetokenizeRequest, TokenizeRequest, chat_request, parse
 from rpcserver.errors import InvalidArgument
@@ -26,15 +26,19 @@ def tokenize_request(body: TokenizeRequest) -> GenerationRequest:
 
 
 def add_tokenize_routes(app: FastAPI, core: GenerationCore, read_body: Callable[[Request], Awaitable[bytes]],
-                        timeout: float | None) -> None:
-    """`timeout`: seconds each tokenizer call may take (the gateway's --http-request-timeout; None: no limit)."""
+                        timeout: float | None, check_model: Callable[[str], None]) -> None:
+    """`timeout`: seconds each tokenizer call may take (the gateway's --http-request-timeout; None: no limit);
+    `check_model`: the generation routes' check of a body's `model` (an unknown one is a 404)."""
     @app.post("/tokenize")
     async def tokenize(request: Request):
         try:
             body = parse(TokenizeRequest, await read_body(request))
+            check_model(body.model)
             req = tokenize_request(body)
+            # Invalid on its face: a 400 at once, even while no worker serves (the limits wait for one).
+            core.check(req)
             limits = core.limits()
-            validate(req, limits)
+            check_for_worker(req, limits)
             add_special_tokens = body.add_special_tokens
             if add_special_tokens is None:
                 add_special_tokens = body.prompt is not None
@@ -47,6 +51,7 @@ def add_tokenize_routes(app: FastAPI, core: GenerationCore, read_body: Callable[
     async def detokenize(request: Request):
         try:
             body = parse(DetokenizeRequest, await read_body(request))
+            check_model(body.model)
             if any(token < 0 for token in body.tokens):
                 raise InvalidArgument("tokens must be token ids >= 0")
             reply = await core.downstreams.tokenizer.Decode(tokenizer_pb2.DecodeRequest(token_ids=body.tokens),

@@ -16,6 +16,7 @@ import urllib.request
 import jsonschema
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from vllm_v0.gateway.v1 import gateway_pb2
 
@@ -84,19 +85,62 @@ BOUNDED = {"type": "function", "function": {"name": "pick_city", "parameters": {
     "required": ["city", "days"], "additionalProperties": False}}}
 
 
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def steered_to_think(checkpoint) -> dict:
+    """Sampling that makes a random model think briefly and then end its think block: +100 on <think> opens it,
+    each further <think> costs 2 (frequency) on top of 2 (presence), so after about ten </think> (+80) wins.
+    Thinking on, nothing in the prompt closes the block: without the model's </think> no constraint starts."""
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    return {"logit_bias": {str(tokenizer.token_to_id("<think>")): 100, str(tokenizer.token_to_id("</think>")): 80},
+            "frequency_penalty": 2.0, "presence_penalty": 2.0}
+
+
+@pytest.mark.parametrize("thinking", [True, False])
 @pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_a_forced_tool_choice_always_returns_a_call_whose_arguments_validate(client, seed, parallel):
+def test_a_forced_tool_choice_always_returns_a_call_whose_arguments_validate(client, checkpoint, seed, parallel,
+                                                                             thinking):
     """Random weights never write a tool call unaided: with a named function the worker's grammar makes exactly
-    one, and ends the output there, whether or not parallel calls are allowed."""
-    choice = client.chat.completions.create(model="", messages=CONVERSATION[:1], tools=[WEATHER, BOUNDED],
-                                            tool_choice={"type": "function", "function": {"name": "pick_city"}},
-                                            parallel_tool_calls=parallel, temperature=1.0, seed=seed,
-                                            max_tokens=64).choices[0]
+    one, and ends the output there, whether or not parallel calls are allowed. Thinking on (Qwen3's default),
+    the model reasons first and the grammar starts after its </think>, as vLLM's does with a reasoning parser."""
+    steering = steered_to_think(checkpoint) if thinking else {"extra_body": NO_THINKING}
+    reply = client.chat.completions.create(model="", messages=CONVERSATION[:1], tools=[WEATHER, BOUNDED],
+                                           tool_choice={"type": "function", "function": {"name": "pick_city"}},
+                                           parallel_tool_calls=parallel, temperature=1.0, seed=seed,
+                                           max_tokens=200, **steering)
+    choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls
     assert call.function.name == "pick_city"
     jsonschema.validate(json.loads(call.function.arguments), BOUNDED["function"]["parameters"])
+    # The grammar ended the output, not a stop token; the think block is reasoning, and no part of it content.
+    assert choice.model_extra["stop_reason"] is None and choice.message.content is None
+    assert bool(choice.message.model_extra.get("reasoning_content")) == thinking
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_a_forced_tool_choice_over_grpc_with_thinking_on_and_off(gateway, checkpoint, thinking):
+    steering = steered_to_think(checkpoint)
+    request = gateway_pb2.GenerateRequest(
+        messages=[gateway_pb2.ChatMessage(**CONVERSATION[0])], tools=[json.dumps(WEATHER), json.dumps(BOUNDED)],
+        tool_choice="pick_city", temperature=1.0, seed=4, max_tokens=200)
+    if thinking:
+        request.logit_bias.update({int(k): v for k, v in steering["logit_bias"].items()})
+        request.frequency_penalty, request.presence_penalty = 2.0, 2.0
+    else:
+        request.enable_thinking = False
+    replies = list(gateway.Generate(request, timeout=120))
+    calls: dict[str, dict] = {}
+    for piece in (c for r in replies for c in r.tool_calls):
+        call = calls.setdefault(piece.id, {"name": piece.name, "arguments": ""})
+        call["arguments"] += piece.arguments
+    assert [c["name"] for c in calls.values()] == ["pick_city"]
+    jsonschema.validate(json.loads(next(iter(calls.values()))["arguments"]), BOUNDED["function"]["parameters"])
+    assert bool("".join(r.reasoning_text for r in replies)) == thinking
+    assert "".join(r.text for r in replies).strip() == ""
+    assert (replies[-1].finish_reason, replies[-1].stop_reason) == (gateway_pb2.FINISH_REASON_EOS, "")
 
 
 def readme_grpcurl_commands_with(word: str) -> list[list[str]]:

@@ -71,7 +71,7 @@ def test_a_model_name_is_checked_once_the_served_one_is_known(serve):
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
     ("/v1/chat/completions", {**CHAT, "temperature": -1}, "temperature"),
     ("/v1/chat/completions", {**CHAT, "stop": [""]}, "stop[0]"),
-    ("/v1/chat/completions", {**CHAT, "tool_choice": "required", "chat_template_kwargs": {"enable_thinking": True},
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required", "response_format": {"type": "json_object"},
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
 ])
 def test_a_request_invalid_on_its_face_gets_400_while_no_worker_serves(serve, path, body, param):

@@ -59,6 +59,9 @@ def serve(demo_tokenizer):
         ids = [*demo_tokenizer.encode(script), IM_END] if finish == worker_pb2.FINISH_REASON_EOS else \
             demo_tokenizer.encode(script)
         downstreams = FakeDownstreams(demo_tokenizer, ids, finish)
+        # As the tokenizer's GetInfo lists them: the special tokens, </think> among them.
+        think_end = demo_tokenizer.tokenizer.token_to_id("</think>")
+        downstreams.token_text = {**downstreams.token_text, think_end: "</think>"}
         downstreams.tokenizer = RenderingTokenizer(demo_tokenizer)
         downstreams.detokenizer.tokenizer = downstreams.tokenizer
         app = create_app(GenerationCore(downstreams, {}), lambda: "qwen3", lambda: True, None, 1 << 20)
@@ -188,8 +191,6 @@ def test_reasoning_cut_by_max_tokens_stays_reasoning(serve):
 @pytest.mark.parametrize("extra, param, words", [
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "already constrains"),
-    ({"tools": [WEATHER], "tool_choice": "required", "extra_body": {"chat_template_kwargs": {"enable_thinking": True}}},
-     "tool_choice", "thinking"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
     ({"tool_choice": "required"}, "tool_choice", "no tools"),
@@ -266,26 +267,37 @@ def test_grpc_parallel_tool_calls_false_and_forced_choice(serve):
     assert '"const": "get_weather"' in grammar and '"now"' not in grammar
 
 
+@pytest.mark.parametrize("thinking", [None, True, False])
 @pytest.mark.parametrize("choice, names, parallel", [
     ("required", ["get_weather", "now"], True),
     ({"type": "function", "function": {"name": "now"}}, ["now"], True),
     ("required", ["get_weather", "now"], False),
 ])
 def test_a_forced_tool_choice_constrains_the_worker_to_calls_of_the_allowed_tools(serve, demo_tokenizer, choice,
-                                                                                   names, parallel):
-    """The worker gets a grammar of `<tool_call>` blocks over the allowed tools' schemas, and a prompt whose think
-    block is closed (the constraint holds from the first token); the answer is parsed as with "auto"."""
+                                                                                   names, parallel, thinking):
+    """The worker gets a grammar of `<tool_call>` blocks over the allowed tools' schemas; the answer is parsed as
+    with "auto". Thinking on (Qwen3's default), the prompt leaves the think block to the model and the grammar
+    starts after its `</think>`, as vLLM's does with a reasoning parser; off, it holds from the first token."""
     client, downstreams = serve(CALLS)
+    extra = {} if thinking is None else {"extra_body": {"chat_template_kwargs": {"enable_thinking": thinking}}}
     message = client.chat.completions.create(model="qwen3", messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice,
-                                             parallel_tool_calls=parallel).choices[0].message
+                                             parallel_tool_calls=parallel, **extra).choices[0].message
     work = downstreams.works[-1]
     grammar = work.structured_output.grammar
     # Only "required" with parallel calls lets the grammar go on after a call; a named function is called once.
     many = parallel and choice == "required"
-    assert grammar.startswith("start: call (\"\\n\" call)*\n" if many else "start: call\n")
+    # After </think> Qwen3 writes a blank line before its answer: the grammar lets it.
+    blank = "BLANK? " if thinking is not False else ""
+    assert grammar.startswith(f"start: {blank}call (\"\\n\" call)*\n" if many else f"start: {blank}call\n")
     assert sorted(n for n in ("get_weather", "now") if f'"const": "{n}"' in grammar) == names
     assert json.dumps(WEATHER["function"]["parameters"]) in grammar or names == ["now"]
-    assert demo_tokenizer.decode(list(work.prompt_token_ids)).endswith("<think>\n\n</think>\n\n")
+    prompt = demo_tokenizer.decode(list(work.prompt_token_ids))
+    if thinking is False:
+        assert prompt.endswith("<think>\n\n</think>\n\n")
+        assert not work.structured_output.HasField("start_after_token_id")
+    else:
+        assert prompt.endswith("<|im_start|>assistant\n")
+        assert work.structured_output.start_after_token_id == demo_tokenizer.tokenizer.token_to_id("</think>")
     assert [c.function.name for c in message.tool_calls] == ["get_weather"] * (2 if parallel else 1)
 
 
@@ -340,10 +352,16 @@ def grammar_bound(downstreams, demo_tokenizer_dir, script: str):
     def open_worker_stream(work, timeout):
         downstreams.ids = wanted
         if work.HasField("structured_output"):
-            matcher = llguidance.LLMatcher(tokenizer, work.structured_output.grammar, log_level=0)
-            taken = matcher.validate_tokens(wanted)
-            assert matcher.consume_tokens(wanted[:taken]) and matcher.is_stopped(), script
-            downstreams.ids = wanted[:taken]
+            constraint = work.structured_output
+            free = 0  # as the worker's grammar state: nothing is matched until start_after_token_id is generated
+            if constraint.HasField("start_after_token_id"):
+                assert constraint.start_after_token_id in wanted, script
+                free = wanted.index(constraint.start_after_token_id) + 1
+            matcher = llguidance.LLMatcher(tokenizer, constraint.grammar, log_level=0)
+            assert not matcher.get_error(), matcher.get_error()
+            taken = matcher.validate_tokens(wanted[free:])
+            assert matcher.consume_tokens(wanted[free:free + taken]) and matcher.is_stopped(), script
+            downstreams.ids = wanted[:free + taken]
         return FakeDownstreams.open_worker_stream(downstreams, work, timeout)
     downstreams.open_worker_stream = open_worker_stream
 
@@ -351,24 +369,42 @@ def grammar_bound(downstreams, demo_tokenizer_dir, script: str):
 COMPACT_CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
 
 
+@pytest.mark.parametrize("thinking", [True, False])
 @pytest.mark.parametrize("choice, parallel, calls", [
     ({"type": "function", "function": {"name": "get_weather"}}, True, 1),
     ({"type": "function", "function": {"name": "get_weather"}}, False, 1),
     ("required", False, 1),
     ("required", True, 5),  # "required" with parallel calls: as many as the model writes
 ])
-def test_a_forced_tool_choice_returns_its_calls_and_ends(serve, demo_tokenizer_dir, choice, parallel, calls):
-    """A model that would call the tool again and again: the grammar ends the output after the forced calls."""
-    script = "\n".join([COMPACT_CALL] * 5)
+def test_a_forced_tool_choice_returns_its_calls_and_ends(serve, demo_tokenizer_dir, choice, parallel, calls, thinking):
+    """A model that would call the tool again and again: the grammar ends the output after the forced calls.
+    Thinking on, the model reasons first, unconstrained, and the calls follow its `</think>`."""
+    script = (THINKING if thinking else "") + "\n".join([COMPACT_CALL] * 5)
     client, downstreams = serve(script)
     grammar_bound(downstreams, demo_tokenizer_dir, script)
-    kwargs = dict(messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice, parallel_tool_calls=parallel)
+    kwargs = dict(messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice, parallel_tool_calls=parallel,
+                  extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+    reasoning = "\nThe user wants the weather — twice. 🌦\n" if thinking else None
     whole = client.chat.completions.create(model="qwen3", **kwargs).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    assert whole.message.model_extra["reasoning_content"] == reasoning
     assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == [
         ("get_weather", {"city": "Paris"})] * calls
-    content, _, stream_calls, finish, _ = streamed(client, **kwargs)
-    assert (content, finish, len(stream_calls)) == ("", "tool_calls", calls)
+    # The grammar ended the output, not a stop token: there is no stop reason to give.
+    assert whole.model_extra["stop_reason"] is None
+    content, streamed_reasoning, stream_calls, finish, _ = streamed(client, **kwargs)
+    assert (content, streamed_reasoning, finish, len(stream_calls)) == ("", reasoning or "", "tool_calls", calls)
+
+
+def test_a_forced_call_over_grpc_ends_with_no_stop_reason(serve, demo_tokenizer_dir):
+    script = THINKING + "\n".join([COMPACT_CALL] * 2)
+    _, downstreams = serve(script)
+    grammar_bound(downstreams, demo_tokenizer_dir, script)
+    replies = generate(downstreams, gateway_pb2.GenerateRequest(
+        messages=[gateway_pb2.ChatMessage(**ASK[0])], tools=[json.dumps(WEATHER)], tool_choice="get_weather"))
+    assert "".join(r.reasoning_text for r in replies) == "\nThe user wants the weather — twice. 🌦\n"
+    assert [c.name for r in replies for c in r.tool_calls if c.name] == ["get_weather"]
+    assert (replies[-1].finish_reason, replies[-1].stop_reason) == (gateway_pb2.FINISH_REASON_EOS, "")
 
 
 def test_a_call_cut_off_by_max_tokens_is_content_in_a_whole_response(serve):
@@ -381,6 +417,19 @@ def test_a_call_cut_off_by_max_tokens_is_content_in_a_whole_response(serve):
     assert [json.loads(c.function.arguments) for c in whole.message.tool_calls] == [{"city": "Paris", "days": 2}]
     content, _, calls, finish, _ = streamed(client, messages=ASK, tools=[WEATHER])
     assert (content, finish) == ("", "length") and [c["name"] for c in calls] == ["get_weather"] * 2
+
+
+def test_a_call_cut_off_by_max_tokens_sends_no_empty_piece_over_grpc(serve):
+    """gRPC streams as HTTP does: the cut call's pieces went out as they came, and LENGTH says it is cut."""
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    _, downstreams = serve(CALLS.split("\n<tool_call>")[0] + "\n" + cut, finish=worker_pb2.FINISH_REASON_LENGTH)
+    replies = generate(downstreams, gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(**ASK[0])],
+                                                                tools=[json.dumps(WEATHER)]))
+    pieces = [c for r in replies for c in r.tool_calls]
+    assert all(c.name or c.arguments for c in pieces), pieces
+    assert [c.name for c in pieces if c.name] == ["get_weather"] * 2 and len({c.id for c in pieces}) == 2
+    arguments = "".join(c.arguments for c in pieces if c.id == pieces[-1].id)
+    assert arguments == '{"city": "Pa' and replies[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
 
 
 @pytest.mark.parametrize("bad", [

@@ -106,3 +106,25 @@ def test_the_forced_call_grammar_ends_after_its_calls(grammar_tokens, choice, pa
         # Complete: the worker ends the sequence here, and the only token the grammar still admits is an end.
         assert matcher.is_stopped() and allowed_ids(matcher) == set(eos)
         assert matcher.validate_tokens(second) == 0 and matcher.validate_tokens(encoder.encode(" ").ids) == 0
+
+
+@pytest.mark.parametrize("lead, after_reasoning, taken", [
+    ("\n\n", True, True),  # Qwen3's blank line after </think>: one token
+    ("\n", True, True),
+    ("", True, True),
+    ("\n\n\n", True, False),  # a blank line, not a run of whitespace
+    ("Sure. ", True, False),  # nothing but the calls, even after the reasoning
+    ("\n\n", False, False),  # thinking off: the call from the first token, as the prompt ends with the blank line
+])
+def test_after_the_reasoning_the_grammar_lets_qwen3_write_its_blank_line(grammar_tokens, lead, after_reasoning,
+                                                                          taken):
+    import llguidance
+
+    tokenizer, encoder, eos = grammar_tokens
+    grammar = tool_call_grammar(forced_call_constraint([WEATHER, CLOCK], "get_weather"), True, after_reasoning)
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    assert not matcher.get_error(), matcher.get_error()
+    ids = encoder.encode(lead + WEATHER_CALL).ids
+    assert (matcher.validate_tokens(ids) == len(ids)) == taken
+    if taken:
+        assert matcher.consume_tokens(ids) and matcher.is_stopped() and allowed_ids(matcher) == set(eos)
