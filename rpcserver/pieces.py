@@ -75,26 +75,42 @@ def split_prompt_logprobs(message: M, budget: int, piece: Callable[[], M]) -> li
 
 
 class PromptLogprobsJoiner:
-    """Joins pieces of prompt logprobs (see `split_prompt_logprobs`) back into one list, checking their offsets."""
+    """Joins pieces of prompt logprobs (see `split_prompt_logprobs`) back into one list, checking their offsets.
+
+    Pieces are only kept as they come; `complete` copies their entries with protobuf's C code (a whole
+    message's MergeFrom: a third of the time of a Python object per entry), once, where the caller chooses:
+    40,000 positions of 20 candidates take about 40 ms, too long for an event loop's turn.
+    """
 
     def __init__(self):
-        self.held: list = []
+        self.pieces: list = []  # the leading pieces, in order
+        self.positions = 0  # how many entries they hold
 
     def add(self, message) -> None:
         """Take a message's entries; ValueError when they do not start where the ones held end."""
-        if message.prompt_logprobs_offset != len(self.held):
+        if message.prompt_logprobs_offset != self.positions:
             raise ValueError(f"prompt logprobs from position {message.prompt_logprobs_offset} came after "
-                             f"{len(self.held)} positions: a piece is missing or repeated")
-        self.held.extend(message.prompt_logprobs)
+                             f"{self.positions} positions: a piece is missing or repeated")
+        self.pieces.append(message)
+        self.positions += len(message.prompt_logprobs)
 
-    def complete(self, message) -> None:
-        """Add the last piece's entries, then put every entry held into `message` (the first token's)."""
-        if not self.held:
+    def complete(self, message):
+        """`message` (the first token's) with every entry held before its own; ValueError as `add`.
+
+        Without leading pieces that is `message` itself; else a new message, and the pieces are used up.
+        """
+        if not self.pieces:
             if message.prompt_logprobs_offset:
                 self.add(message)  # raises: the leading pieces never came
-            return
+            return message
         self.add(message)
-        del message.prompt_logprobs[:]
-        message.prompt_logprobs.extend(self.held)
-        message.prompt_logprobs_offset = 0
-        self.held = []
+        pieces, self.pieces, self.positions = self.pieces[:-1], [], 0
+        joined = type(message)()
+        for piece in pieces:
+            for field, _ in piece.ListFields():  # its entries alone: its flag and offset are not the token's
+                if field.name != "prompt_logprobs":
+                    piece.ClearField(field.name)
+            joined.MergeFrom(piece)  # repeated fields append
+        joined.MergeFrom(message)
+        joined.prompt_logprobs_offset = 0
+        return joined

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
@@ -96,6 +97,11 @@ class GrpcServer:
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         start_metrics_server(self.config.host, self.config.metrics_port)
         await self.server.start()
+        # Everything alive now (imports, mostly) lives as long as the process. A full collection walks every
+        # tracked object holding the GIL, so a thread's allocations stall the loop too: the worker's front
+        # paused 100 ms a collection while a long prompt's logprobs were read. Frozen, the collector skips them.
+        gc.collect()
+        gc.freeze()
         self.loop_lag.start()
         log.info("listening on %s:%d (%s)", self.config.host, self.port, "TLS" if credentials else "plaintext")
         return self.port

@@ -233,12 +233,16 @@ class GenerationCore:
 
     async def _prompt_extras(self, req: GenerationRequest, prompt_ids: list[int], step: worker_pb2.GenerateResponse,
                              with_pieces: bool) -> tuple[list[PromptLogprob] | None, str | None]:
-        """The prompt's logprobs (from the worker's first step) and, for echo, its text; pieces when asked for."""
-        scored = list(step.prompt_logprobs) if req.prompt_logprobs is not None else None
+        """The prompt's logprobs (from the worker's first step) and, for echo, its text; pieces when asked for.
+
+        A long prompt's logprobs are tens of thousands of entries: they are read on a thread, so the event
+        loop serves every other stream meanwhile.
+        """
+        scored = step.prompt_logprobs if req.prompt_logprobs is not None else None
         if scored is not None and len(scored) != len(prompt_ids):
             raise Unavailable(f"the model worker sent {len(scored)} prompt logprobs for {len(prompt_ids)} prompt tokens")
         prompt_text, pieces = None, []
-        piece_ids = [t for t, s in zip(prompt_ids, scored) for t in (t, *(x.token_id for x in s.top))] \
+        piece_ids = await asyncio.to_thread(_prompt_piece_ids, prompt_ids, scored) \
             if scored is not None and with_pieces else []
         if req.echo or piece_ids:
             # One decode of the whole prompt gives its text and every token's bytes; special tokens are kept,
@@ -248,15 +252,7 @@ class GenerationCore:
             prompt_text = req.prompt if req.prompt is not None else decoded
         if scored is None:
             return None, prompt_text if req.echo else None
-        out, at = [], 0
-        for token_id, entry in zip(prompt_ids, scored):
-            ids = [token_id, *(t.token_id for t in entry.top)]
-            got = pieces[at:at + len(ids)] if pieces else [None] * len(ids)
-            at += len(ids) if pieces else 0
-            logprob = entry.logprob if entry.HasField("logprob") else None
-            out.append(PromptLogprob(TokenLogprob(token_id, logprob, got[0]),
-                                     [TokenLogprob(t.token_id, t.logprob, p) for t, p in zip(entry.top, got[1:])]))
-        return out, prompt_text if req.echo else None
+        return await asyncio.to_thread(_prompt_logprobs, prompt_ids, scored, pieces), prompt_text if req.echo else None
 
 
 def reasoning_comes_first(req: GenerationRequest, rendered_prompt: str) -> bool:
@@ -314,6 +310,24 @@ def _is_stop_id(token_id: int, req: GenerationRequest, downstreams) -> bool:
     """Whether an "eos" finish came from an eos or stop token id, not a completed structured output."""
     info = downstreams.worker_info
     return token_id in req.stop_token_ids or (info is not None and token_id in info.eos_token_ids)
+
+
+def _prompt_piece_ids(prompt_ids: list[int], scored) -> list[int]:
+    """Each prompt token's id, then its position's candidates' ids: the ids whose bytes the OpenAI shapes need."""
+    return [t for t, s in zip(prompt_ids, scored) for t in (t, *(x.token_id for x in s.top))]
+
+
+def _prompt_logprobs(prompt_ids: list[int], scored, pieces: list[bytes]) -> list[PromptLogprob]:
+    """The worker's prompt logprobs as the core's objects, with each token's bytes when `pieces` has them."""
+    out, at = [], 0
+    for token_id, entry in zip(prompt_ids, scored):
+        ids = [token_id, *(t.token_id for t in entry.top)]
+        got = pieces[at:at + len(ids)] if pieces else [None] * len(ids)
+        at += len(ids) if pieces else 0
+        logprob = entry.logprob if entry.HasField("logprob") else None
+        out.append(PromptLogprob(TokenLogprob(token_id, logprob, got[0]),
+                                 [TokenLogprob(t.token_id, t.logprob, p) for t, p in zip(entry.top, got[1:])]))
+    return out
 
 
 def _piece_ids(step: worker_pb2.GenerateResponse) -> list[int]:

@@ -22,14 +22,18 @@ OpenCall = Callable[[AsyncIterator[worker_pb2.GenerateManyRequest]], grpc.aio.St
 
 async def joined_steps(steps: AsyncIterable[worker_pb2.GenerateResponse]) -> AsyncIterator[worker_pb2.GenerateResponse]:
     """A worker's token stream with the pieces of its prompt logprobs joined onto the first token's message,
-    so what follows sees one message per token, as when the prompt was short."""
+    so what follows sees one message per token, as when the prompt was short.
+
+    Pieces come only past a megabyte of entries, whose copy would hold the event loop for tens of
+    milliseconds: they are joined on a thread (this stream's later steps wait for it, other streams do not).
+    """
     joiner = PromptLogprobsJoiner()
     async for step in steps:
         try:
             if step.prompt_logprobs_only:
                 joiner.add(step)
                 continue
-            joiner.complete(step)
+            step = await asyncio.to_thread(joiner.complete, step) if joiner.pieces else joiner.complete(step)
         except ValueError as e:
             raise Unavailable(f"the model worker's prompt logprobs do not join up: {e}") from None
         yield step

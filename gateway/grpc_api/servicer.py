@@ -1,6 +1,8 @@
 """GatewayService: the public gRPC API, a thin adapter over the generation core."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from gateway.core.generation import Delta, GenerationCore
@@ -34,13 +36,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             call_ids: dict[int, str] = {}  # each tool call's id, repeated on its later pieces
             # Deadlines pass down to every downstream call.
             async for delta in self.core.generate(req, record, timeout=context.time_remaining):
-                for reply in in_pieces(to_proto(delta, record.request_id, call_ids), self.budget):
+                if delta.prompt_logprobs:  # tens of thousands of entries for a long prompt: built on a thread
+                    replies = await asyncio.to_thread(self._replies, delta, record.request_id, call_ids)
+                else:
+                    replies = self._replies(delta, record.request_id, call_ids)
+                for reply in replies:
                     yield reply
         except BaseException as e:
             error = e
             raise
         finally:
             record.done(code_for(error, context), error)  # every call, refused ones too: one log line each
+
+    def _replies(self, delta: Delta, request_id: str, call_ids: dict[int, str]) -> list[gateway_pb2.GenerateResponse]:
+        return in_pieces(to_proto(delta, request_id, call_ids), self.budget)
 
     @grpc_errors
     async def GetInfo(self, request, context) -> gateway_pb2.GetInfoResponse:

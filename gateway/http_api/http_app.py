@@ -209,7 +209,8 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
             return error_response(e)
         finally:
             await choices.close()
-        return JSONResponse(fmt.body(), headers={"x-request-id": request_id})
+        # With an echoed prompt's logprobs the body is tens of thousands of entries: built and rendered on a thread.
+        return await asyncio.to_thread(lambda: JSONResponse(fmt.body(), headers={"x-request-id": request_id}))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -295,7 +296,9 @@ async def stream_events(fmt: ResponseFormat, choices: Choices, firsts: list[tupl
     """
     try:
         for index, delta in firsts:
-            yield sse(_with_usage(fmt, fmt.chunk(index, delta), include_usage, continuous_usage))
+            # The first delta may carry an echoed prompt's logprobs: built and encoded on a thread.
+            yield await asyncio.to_thread(lambda: sse(_with_usage(fmt, fmt.chunk(index, delta), include_usage,
+                                                                  continuous_usage)))
         async for index, delta in choices.rest():
             yield sse(_with_usage(fmt, fmt.chunk(index, delta), include_usage, continuous_usage))
         if include_usage:

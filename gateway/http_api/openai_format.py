@@ -45,13 +45,20 @@ def _top(lp: Logprobs) -> dict | None:
     return None if lp.chosen.logprob is None else {_token(t): t.logprob for t in lp.top}
 
 
-def _offsets(logprobs: list[Logprobs], start: int) -> list[int]:
-    """Each token starts where the tokens before it in the chunk end (echoed prompt tokens lead the first)."""
+def _offsets(tokens: list[str], start: int, end: int | None = None) -> list[int]:
+    """Each token starts where the tokens before it end (echoed prompt tokens lead the first), capped at `end`."""
     offsets, position = [], start
-    for lp in logprobs:
-        offsets.append(position)
-        position += len(_token(lp.chosen))
+    for token in tokens:
+        offsets.append(position if end is None or position < end else end)
+        position += len(token)
     return offsets
+
+
+def _logprobs_columns(logprobs: list[Logprobs], start: int, end: int | None = None) -> dict:
+    """The completions shape; each token's text is decoded once, for `tokens` and the offsets alike."""
+    tokens = [_token(lp.chosen) for lp in logprobs]
+    return {"tokens": tokens, "token_logprobs": [lp.chosen.logprob for lp in logprobs],
+            "top_logprobs": [_top(lp) for lp in logprobs], "text_offset": _offsets(tokens, start, end)}
 
 
 class ResponseFormat:
@@ -164,23 +171,12 @@ class ResponseFormat:
     def _completion_logprobs(self, index: int, logprobs: list[Logprobs]) -> dict:
         # Each token starts where the text shown so far ends (text held back for a stop string
         # or a split character counts toward the token that releases it).
-        offset = len(self.text[index])
-        return {"tokens": [_token(lp.chosen) for lp in logprobs],
-                "token_logprobs": [lp.chosen.logprob for lp in logprobs],
-                "top_logprobs": [_top(lp) for lp in logprobs],
-                "text_offset": _offsets(logprobs, offset)}
+        return _logprobs_columns(logprobs, len(self.text[index]))
 
     def _offsets_logprobs(self, logprobs: list[Logprobs], text: str) -> dict:
         # Without the stream's timing, place each token at the end of the tokens before it,
         # capped at the text's length (text after a stop string is cut).
-        offsets, position = [], 0
-        for lp in logprobs:
-            offsets.append(min(position, len(text)))
-            position += len(_token(lp.chosen))
-        return {"tokens": [_token(lp.chosen) for lp in logprobs],
-                "token_logprobs": [lp.chosen.logprob for lp in logprobs],
-                "top_logprobs": [_top(lp) for lp in logprobs],
-                "text_offset": offsets}
+        return _logprobs_columns(logprobs, 0, len(text))
 
     @staticmethod
     def _chat_logprobs(logprobs: list[Logprobs]) -> dict:

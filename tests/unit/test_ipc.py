@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import threading
 
 import pytest
 
@@ -28,6 +29,30 @@ def test_frames_round_trip_blocking_and_async():
         reader.feed_eof()
         return [await ipc.read_async(reader) for _ in range(3)]
     assert asyncio.run(read_all()) == [*messages, None]
+
+
+def test_a_large_frame_is_decoded_off_the_event_loop_in_order(monkeypatch):
+    """A long prompt's logprobs make a frame of megabytes: its JSON is read on a thread, not the loop."""
+    threads = []
+    decode = ipc._decode
+
+    def recording(body):
+        threads.append(threading.current_thread())
+        return decode(body)
+
+    monkeypatch.setattr(ipc, "_decode", recording)
+    large = {"type": "update", "scores": [[i, -0.5] for i in range(ipc.OFF_LOOP_FRAME_BYTES // 8)]}
+    small = {"type": "abort", "id": "1"}
+    assert len(ipc.encode(large)) > ipc.OFF_LOOP_FRAME_BYTES > len(ipc.encode(small))
+
+    async def read_all():
+        reader = asyncio.StreamReader()
+        reader.feed_data(ipc.encode(large) + ipc.encode(small))
+        reader.feed_eof()
+        return [await ipc.read_async(reader) for _ in range(2)]
+
+    assert asyncio.run(read_all()) == [large, small]
+    assert threads[0] is not threading.main_thread() and threads[1] is threading.main_thread()
 
 
 @pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b'{"no": "type"}'])

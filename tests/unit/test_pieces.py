@@ -31,13 +31,12 @@ def scored_prompt(pb2, positions: int = POSITIONS, seed: int = 0) -> list:
     return entries
 
 
-def joined(messages) -> list:
+def joined(messages):
+    """The last message with the entries of every piece before its own."""
     joiner = PromptLogprobsJoiner()
     for message in messages[:-1]:
         joiner.add(message)
-    last = messages[-1]
-    joiner.complete(last)
-    return list(last.prompt_logprobs)
+    return joiner.complete(messages[-1])
 
 
 def test_forty_thousand_positions_go_out_as_pieces_under_the_budget_and_join_back():
@@ -58,8 +57,9 @@ def test_forty_thousand_positions_go_out_as_pieces_under_the_budget_and_join_bac
     # The token's message keeps its token; joined, the entries are the original ones.
     last = messages[-1]
     assert (last.token_id, last.logprob, last.prompt_tokens) == (7, -0.5, POSITIONS)
-    assert joined(messages) == list(original.prompt_logprobs)
-    assert last.prompt_logprobs_offset == 0 and last == original
+    whole = joined(messages)
+    assert list(whole.prompt_logprobs) == list(original.prompt_logprobs)
+    assert whole.prompt_logprobs_offset == 0 and whole == original
 
 
 def test_a_message_within_the_budget_is_left_as_it_is():
@@ -92,7 +92,7 @@ def test_the_public_reply_is_cut_the_same_way_and_its_first_piece_names_the_requ
     # A client that predates pieces and collects text and ids from every message still gets them whole.
     assert "".join(r.text for r in replies) == "Hi" and [t for r in replies for t in r.token_ids] == [9]
     assert [e for r in replies for e in r.prompt_logprobs] == list(original.prompt_logprobs)
-    assert joined(replies) == list(original.prompt_logprobs)
+    assert list(joined(replies).prompt_logprobs) == list(original.prompt_logprobs)
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -66,13 +66,20 @@ def read_blocking(stream: BinaryIO) -> dict | None:
     return _decode(body)
 
 
+# A frame this large (a long prompt's logprobs, say) is decoded on a thread: its JSON takes tens of
+# milliseconds, and the reader of the frames runs on the worker front's event loop.
+OFF_LOOP_FRAME_BYTES = 256 << 10
+
+
 async def read_async(reader: asyncio.StreamReader) -> dict | None:
     """The next frame from an asyncio stream; None at end of file (even inside a frame: the writer is gone)."""
     try:
         (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-        return _decode(await reader.readexactly(size))
+        body = await reader.readexactly(size)
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
+    # Frames stay in order: the caller awaits each one before it reads the next.
+    return await asyncio.to_thread(_decode, body) if size > OFF_LOOP_FRAME_BYTES else _decode(body)
 
 
 # -- payloads -------------------------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -23,6 +25,25 @@ log = logging.getLogger(__name__)
 FINISH_REASONS = {None: worker_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.EOS: worker_pb2.FINISH_REASON_EOS,
                   FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH}
 
+# Prompt logprobs for more positions than this are built on BUILDER, not on the event loop: at 20
+# candidates a position, a 3,500-token prompt is 73,500 messages, about 20 ms of CPU (more with the
+# collector), while every other stream of the server waits. Below it, a build takes about a millisecond.
+OFF_LOOP_POSITIONS = 256
+# One thread: large builds queue behind each other, and the loop contends with one thread for the GIL,
+# which it gets back every switch interval (5 ms), however many builds are waiting.
+BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-messages")
+
+
+def builds_off_loop(out: StepOutput) -> bool:
+    return out.prompt_logprobs is not None and len(out.prompt_logprobs) > OFF_LOOP_POSITIONS
+
+
+async def built_step_messages(out: StepOutput, first: bool, budget: int) -> list[worker_pb2.GenerateResponse]:
+    """`step_messages`, built on BUILDER when the output carries many prompt logprobs."""
+    if builds_off_loop(out):
+        return await asyncio.get_running_loop().run_in_executor(BUILDER, step_messages, out, first, budget)
+    return step_messages(out, first, budget)
+
 
 def step_messages(out: StepOutput, first: bool, budget: int) -> list[worker_pb2.GenerateResponse]:
     """One step of one request as Generate streams it: prompt logprobs too large for `budget` go
@@ -40,23 +61,36 @@ def step_message(out: StepOutput, first: bool) -> worker_pb2.GenerateResponse:
     if out.logprob is not None:
         msg.logprob = out.logprob
         msg.top_logprobs.extend(worker_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in out.top_logprobs)
+    add_entry = msg.prompt_logprobs.add
     for scored in out.prompt_logprobs or ():
-        entry = msg.prompt_logprobs.add()
+        entry = add_entry()
         if scored is not None:
             entry.logprob = scored[0]
-            entry.top.extend(worker_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in scored[1])
+            # add() builds each element in place: half the cost of building them apart and copying them in.
+            add_top = entry.top.add
+            for token_id, logprob in scored[1]:
+                add_top(token_id=token_id, logprob=logprob)
     return msg
+
+
+def request_outputs(request_id: str, out: StepOutput, first: bool,
+                    budget: int) -> tuple[list[worker_pb2.RequestOutput], list[int]]:
+    """One step of one request as GenerateMany outputs, with each one's bytes in a GenerateManyResponse."""
+    outputs = [worker_pb2.RequestOutput(request_id=request_id, step=step) for step in step_messages(out, first, budget)]
+    return outputs, [element_bytes(output.ByteSize()) for output in outputs]
 
 
 class _RequestSink:
     """The engine client's sink for one request of a call: hands each output to the call, naming the request."""
 
-    __slots__ = ("call", "request_id", "first")
+    __slots__ = ("call", "request_id", "first", "waiting")
 
     def __init__(self, call: MultiplexedCall, request_id: str):
         self.call = call
         self.request_id = request_id
         self.first = True
+        # While an output of this request is built off the loop: the ones that came after it, in order.
+        self.waiting: collections.deque | None = None
 
     def put_nowait(self, item: StepOutput | BaseException) -> None:
         self.call._collect(self, item)
@@ -73,6 +107,9 @@ class MultiplexedCall:
     gRPC ends the whole call when one message passes the send limit, so no message may: pending
     outputs go out in messages of at most the piece budget, a request's large prompt logprobs in
     pieces, and an output that would still pass `max_message_bytes` fails its own request instead.
+
+    An output with many prompt logprobs is built on BUILDER: the loop, and the other requests' outputs,
+    go on meanwhile, while that request's later outputs wait for it, so they never overtake it.
     """
 
     def __init__(self, engine: Callable[[], EngineClient],
@@ -163,19 +200,48 @@ class MultiplexedCall:
                 self.cancel(message.cancel)
             # No action: one this worker does not know (a newer caller's); nothing to do.
 
+    def _is_open(self, sink: _RequestSink) -> bool:
+        entry = self._open.get(sink.request_id)
+        return entry is not None and entry[1] is sink  # else cancelled: the engine may have had outputs in flight
+
     def _collect(self, sink: _RequestSink, item: StepOutput | BaseException) -> None:
+        if not self._is_open(sink):
+            return
+        if sink.waiting is not None:
+            sink.waiting.append(item)  # behind an output of its request still being built
+            return
         request_id = sink.request_id
-        entry = self._open.get(request_id)
-        if entry is None or entry[1] is not sink:
-            return  # cancelled: the engine may have had its output in flight
         if isinstance(item, BaseException):
             del self._open[request_id]
             code = status_for(item) if isinstance(item, ServiceError) else grpc.StatusCode.INTERNAL
             self._fail(request_id, code, str(item))
             return
-        outputs = [worker_pb2.RequestOutput(request_id=request_id, step=step)
-                   for step in step_messages(item, sink.first, self._budget)]
-        sizes = [element_bytes(output.ByteSize()) for output in outputs]
+        first, sink.first = sink.first, False
+        if builds_off_loop(item):
+            sink.waiting = collections.deque()
+            build = asyncio.get_running_loop().run_in_executor(BUILDER, request_outputs, request_id, item, first,
+                                                                self._budget)
+            build.add_done_callback(lambda done: self._built(sink, item, done))
+            return
+        self._add(sink, item, *request_outputs(request_id, item, first, self._budget))
+
+    def _built(self, sink: _RequestSink, item: StepOutput, build: asyncio.Future) -> None:
+        waiting, sink.waiting = sink.waiting, None
+        if not self._is_open(sink):
+            return  # cancelled while it was built: what waited behind it goes too
+        error = build.exception()
+        if error is not None:
+            log.error("request %s: building its output failed", sink.request_id, exc_info=error)
+            self.cancel(sink.request_id)
+            self._fail(sink.request_id, grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+            return
+        self._add(sink, item, *build.result())
+        while waiting:
+            self._collect(sink, waiting.popleft())  # in order; one that starts another build queues the rest again
+
+    def _add(self, sink: _RequestSink, item: StepOutput, outputs: list[worker_pb2.RequestOutput],
+             sizes: list[int]) -> None:
+        request_id = sink.request_id
         if max(sizes) > self._max_message_bytes:
             # Sent, it would end the call and every request on it: this request alone fails.
             self.cancel(request_id)
@@ -183,7 +249,6 @@ class MultiplexedCall:
                 f"an output of {max(sizes)} bytes is over the worker's message limit of {self._max_message_bytes} "
                 "bytes (--max-message-bytes); ask for fewer logprobs or raise the limit"))
             return
-        sink.first = False
         self._pending.extend(outputs)
         self._pending_sizes.extend(sizes)
         if item.finish_reason is not None:

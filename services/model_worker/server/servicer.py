@@ -13,7 +13,7 @@ from services.model_worker.config.sampling import MAX_LOGPROBS, SamplingParams, 
 from services.model_worker.core.client import EngineClient
 from services.model_worker.core.kv_events import LoadDelta
 from services.model_worker.server.metrics import REQUESTS
-from services.model_worker.server.multiplex import MultiplexedCall, step_messages
+from services.model_worker.server.multiplex import MultiplexedCall, built_step_messages
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -92,7 +92,8 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
         request_id = request.request_id or uuid.uuid4().hex
         first = True
         async for out in self.engine.generate(request_id, list(request.prompt_token_ids), params):
-            for message in step_messages(out, first, piece_budget(self.max_message_bytes)):
+            # Many prompt logprobs are built on a thread, so the loop serves the other calls meanwhile.
+            for message in await built_step_messages(out, first, piece_budget(self.max_message_bytes)):
                 yield message
             first = False
 
