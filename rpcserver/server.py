@@ -102,7 +102,6 @@ class GrpcServer:
         # paused 100 ms a collection while a long prompt's logprobs were read. Frozen, the collector skips them.
         gc.collect()
         gc.freeze()
-        self.loop_lag.start()
         log.info("listening on %s:%d (%s)", self.config.host, self.port, "TLS" if credentials else "plaintext")
         return self.port
 
@@ -116,6 +115,10 @@ class GrpcServer:
     async def set_serving(self, serving: bool) -> None:
         serving = serving and not self.draining  # once stopping, never SERVING again
         self.serving = serving
+        if serving:
+            # Watched from the first time it serves: loading a checkpoint's tokenizer may hold the GIL for
+            # seconds before then, while only health checks wait (NOT_SERVING) and no request does.
+            self.loop_lag.start()
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)

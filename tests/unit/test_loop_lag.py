@@ -70,6 +70,9 @@ def test_every_server_runs_one_and_exports_the_names_the_harness_reads():
     async def main():
         server = GrpcServer(ServerConfig("127.0.0.1", 0, 1.0, 1 << 20, None, None, None, "INFO"), [])
         await server.start()
+        # Watched once it serves: before, only health checks wait on a loop that loads a checkpoint.
+        assert server.loop_lag._task is None
+        await server.set_serving(True)
         try:
             await block_the_loop(server.loop_lag)
         finally:
