@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from gateway.core.metrics import RequestRecord
 from gateway.core.request_id import new_request_id
-from gateway.core.tools import forced_call_constraint, offered_tools, tool_call_grammar
+from gateway.core.tools import forced_call_constraint, is_forced, offered_tools, tool_call_grammar
 from gateway.core.validation import (
     GenerationRequest,
     Limits,
@@ -264,7 +264,8 @@ def chat_output(req: GenerationRequest, rendered_prompt: str) -> ChatOutput | No
     """The parsers for a chat's output (reasoning always, tool calls when tools are offered); None for a prompt."""
     if req.messages is None:
         return None
-    tools = ToolCallParser(req.parallel_tool_calls) if offered_tools(req.tools, req.tool_choice) else None
+    offered = offered_tools(req.tools, req.tool_choice)
+    tools = ToolCallParser(req.parallel_tool_calls, is_forced(req.tool_choice)) if offered else None
     return ChatOutput(ReasoningParser(prompt_opens_reasoning(rendered_prompt)), tools)
 
 

@@ -55,6 +55,11 @@ def offered_tools(tools: list[str], tool_choice: str) -> list[str]:
     return [] if tool_choice == "none" else list(tools)
 
 
+def is_forced(tool_choice: str) -> bool:
+    """Whether the choice forces calls: "required" or a named function."""
+    return tool_choice not in ("auto", "none")
+
+
 def forced_call_constraint(tools: list[str], tool_choice: str) -> dict | None:
     """For "required" or a named function: the structural tag that must constrain the output, else None.
 
@@ -64,7 +69,7 @@ def forced_call_constraint(tools: list[str], tool_choice: str) -> dict | None:
     `structural_tag` format; the worker's structured-output engine has to enforce it from the
     first token after the reasoning ends (see `constrain` in gateway/core/generation.py).
     """
-    if tool_choice in ("auto", "none"):
+    if not is_forced(tool_choice):
         return None
     structures = []
     for text in tools:

@@ -150,8 +150,10 @@ class ArgumentStream:
 class ToolCallParser:
     """One completion's calls. With `parallel` false, blocks after the first call are dropped."""
 
-    def __init__(self, parallel: bool = True):
+    def __init__(self, parallel: bool = True, forced: bool = False):
         self.parallel = parallel
+        # A forced tool choice's grammar allows only calls: a call cut off there is dropped, not content.
+        self.forced = forced
         self.calls = 0  # calls started so far: the next call's index
         self.finished_calls = 0  # calls whose block closed
         self.in_call = False
@@ -259,14 +261,15 @@ class ToolCallParser:
     def _cut_off(self, content: list[str], deltas: list[ToolCallDelta]) -> None:
         """The output ended inside a block: never a call. As vLLM's hermes parser, whose whole response
         gives text it cannot read as a call as content, the block's text is content; a call whose pieces
-        already went out (a stream) gets a last delta that says so."""
+        already went out (a stream) gets a last delta that says so. Under a forced tool choice the
+        output was to be calls alone, so the cut block is dropped: half a call is neither call nor content."""
         self.in_call = False
         if self.dropping:
             return
-        text = CALL_START + "".join(self.block)
+        text = "" if self.forced else CALL_START + "".join(self.block)
         if self.arguments is not None:
             deltas.append(ToolCallDelta(self.calls - 1, cut_off=text))
-        else:
+        elif text:
             content.append(text)
 
 

@@ -450,3 +450,14 @@ def test_tool_call_text_the_parser_cannot_read_is_content(serve, bad):
                                                                          stream=True)
                for piece in chunk.choices[0].delta.tool_calls or []]
     assert sorted(set(indexes)) == [0, 1] and indexes == sorted(indexes)
+
+
+def test_a_forced_call_cut_off_by_max_tokens_is_dropped_not_content(serve):
+    """Under a forced tool choice the output was to be calls alone: half a call is neither a call nor content."""
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    client, _ = serve(CALLS.split("\n<tool_call>")[0] + "\n" + cut, finish=worker_pb2.FINISH_REASON_LENGTH)
+    whole = client.chat.completions.create(model="qwen3", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == [{"city": "Paris", "days": 2}]
