@@ -205,9 +205,8 @@ def test_any_exception_while_a_request_is_added_fails_that_request_alone(checkpo
         engine.close()
 
 
-def test_a_slow_compile_does_not_hold_back_the_other_requests_steps(checkpoint, reference, tokenizer):
-    """The compile is held until the neighbour has stepped on: were it on the step's path, nothing would step."""
-    engine = make_engine(checkpoint)
+def hold_compiles(engine) -> tuple[threading.Event, threading.Event]:
+    """Make the engine's grammar compiles wait: (set when one starts, set to let it finish)."""
     real_matcher = engine.grammar.matcher
     compiling, release = threading.Event(), threading.Event()
 
@@ -217,6 +216,13 @@ def test_a_slow_compile_does_not_hold_back_the_other_requests_steps(checkpoint, 
         return real_matcher(constraint)
 
     engine.grammar.matcher = slow_matcher
+    return compiling, release
+
+
+def test_a_slow_compile_does_not_hold_back_the_other_requests_steps(checkpoint, reference, tokenizer):
+    """The compile is held until the neighbour has stepped on: were it on the step's path, nothing would step."""
+    engine = make_engine(checkpoint)
+    compiling, release = hold_compiles(engine)
     core = CoreOnThread(engine)
     try:
         core.send(add("slow", SamplingParams(temperature=1.0, seed=1, max_tokens=8,
@@ -264,15 +270,7 @@ def test_a_compile_past_its_time_limit_fails_its_request_alone(checkpoint, refer
 
 def test_an_aborted_request_leaves_its_compile_behind(checkpoint, reference):
     engine = make_engine(checkpoint)
-    real_matcher = engine.grammar.matcher
-    compiling, release = threading.Event(), threading.Event()
-
-    def slow_matcher(constraint):
-        compiling.set()
-        release.wait(WAIT_S)
-        return real_matcher(constraint)
-
-    engine.grammar.matcher = slow_matcher
+    compiling, release = hold_compiles(engine)
     core = CoreOnThread(engine)
     try:
         core.send(add("gone", greedy(4, StructuredOutput("regex", DIGITS))))
