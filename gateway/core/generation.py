@@ -5,7 +5,7 @@ Plain Python over the downstreams object; the gRPC servicer and the HTTP front b
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from gateway.core.metrics import RequestRecord
@@ -111,10 +111,14 @@ class GenerationCore:
         check_request(req, RequestLimits.from_overrides(self.limits_overrides))
 
     async def encode(self, req: GenerationRequest, timeout: float | None, add_generation_prompt: bool = True,
-                     add_special_tokens: bool = False, encodes: SharedEncodes | None = None) -> tuple[list[int], str]:
-        """(prompt ids, the rendered chat prompt or ""); with `encodes`, a prompt already encoded there is reused."""
+                     add_special_tokens: bool = False,
+                     encodes: SharedEncodes | None = None) -> tuple[Sequence[int], str]:
+        """(prompt ids, the rendered chat prompt or ""); with `encodes`, a prompt already encoded there is reused.
+
+        The ids stay in the reply's own container: an over-long prompt is refused by its length, before
+        hundreds of thousands of them are copied into a list on the event loop (once per choice)."""
         if req.prompt_token_ids is not None:
-            return list(req.prompt_token_ids), ""
+            return req.prompt_token_ids, ""
         encode = tokenizer_pb2.EncodeRequest(add_generation_prompt=add_generation_prompt,
                                              add_special_tokens=add_special_tokens)
         if req.messages is not None:
@@ -128,7 +132,7 @@ class GenerationCore:
             reply = await encodes.encode(self.downstreams.tokenizer, encode, timeout)
         else:
             reply = await self.downstreams.tokenizer.Encode(encode, timeout=timeout)
-        return list(reply.token_ids), reply.rendered
+        return reply.token_ids, reply.rendered
 
     async def generate(self, req: GenerationRequest, record: RequestRecord, timeout=lambda: None,
                        with_pieces: bool = False, encodes: SharedEncodes | None = None) -> AsyncIterator[Delta]:
@@ -151,6 +155,7 @@ class GenerationCore:
         # unique, so it gets the gateway's own.
         record.worker_request_id = new_request_id()
         max_tokens = check_prompt_length(len(prompt_ids), req.max_tokens, limits, req.name_of("max_tokens"))
+        prompt_ids = list(prompt_ids)  # within the context now
         # max_tokens 0 scores the prompt: the worker runs its prefill and one token, which is dropped here.
         work = worker_request(req, prompt_ids, max(max_tokens, 1), record.worker_request_id)
         if constraint is not None or work.HasField("structured_output"):

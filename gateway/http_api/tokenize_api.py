@@ -45,7 +45,7 @@ def add_tokenize_routes(app: FastAPI, core: GenerationCore, read_body: Callable[
             ids, _ = await core.encode(req, timeout, body.add_generation_prompt, add_special_tokens)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
-        return {"count": len(ids), "max_model_len": limits.max_context, "tokens": ids, "token_strs": None}
+        return {"count": len(ids), "max_model_len": limits.max_context, "tokens": list(ids), "token_strs": None}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import unicodedata
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -267,3 +268,27 @@ def test_no_worker_info_is_unavailable(demo_tokenizer):
     downstreams.worker_info = None
     with pytest.raises(Unavailable):
         run(GenerationCore(downstreams, {}), GenerationRequest(prompt="hi"))
+
+
+class CountingIds(list):
+    """Prompt ids that count how often they are read whole (copied into a list, iterated)."""
+    reads = 0
+
+    def __iter__(self):
+        CountingIds.reads += 1
+        return super().__iter__()
+
+
+def test_an_over_long_prompt_is_refused_by_its_length_before_its_ids_are_copied(demo_tokenizer):
+    """The Encode reply of a long prompt holds hundreds of thousands of ids: refused by len(), not read whole
+    on the event loop (once for each of its choices)."""
+    downstreams = FakeDownstreams(demo_tokenizer, [])
+
+    async def encode(request, timeout=None):
+        return SimpleNamespace(token_ids=CountingIds(range(5000)), rendered="")
+
+    downstreams.tokenizer.Encode = encode
+    CountingIds.reads = 0
+    with pytest.raises(InvalidArgument, match="5000 tokens"):
+        run(GenerationCore(downstreams, {}), GenerationRequest(prompt="long", max_tokens=1))
+    assert CountingIds.reads == 0
