@@ -157,7 +157,9 @@ def test_cancelled_client_leaves_no_sequence_in_the_worker(gateway, worker):
 
 
 @pytest.mark.parametrize("fields, fragment", [
-    (dict(prompt=""), "prompt is empty"),
+    # On the wire an empty prompt and an empty message list are the same message: the answer names both.
+    (dict(prompt=""), "neither prompt nor messages is given"),
+    (dict(messages=[]), "neither prompt nor messages is given"),
     (dict(prompt="hi", temperature=-1), "temperature"),
     (dict(prompt="hi", top_p=0), "top_p"),
     (dict(prompt="hi", top_p=1.5), "top_p"),
