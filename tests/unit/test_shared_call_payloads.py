@@ -216,10 +216,9 @@ class ScoringWorkerStream:
 
 
 def test_the_public_stream_carries_a_long_prompts_logprobs_in_pieces_a_default_client_reads(demo_tokenizer):
-    from gateway.core.generation import GenerationCore
-    from gateway.grpc_api.servicer import GatewayServicer
     from tests.unit.test_generation_core import FakeDownstreams
-    from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+    from tests.unit.test_tool_calls_api import generate
+    from vllm_v0.gateway.v1 import gateway_pb2
 
     text = " ".join(["Party 🦜🤗 中文分词 then more words."] * 2_000)
     prompt = demo_tokenizer.encode(text)
@@ -228,23 +227,9 @@ def test_the_public_stream_carries_a_long_prompts_logprobs_in_pieces_a_default_c
     downstreams.worker_info = worker_pb2.GetInfoResponse(model="fake", max_context=65_536, max_logprobs=20)
     downstreams.open_worker_stream = lambda work, timeout: ScoringWorkerStream(work)
 
-    async def run():
-        server = grpc.aio.server()
-        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-            GatewayServicer(GenerationCore(downstreams, {}), "qwen3"), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            # The client keeps gRPC's default 4 MiB receive limit.
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                request = gateway_pb2.GenerateRequest(prompt=text, max_tokens=2, prompt_logprobs=CANDIDATES,
-                                                      request_id="long")
-                return [r async for r in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request)]
-        finally:
-            await downstreams.detokenizer.close()
-            await server.stop(None)
-
-    replies = asyncio.run(asyncio.wait_for(run(), WAIT_S))
+    # The client keeps gRPC's default 4 MiB receive limit.
+    request = gateway_pb2.GenerateRequest(prompt=text, max_tokens=2, prompt_logprobs=CANDIDATES, request_id="long")
+    replies = generate(downstreams, request, timeout=WAIT_S)
     assert len(replies) > 4  # pieces, then the two tokens' messages
     assert replies[0].request_id == "long" and replies[-1].request_id == "long"
     assert [t for r in replies for t in r.token_ids] == [11, 12]

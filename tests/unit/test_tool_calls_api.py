@@ -205,7 +205,10 @@ def test_bad_tool_requests_are_refused(serve, extra, param, words):
     assert downstreams.works == []
 
 
-def generate(downstreams, request: gateway_pb2.GenerateRequest) -> list[gateway_pb2.GenerateResponse]:
+def generate(downstreams, request: gateway_pb2.GenerateRequest,
+             timeout: float | None = None) -> list[gateway_pb2.GenerateResponse]:
+    """The replies of a public Generate call to a gateway servicer on port 0; the client keeps gRPC's defaults
+    (a 4 MiB receive limit among them)."""
     async def run():
         server = grpc.aio.server()
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
@@ -216,8 +219,9 @@ def generate(downstreams, request: gateway_pb2.GenerateRequest) -> list[gateway_
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 return [r async for r in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request)]
         finally:
+            await downstreams.detokenizer.close()
             await server.stop(None)
-    return asyncio.run(run())
+    return asyncio.run(asyncio.wait_for(run(), timeout))
 
 
 def test_grpc_generate_parses_reasoning_and_tool_calls_like_http(serve, hf_demo_tokenizer):
