@@ -91,6 +91,11 @@ def hostile_grammar(rng: random.Random) -> str:
     return 'root ::= "a" root | "' + "b" * 100000 + '"\n'
 
 
+def ask(**fields) -> gateway_pb2.GenerateRequest:
+    """ASK as a gRPC chat request."""
+    return gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(**ASK[0])], **fields)
+
+
 def with_output(rng: random.Random) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(prompt="Answer in JSON:", max_tokens=rng.choice([8, 64]), temperature=0)
 
@@ -162,8 +167,7 @@ def http_tools(rng, served):
 
 
 def grpc_tools(rng, served):
-    req = gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user", content=ASK[0]["content"])],
-                                      max_tokens=32, temperature=0)
+    req = ask(max_tokens=32, temperature=0)
     tools = hostile_tools(rng)
     req.tools.extend([json.dumps(t) for t in tools] if rng.random() < 0.8 else ["{not json", "[" * 5000])
     req.tool_choice = rng.choice(["auto", "required", "get_weather", "none", "x" * 1000])
@@ -198,8 +202,7 @@ def forced_call_grammar(rng: random.Random) -> str:
 
 def steered_by_grammar(rng, served):
     """Tools offered, and the output forced by a grammar into text that breaks naive parsers."""
-    req = gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user", content=ASK[0]["content"])],
-                                      max_tokens=3000, temperature=0, enable_thinking=False)
+    req = ask(max_tokens=3000, temperature=0, enable_thinking=False)
     req.tools.append(json.dumps(WEATHER))
     req.structured_output.grammar = forced_call_grammar(rng)
     req.logit_bias[served.space] = 100.0  # where the grammar allows any amount of it, the longest whitespace run
@@ -209,8 +212,7 @@ def steered_by_grammar(rng, served):
 def steered_by_bias(rng, served):
     """logit_bias alone drives the model into runs of whitespace, call tags or thinking tags."""
     token = rng.choice([served.space, served.tool_call, served.think, served.think_end, served.bracket])
-    req = gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user", content=ASK[0]["content"])],
-                                      max_tokens=rng.choice([500, 2000]), temperature=0)
+    req = ask(max_tokens=rng.choice([500, 2000]), temperature=0)
     if rng.random() < 0.5:
         req.enable_thinking = False
     if rng.random() < 0.7:
