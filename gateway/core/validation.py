@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from gateway.core.request_id import check_request_id
-from gateway.core.tools import ToolCall, check_tools
+from gateway.core.tools import ToolCall, check_tools, is_forced
 from rpcserver.errors import InvalidArgument
 from rpcserver.shared import MAX_SEED
 
@@ -133,7 +133,7 @@ def check_request(req: GenerationRequest, limits: RequestLimits) -> None:
     refused at once, whether or not a worker is serving."""
     check_request_id(req.request_id)
     _check_input(req, limits)
-    if req.tools or req.tool_choice not in ("auto", "none"):
+    if req.tools or is_forced(req.tool_choice):
         if req.messages is None:
             raise InvalidArgument("tools and tool_choice need messages (a chat), not a prompt")
         check_tools(req.tools, req.tool_choice)
