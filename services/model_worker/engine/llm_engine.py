@@ -5,6 +5,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,9 @@ from services.model_worker.executor.spec.draft import DraftProposer
 from services.model_worker.executor.transfer import to_device
 
 log = logging.getLogger(__name__)
+
+
+PHASES = ("schedule", "inputs", "model", "sampler", "outputs")
 
 
 @dataclass
@@ -63,6 +67,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.limits)
         self.sampler = Sampler()
         self.eos_ids = frozenset(self.generation.eos_token_ids)
+        # Seconds spent in each part of step(), summed over steps, for the host-overhead benchmark
+        # (bench/bench_host.py); on a GPU "model" is the launch, and "outputs" includes waiting for the device.
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)
         self._seqs: dict[str, Sequence] = {}
         self.grammar = GrammarEngine(self.checkpoint_dir, self.config.vocab_size, self.eos_ids)
         self.draft_executor: Executor | None = None
@@ -146,6 +153,9 @@ class LLMEngine:
     # -- stepping -----------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        clock = time.perf_counter
+        phases = self.phase_seconds
+        start = clock()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -153,8 +163,14 @@ class LLMEngine:
             return []
         if batch.num_draft:
             self.speculator.fill(batch.seqs, batch.num_draft)
+        scheduled = clock()
         host, seqs, prompt_spans = batch.step_inputs(self.kv_cache.block_size)
+        built = clock()
         logits = self.runner.run(host)
+        ran = clock()
+        phases["schedule"] += scheduled - start
+        phases["inputs"] += built - scheduled
+        phases["model"] += ran - built
         outputs = []
         if batch.num_draft:
             return self._verify_step(batch, seqs, prompt_spans, logits)
@@ -172,6 +188,9 @@ class LLMEngine:
                        if s.params.has_penalties else (none, none) for s in seqs]
             sampled = self.sampler(logits, [s.params for s in seqs], [h[0] for h in history],
                                    [h[1] for h in history], [s.generator for s in seqs])
+            sampled_at = clock()
+            phases["sampler"] += sampled_at - ran
+            ran = sampled_at
             for i, seq in enumerate(seqs):
                 seq.append(sampled.token_ids[i])
                 outputs.append(StepOutput(seq.request_id, sampled.token_ids[i], sampled.logprobs[i],
@@ -181,6 +200,7 @@ class LLMEngine:
         for seq in seqs:
             if seq.is_finished:
                 self._seqs.pop(seq.request_id, None)
+        phases["outputs"] += clock() - ran
         return outputs
 
     def _verify_step(self, batch, seqs: list[Sequence], prompt_spans, logits: torch.Tensor) -> list[StepOutput]:
