@@ -68,6 +68,9 @@ class Sequence:
         # the sequence's tokens the draft model's KV cache holds (0 again after a preemption).
         self.draft_probs: torch.Tensor | None = None
         self.draft_computed = 0
+        # Tokens sampled by steps still in flight (asynchronous scheduling): counted in the sequence's length
+        # for scheduling, their ids not yet read back to token_ids.
+        self.num_pending = 0
         self.generator: torch.Generator | None = None
         # The structured-output matcher (executor/grammar.py's GrammarState), set by the engine; None: free text.
         self.grammar = None

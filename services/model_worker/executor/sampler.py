@@ -60,6 +60,18 @@ class Sampler:
         output_ids: list[torch.Tensor],  # per row, 1-D int64, may be empty
         generators: list[torch.Generator | None],  # per row, on logits.device
     ) -> SamplerOutput:
+        return self.sample(logits, params, prompt_ids, output_ids, generators).to_host()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        prompt_ids: list[torch.Tensor],
+        output_ids: list[torch.Tensor],
+        generators: list[torch.Generator | None],
+    ) -> "SampledBatch":
+        """The draws as device tensors, read back later (to_host): the next step can take its input ids from
+        token_ids on the device while this one's are still on their way to the host."""
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not sampled_rows and not any(p.adjusts_logits for p in params):
             # The common case, every step: argmax in the logits' own dtype (widening is exact).
@@ -151,7 +163,7 @@ def probabilities(scores: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 def logprobs_of(logits: torch.Tensor, params: list[SamplingParams], token_ids: torch.Tensor) -> SamplerOutput:
     """The chosen tokens with their logprobs and top logprobs, as the sampler reports them."""
-    return _with_logprobs(logits, params, token_ids)
+    return _with_logprobs(logits, params, token_ids).to_host()
 
 
 def _scale(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -249,15 +261,10 @@ def _exponential_noise(
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
-def _with_logprobs(
-    logits: torch.Tensor, params: list[SamplingParams], token_ids: torch.Tensor
-) -> SamplerOutput:
-    batch = len(params)
-    chosen: list[float | None] = [None] * batch
-    top: list[list[tuple[int, float]]] = [[] for _ in range(batch)]
+def _with_logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: torch.Tensor) -> "SampledBatch":
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=chosen, top_logprobs=top)
+        return SampledBatch(token_ids, params, rows, 0, None)
     rows_t = to_device(rows, torch.long, logits.device)
     logprobs = logits[rows_t].float().log_softmax(dim=-1)
     chosen_values = logprobs.gather(1, token_ids[rows_t].unsqueeze(1)).squeeze(1)
@@ -265,16 +272,36 @@ def _with_logprobs(
     top_values, top_ids = logprobs.topk(n, dim=-1)
     # One read back for everything: float64 holds the float32 logprobs and the token ids exactly.
     packed = torch.cat((token_ids.double(), chosen_values.double(), top_values.double().flatten(),
-                        top_ids.double().flatten())).tolist()
-    ids = [int(t) for t in packed[:batch]]
-    chosen_values = packed[batch:batch + len(rows)]
-    flat = packed[batch + len(rows):]
-    top_values, top_ids = flat[:len(rows) * n], flat[len(rows) * n:]
-    for j, i in enumerate(rows):
-        chosen[i] = chosen_values[j]
-        want = params[i].logprobs
-        top[i] = [(int(t), v) for t, v in zip(top_ids[j * n:j * n + want], top_values[j * n:j * n + want])]
-    return SamplerOutput(token_ids=ids, logprobs=chosen, top_logprobs=top)
+                        top_ids.double().flatten()))
+    return SampledBatch(token_ids, params, rows, n, packed)
+
+
+@dataclass
+class SampledBatch:
+    """A step's draws, still on the device: the token ids and, for rows that asked, their logprobs."""
+    token_ids: torch.Tensor  # (B,) int64
+    params: list[SamplingParams]
+    logprob_rows: list[int]  # rows that asked for logprobs
+    top_n: int  # top logprobs computed for each of those rows (the most any asked for)
+    packed: torch.Tensor | None  # float64: token ids, chosen logprobs, top values, top ids; None without logprobs
+
+    def to_host(self) -> SamplerOutput:
+        """Reads the draws back (on a GPU, waits for them)."""
+        batch = self.token_ids.shape[0]
+        chosen: list[float | None] = [None] * batch
+        top: list[list[tuple[int, float]]] = [[] for _ in range(batch)]
+        if self.packed is None:
+            return SamplerOutput(token_ids=self.token_ids.tolist(), logprobs=chosen, top_logprobs=top)
+        rows, n, packed = self.logprob_rows, self.top_n, self.packed.tolist()
+        ids = [int(t) for t in packed[:batch]]
+        chosen_values = packed[batch:batch + len(rows)]
+        flat = packed[batch + len(rows):]
+        top_values, top_ids = flat[:len(rows) * n], flat[len(rows) * n:]
+        for j, i in enumerate(rows):
+            chosen[i] = chosen_values[j]
+            want = self.params[i].logprobs
+            top[i] = [(int(t), v) for t, v in zip(top_ids[j * n:j * n + want], top_values[j * n:j * n + want])]
+        return SamplerOutput(token_ids=ids, logprobs=chosen, top_logprobs=top)
 
 
 def _flat_indices(
