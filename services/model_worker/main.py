@@ -68,6 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--prefix-caching", True, "reuse cached KV blocks of shared prompt prefixes")
     add_flag(parser, "--enforce-eager", False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs "
              "captured at start (slower; starts sooner)")
+    add_flag(parser, "--async-scheduling", True, "on a GPU, schedule each step while the one before runs, its "
+             "sampled ids read back one step late (steps with grammars, speculation or preemption still wait); "
+             "--no-async-scheduling reads every step's tokens back before the next is scheduled. Same tokens "
+             "either way. A CPU runs steps where they are launched, so it reads each step back at once")
     add_flag(parser, "--tensor-parallel-size", 1, "split the model across this many ranks, one process each: "
              "cuda:0..N-1 (NCCL) on a GPU host, N CPU ranks (gloo) on CPU; heads, KV heads, intermediate size "
              "and vocabulary must divide by it")
@@ -124,6 +128,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device, dtype=args.dtype, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len or None,
         enable_prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
+        async_scheduling=None if args.async_scheduling else False,  # on: where the device runs steps asynchronously
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head, int8_activations=args.int8_activations,
         vnni_weights=None if args.vnni_weights else False,  # on: where the CPU and compiler allow

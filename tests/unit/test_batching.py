@@ -23,10 +23,10 @@ def checkpoint(tmp_path_factory):
 
 def make_engine(checkpoint, num_blocks: int = 256, block_size: int = 4, max_num_seqs: int = 16,
                 max_num_batched_tokens: int = 512, prefix_caching: bool = True,
-                policy: str = "shortest-first") -> LLMEngine:
+                policy: str = "shortest-first", async_scheduling: bool | None = None) -> LLMEngine:
     return LLMEngine(checkpoint, EngineConfig(
         device="cpu", dtype="float32", num_blocks=num_blocks, block_size=block_size,
-        enable_prefix_caching=prefix_caching,
+        enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling,
         limits=SchedulerLimits(max_num_seqs, max_num_batched_tokens, policy=policy)))
 
 
@@ -57,8 +57,12 @@ def run_staggered(engine: LLMEngine, reqs, seed: int) -> list[list[int]]:
             outputs[f"req-{i}"] = []
         if not engine.has_work():
             continue
-        # Every sequence past its prefill is owed exactly one token this step (unless preempted by it).
-        owed = {s.request_id for s in engine.scheduler.running if s.num_uncached_tokens == 1}
+        # Every sequence past its prefill is owed exactly one token this step (unless preempted by it); with
+        # asynchronous scheduling, every one with a token in flight (read back after the next step launches).
+        if engine.async_scheduling:
+            owed = {s.request_id for s in engine.scheduler.running if s.num_pending}
+        else:
+            owed = {s.request_id for s in engine.scheduler.running if s.num_uncached_tokens == 1}
         preemptions = engine.scheduler.num_preemptions
         step = engine.step()
         got = [out.request_id for out in step]
@@ -78,18 +82,20 @@ def run_staggered(engine: LLMEngine, reqs, seed: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     """Each request alone, in an engine without prefix caching."""
-    engine = make_engine(checkpoint, prefix_caching=False)
+    engine = make_engine(checkpoint, prefix_caching=False, async_scheduling=False)
     return lambda reqs: alone(engine, reqs)
 
 
-# Admission order changes which requests share a step, never what any of them produces.
-POLICIES = pytest.mark.parametrize("policy", ["shortest-first", "fcfs"])
+# Admission order changes which requests share a step, never what any of them produces; nor does reading a step's
+# tokens back one step late (asynchronous scheduling) against the reference's reading each step's back at once.
+POLICIES = pytest.mark.parametrize("policy,async_scheduling", [("shortest-first", True), ("fcfs", True),
+                                                                ("shortest-first", False)])
 
 
 @POLICIES
-def test_staggered_requests_match_each_alone(checkpoint, reference, policy):
+def test_staggered_requests_match_each_alone(checkpoint, reference, policy, async_scheduling):
     reqs = requests(seed=1)
-    engine = make_engine(checkpoint, policy=policy)
+    engine = make_engine(checkpoint, policy=policy, async_scheduling=async_scheduling)
     together = run_staggered(engine, reqs, seed=1)
     assert together == reference(reqs)
     assert [len(out) for out in together] == [p.max_tokens for _, p in reqs]
@@ -97,16 +103,18 @@ def test_staggered_requests_match_each_alone(checkpoint, reference, policy):
 
 
 @POLICIES
-def test_chunked_prefill_matches(checkpoint, reference, policy):
+def test_chunked_prefill_matches(checkpoint, reference, policy, async_scheduling):
     reqs = requests(seed=2)
-    engine = make_engine(checkpoint, max_num_batched_tokens=16, policy=policy)  # prompts of up to 49 tokens: 4 chunks
+    # Prompts of up to 49 tokens: 4 chunks.
+    engine = make_engine(checkpoint, max_num_batched_tokens=16, policy=policy, async_scheduling=async_scheduling)
     assert run_staggered(engine, reqs, seed=2) == reference(reqs)
 
 
 @POLICIES
-def test_preemption_matches(checkpoint, reference, policy):
+def test_preemption_matches(checkpoint, reference, policy, async_scheduling):
     reqs = requests(seed=3)
-    engine = make_engine(checkpoint, num_blocks=24, policy=policy)  # 96 token slots for 16 requests of up to 72 tokens
+    # 96 token slots for 16 requests of up to 72 tokens.
+    engine = make_engine(checkpoint, num_blocks=24, policy=policy, async_scheduling=async_scheduling)
     assert run_staggered(engine, reqs, seed=3) == reference(reqs)
     assert engine.scheduler.num_preemptions > 0
 

@@ -137,6 +137,12 @@ class EngineConfig:
     # A structured-output grammar still compiling after this long fails its request (RESOURCE_EXHAUSTED). Compiles
     # run beside the steps and take milliseconds; the limit is for the schema built to take far longer.
     grammar_compile_timeout_s: float = 10.0
+    # Schedule step N+1 and build its inputs while step N runs, its sampled ids feeding N+1 on the device and
+    # read back one step late (llm_engine.py). Steps that need the host's view of the last tokens (grammars,
+    # speculation, preemption, tensor parallelism) still wait for them. False: every step reads its own back.
+    # None: on for CUDA only. A CPU runs each op where it is launched, so there nothing would overlap, and every
+    # token would reach its client a step later.
+    async_scheduling: bool | None = None
     limits: SchedulerLimits = None  # type: ignore[assignment]
     speculative: SpeculativeConfig = None  # type: ignore[assignment]
 

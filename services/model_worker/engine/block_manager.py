@@ -204,7 +204,8 @@ class BlockManager:
         """Register the sequence's full blocks whose K/V are now computed, for later prefix hits."""
         if not self.enable_prefix_caching:
             return
-        full = min(seq.num_cached_tokens, len(seq)) // self.block_size
+        # Only tokens known here: one still in flight (asynchronous scheduling) has no id to hash yet.
+        full = min(seq.num_cached_tokens, len(seq.token_ids)) // self.block_size
         if full <= seq.num_hashed_blocks:
             return
         hashes, tokens, size = self._chain_hashes(seq, full), seq.token_ids, self.block_size

@@ -22,7 +22,7 @@ from services.model_worker.engine.speculator import Speculator
 from services.model_worker.executor.executor import Executor
 from services.model_worker.executor.grammar import GrammarEngine, apply_token_bitmask
 from services.model_worker.executor.prompt_logprobs import score_rows
-from services.model_worker.executor.sampler import Sampler
+from services.model_worker.executor.sampler import SampledBatch, Sampler
 from services.model_worker.executor.spec.draft import DraftProposer
 from services.model_worker.executor.transfer import to_device
 
@@ -47,6 +47,13 @@ class StepOutput:
     spec_accepted: int | None = None
 
 
+@dataclass
+class _InFlight:
+    """A launched step: the sequences it samples a token for, in row order, and the draws on the device."""
+    seqs: list[Sequence]
+    sampled: SampledBatch
+
+
 class LLMEngine:
     """Wires the parts: an executor that steps the model on its device (and its other tensor-parallel
     ranks), a scheduler and block manager that choose each step, and a sampler for its tokens."""
@@ -68,9 +75,13 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_ids = frozenset(self.generation.eos_token_ids)
         # Seconds spent in each part of step(), summed over steps, for the host-overhead benchmark
-        # (bench/bench_host.py); on a GPU "model" is the launch, and "outputs" includes waiting for the device.
+        # (bench/bench_host.py); on a GPU "model" and "sampler" are launches, and "outputs" includes waiting for
+        # the device (on a CPU the work is done where it is launched).
         self.phase_seconds = dict.fromkeys(PHASES, 0.0)
         self._seqs: dict[str, Sequence] = {}
+        self._in_flight: _InFlight | None = None  # the step launched and not yet read back
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device.type == "cuda")
         self.grammar = GrammarEngine(self.checkpoint_dir, self.config.vocab_size, self.eos_ids)
         self.draft_executor: Executor | None = None
         self.speculator = (Speculator(config.speculative, self._draft_proposer(config))
@@ -148,59 +159,121 @@ class LLMEngine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # -- stepping -----------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        """Schedules and launches one step; returns the tokens read back by this call.
+
+        With asynchronous scheduling the step just launched is read back by the next call, after that one has
+        launched its own: the host's scheduling and input building for step N+1 overlap step N on the device,
+        and step N+1 takes the ids step N sampled from the device. A sequence that ends on its token from step N
+        (an eos or stop id: the host learns it one step late) has run one more row in step N+1, whose token is
+        dropped here and never sent. max_tokens is known ahead, so it costs no extra row.
+        """
         clock = time.perf_counter
         phases = self.phase_seconds
+        outputs: list[StepOutput] = []
         start = clock()
+        if self._in_flight is not None and (self.speculator is not None or self.scheduler.may_preempt()):
+            # A preemption recomputes a sequence from its ids on the host, the newest included.
+            outputs += self._read_back(self._in_flight)
+            self._in_flight = None
+            phases["outputs"] += clock() - start
+            start = clock()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            if self._in_flight is not None:
+                outputs += self._read_back(self._in_flight)
+                self._in_flight = None
+            return outputs
         if batch.num_draft:
             self.speculator.fill(batch.seqs, batch.num_draft)
         scheduled = clock()
         host, seqs, prompt_spans = batch.step_inputs(self.kv_cache.block_size)
         built = clock()
-        logits = self.runner.run(host)
+        previous = self._in_flight
+        logits = self.runner.run(host, previous.sampled.token_ids if previous is not None else None)
         ran = clock()
         phases["schedule"] += scheduled - start
         phases["inputs"] += built - scheduled
         phases["model"] += ran - built
-        outputs = []
-        if batch.num_draft:
-            return self._verify_step(batch, seqs, prompt_spans, logits)
+        if batch.num_draft:  # speculation keeps no step in flight: it proposes from the newest ids on the host
+            return outputs + self._verify_step(batch, seqs, prompt_spans, logits)
+        launched = self._sample(batch, seqs, prompt_spans, logits, previous)
+        self.scheduler.account(batch)
+        sampled_at = clock()
+        phases["sampler"] += sampled_at - ran
+        self._in_flight = None
+        if previous is not None:
+            outputs += self._read_back(previous)
+        if launched is not None:
+            if self._can_defer(seqs):
+                self._in_flight = launched
+            else:
+                outputs += self._read_back(launched)
+        phases["outputs"] += clock() - sampled_at
+        return outputs
+
+    def _can_defer(self, seqs: list[Sequence]) -> bool:
+        """Whether the next step may be scheduled before this one's tokens are on the host."""
+        if not self.async_scheduling or self.speculator is not None or self.executor.group is not None:
+            # Proposals are made from the newest ids on the host; tensor-parallel ranks take every input id
+            # from rank 0's host.
+            return False
+        # A grammar's next mask needs the token it accepts first.
+        return not any(s.grammar is not None and s.grammar.active for s in seqs)
+
+    def _sample(self, batch, seqs: list[Sequence], prompt_spans, logits: torch.Tensor | None,
+                previous: "_InFlight | None") -> "_InFlight | None":
+        """Draws the step's tokens on the device; each sampled sequence counts one token in flight."""
         if prompt_spans:
             self._score_prompts(logits[len(seqs):], prompt_spans)
             logits = logits[:len(seqs)]
-        if seqs:
-            constrained = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.active]
-            if constrained:  # a batch without constraints does no grammar work at all
-                logits = apply_token_bitmask(logits, constrained, [seqs[i].grammar.mask() for i in constrained])
-            # Token histories matter only to penalties; skip building them for the common case.
-            none = torch.empty(0, dtype=torch.long, device=self.device)
-            history = [(to_device(s.prompt_ids, torch.long, self.device),
-                        to_device(s.output_ids, torch.long, self.device))
-                       if s.params.has_penalties else (none, none) for s in seqs]
-            sampled = self.sampler(logits, [s.params for s in seqs], [h[0] for h in history],
-                                   [h[1] for h in history], [s.generator for s in seqs])
-            sampled_at = clock()
-            phases["sampler"] += sampled_at - ran
-            ran = sampled_at
-            for i, seq in enumerate(seqs):
-                seq.append(sampled.token_ids[i])
-                outputs.append(StepOutput(seq.request_id, sampled.token_ids[i], sampled.logprobs[i],
-                                          sampled.top_logprobs[i], seq.finish_reason, len(seq.prompt_ids),
-                                          seq.take_prompt_logprobs()))
-        self.scheduler.finish_step(batch)
-        for seq in seqs:
+        if not seqs:
+            return None
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.active]
+        if constrained:  # a batch without constraints does no grammar work at all
+            logits = apply_token_bitmask(logits, constrained, [seqs[i].grammar.mask() for i in constrained])
+        # Token histories matter only to penalties; skip building them for the common case.
+        none = torch.empty(0, dtype=torch.long, device=self.device)
+        history = [(to_device(s.prompt_ids, torch.long, self.device), self._output_history(s, previous))
+                   if s.params.has_penalties else (none, none) for s in seqs]
+        sampled = self.sampler.sample(logits, [s.params for s in seqs], [h[0] for h in history],
+                                      [h[1] for h in history], [s.generator for s in seqs])
+        for i, seq in enumerate(seqs):
+            seq.num_pending += 1
+            seq.pending_row = i
+        return _InFlight(seqs, sampled)
+
+    def _output_history(self, seq: Sequence, previous: "_InFlight | None") -> torch.Tensor:
+        """The sequence's output ids on the device, its token still in flight (if any) taken from there."""
+        known = to_device(seq.output_ids, torch.long, self.device)
+        if not seq.num_pending:
+            return known
+        return torch.cat((known, previous.sampled.token_ids[seq.pending_row:seq.pending_row + 1]))
+
+    def _read_back(self, step: "_InFlight") -> list[StepOutput]:
+        """A launched step's tokens on the host: appended, checked for their end, and turned into outputs."""
+        sampled = step.sampled.to_host()
+        outputs = []
+        block_size = self.kv_cache.block_size
+        for i, seq in enumerate(step.seqs):
+            seq.num_pending -= 1
             if seq.is_finished:
+                continue  # aborted, or ended by its token from the step before: this one is never sent
+            token = sampled.token_ids[i]
+            seq.append(token)
+            outputs.append(StepOutput(seq.request_id, token, sampled.logprobs[i], sampled.top_logprobs[i],
+                                      seq.finish_reason, len(seq.prompt_ids), seq.take_prompt_logprobs()))
+            if seq.is_finished:
+                self.scheduler.release(seq)
                 self._seqs.pop(seq.request_id, None)
-        phases["outputs"] += clock() - ran
+            elif len(seq.token_ids) % block_size == 0:
+                self.block_manager.commit(seq)  # the block this token filled, computed by a step already launched
         return outputs
 
     def _verify_step(self, batch, seqs: list[Sequence], prompt_spans, logits: torch.Tensor) -> list[StepOutput]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from rpcserver.errors import ResourceExhausted
 from services.model_worker.config.engine import SchedulerLimits
 from services.model_worker.engine.block_manager import BlockManager
@@ -29,11 +31,27 @@ class ScheduledBatch:
         sampled: list[int] = []  # entries of token_ids whose last row yields a next token
         sampled_seqs: list[Sequence] = []
         sampled_draft: list[int] = []
+        # Rows whose token is still on the device (sampled by the step in flight), and its row there.
+        fill_rows: list[int] = []
+        fill_from: list[int] = []
         num_draft = self.num_draft or [0] * len(self.seqs)
         row = 0
         for i, (seq, n) in enumerate(zip(self.seqs, self.num_tokens)):
             start = seq.num_cached_tokens
             own = n - num_draft[i]
+            if seq.num_pending:
+                # Its one new token is the one the step in flight samples: a placeholder here, the sampled id
+                # copied in on the device (a sequence waiting on the host is never scheduled this way).
+                token_ids.append([0])
+                block_tables.append(seq.block_table)
+                context_lens.append(start + 1)
+                fill_rows.append(row)
+                fill_from.append(seq.pending_row)
+                sampled.append(len(token_ids) - 1)
+                sampled_seqs.append(seq)
+                sampled_draft.append(0)
+                row += 1
+                continue
             if num_draft[i]:
                 # A verification (its one new token, then its proposals) goes in as that many one-token
                 # rows, row j seeing the context up to its own token: causal attention over the proposals,
@@ -66,6 +84,9 @@ class ScheduledBatch:
             row += n
         host = StepInputs.build(token_ids, block_tables, context_lens, block_size, sampled, extra_rows,
                                 sampled_draft if self.num_draft else None)
+        if fill_rows:
+            host.fill_rows = torch.tensor(fill_rows, dtype=torch.int64)
+            host.fill_from = torch.tensor(fill_from, dtype=torch.int64)
         return host, sampled_seqs, spans
 
 
@@ -121,6 +142,8 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted below by an older sequence
                 continue
+            if seq.num_pending and len(seq.output_ids) + seq.num_pending >= seq.max_tokens:
+                continue  # its token in flight is its last: it ends when that is read back
             wanted = min(seq.num_uncached_tokens, budget)
             while not self.block_manager.can_grow(seq):
                 victim = self.running[-1]
@@ -200,11 +223,29 @@ class Scheduler:
 
     def finish_step(self, batch: ScheduledBatch) -> None:
         """Account for the computed tokens; release finished sequences."""
+        self.account(batch)
+        for seq in batch.seqs:
+            if seq.is_finished:
+                self.release(seq)
+
+    def account(self, batch: ScheduledBatch) -> None:
+        """The step's tokens are computed (or, on a device, queued to be): the next step starts after them."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_cached_tokens += n
             self.num_computed_tokens += n
             self.block_manager.commit(seq)
-        for seq in batch.seqs:
-            if seq.is_finished and seq in self.running:
-                self.running.remove(seq)
-                self.block_manager.free_blocks(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """A finished sequence leaves the batch and gives its blocks back (a step still in flight that wrote
+        to them is ordered before any later step that reuses them)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free_blocks(seq)
+
+    def may_preempt(self) -> bool:
+        """Whether scheduling the running sequences' next tokens could run out of blocks and preempt one."""
+        manager = self.block_manager
+        wanted = 0
+        for seq in self.running:
+            wanted += max(0, manager.blocks_needed(len(seq)) - len(seq.block_table))
+        return wanted > manager.num_free

@@ -71,6 +71,7 @@ class Sequence:
         # Tokens sampled by steps still in flight (asynchronous scheduling): counted in the sequence's length
         # for scheduling, their ids not yet read back to token_ids.
         self.num_pending = 0
+        self.pending_row = 0  # that token's row in the in-flight step's sampled ids
         self.generator: torch.Generator | None = None
         # The structured-output matcher (executor/grammar.py's GrammarState), set by the engine; None: free text.
         self.grammar = None
@@ -80,7 +81,8 @@ class Sequence:
             self.generator.manual_seed(params.seed)
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        """Its tokens, those still in flight included."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_uncached_tokens(self) -> int:

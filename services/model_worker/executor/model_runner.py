@@ -35,28 +35,38 @@ class ModelRunner:
             self.graphs.capture()
 
     @torch.inference_mode()
-    def run(self, host: StepInputs) -> torch.Tensor | None:
+    def run(self, host: StepInputs, previous_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The logits of the rows to sample, (S, vocab) on rank 0; None when no row is sampled this step.
 
         In the model's dtype: greedy argmax reads them as they are (widening would not change the
         winner), and the sampler widens to float32 where it computes (penalties, sampling,
         logprobs). 16 rows of bf16 logits widened were 14.6 MB of memory traffic a step.
+
+        previous_ids: the token ids the step before sampled, still on the device, where host.fill_rows needs them.
         """
-        hidden = self.forward(host)
+        hidden = self.forward(host, previous_ids)
         if not host.sample_rows.numel():
             return None
         return self.model.compute_logits(hidden)
 
-    def forward(self, host: StepInputs) -> torch.Tensor:
+    def forward(self, host: StepInputs, previous_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states of the rows to sample, (S, hidden): replayed from a graph where one fits."""
         if self.step_sender is not None:
+            assert host.fill_rows is None, "tensor-parallel ranks get every input id from the host"
             self.step_sender(host)
         bucket = self.graphs.bucket_for(host) if self.graphs else None
         if bucket is not None:
-            padded = host.padded(bucket, self.graphs.table_width, self.kv_cache.pad_block,
-                                 self.kv_cache.block_size).to(self.device)
+            padded = _filled(host.padded(bucket, self.graphs.table_width, self.kv_cache.pad_block,
+                                         self.kv_cache.block_size).to(self.device), previous_ids)
             return self.graphs.replay(padded)[padded.sample_rows]
-        inputs = host.to(self.device)
+        inputs = _filled(host.to(self.device), previous_ids)
         meta = AttentionMetadata.from_inputs(inputs, host, self.kv_cache.block_size, self.attention)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, meta)
         return hidden[inputs.sample_rows]
+
+
+def _filled(inputs: StepInputs, previous_ids: torch.Tensor | None) -> StepInputs:
+    """The inputs with the previous step's sampled ids copied into their placeholder rows, on the device."""
+    if inputs.fill_rows is not None:
+        inputs.input_ids.index_copy_(0, inputs.fill_rows, previous_ids.index_select(0, inputs.fill_from))
+    return inputs

@@ -31,6 +31,10 @@ class StepInputs:
     sample_rows: torch.Tensor
     max_query_len: int
     max_context_len: int
+    # Asynchronous scheduling: input_ids rows that hold placeholders for tokens the previous step sampled, and
+    # those tokens' rows in its sampled ids; the runner copies them in on the device. None: every id is here.
+    fill_rows: torch.Tensor | None = None
+    fill_from: torch.Tensor | None = None
 
     @classmethod
     def build(cls, token_ids: list[list[int]], block_tables: list[list[int]], context_lens: list[int],
@@ -63,8 +67,9 @@ class StepInputs:
 
     def to(self, device: torch.device) -> "StepInputs":
         """On the device, all tensors in one (pinned, non-blocking) copy."""
-        moved = upload_all([getattr(self, name) for name in TENSOR_FIELDS], device)
-        return replace(self, **dict(zip(TENSOR_FIELDS, moved)))
+        names = TENSOR_FIELDS + (("fill_rows", "fill_from") if self.fill_rows is not None else ())
+        moved = upload_all([getattr(self, name) for name in names], device)
+        return replace(self, **dict(zip(names, moved)))
 
     def padded(self, num_seqs: int, table_width: int, pad_block: int, block_size: int) -> "StepInputs":
         """A decode step (one token per sequence) padded to num_seqs sequences and table_width blocks.
