@@ -6,6 +6,7 @@ import sys
 from array import array
 from collections import OrderedDict
 
+from services.model_worker.engine.block_tables import BlockTables
 from services.model_worker.engine.sequence import Sequence
 
 
@@ -53,8 +54,11 @@ class BlockManager:
     anyone once no run is left.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, max_seqs: int = 256,
+                 max_blocks_per_seq: int | None = None):
         self.block_size = block_size
+        # Running sequences' tables as tensor rows, kept in step with their lists here.
+        self.tables = BlockTables(max_seqs, max_blocks_per_seq or num_blocks, block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -171,6 +175,8 @@ class BlockManager:
             self._share(block)
             seq.block_table.append(block.block_id)
         self._append_blocks(seq, self.blocks_needed(len(seq)) - len(seq.block_table))
+        self.tables.assign(seq)
+        self.tables.write(seq)
         seq.num_hashed_blocks = len(hits)
         seq.num_cached_tokens = len(hits) * self.block_size
         self.prefix_queries += len(seq)
@@ -185,6 +191,7 @@ class BlockManager:
         """Give the sequence blocks for all its tokens (and `extra` proposed ones): a new one each time it crosses
         a block boundary."""
         self._append_blocks(seq, self.blocks_needed(len(seq) + extra) - len(seq.block_table))
+        self.tables.write(seq)
 
     def trim(self, seq: Sequence) -> None:
         """After rejected proposals: give back the blocks past those its computed tokens fill, as a plain decode
@@ -199,6 +206,7 @@ class BlockManager:
             # Right after the sequence's run it is room again (it grows back into it, free_blocks releases it).
             adjacent = seq.block_table and block.block_id == seq.block_table[-1] + 1
             self.spare[block.block_id] = ROOM[0] if adjacent else SPARE[0]
+        seq.slot_blocks = min(seq.slot_blocks, len(seq.block_table))  # regrown entries are written again
 
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's full blocks whose K/V are now computed, for later prefix hits."""
@@ -241,5 +249,6 @@ class BlockManager:
                     self.free.move_to_end(block_id, last=False)
                     self.spare[block_id] = SPARE[0]
         seq.block_table = []
+        self.tables.release(seq)
         seq.num_cached_tokens = 0
         seq.num_hashed_blocks = 0

@@ -17,7 +17,7 @@ from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.distributed.parallel import check_divisible
 from services.model_worker.engine.block_manager import BlockManager
 from services.model_worker.engine.scheduler import Scheduler
-from services.model_worker.engine.sequence import FinishReason, Sequence
+from services.model_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from services.model_worker.engine.speculator import Speculator
 from services.model_worker.executor.executor import Executor
 from services.model_worker.executor.grammar import GrammarEngine, apply_token_bitmask
@@ -29,10 +29,11 @@ from services.model_worker.executor.transfer import to_device
 log = logging.getLogger(__name__)
 
 
+FINISHED = SequenceStatus.FINISHED
 PHASES = ("schedule", "inputs", "model", "sampler", "outputs")
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
     request_id: str
     token_id: int
@@ -70,7 +71,10 @@ class LLMEngine:
         self.executor = executor = Executor(self.checkpoint_dir, config, self.config)
         self.device, self.dtype, self.model = executor.device, executor.dtype, executor.model
         self.kv_cache, self.runner, self.max_model_len = executor.kv_cache, executor.runner, executor.max_model_len
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        # A table row holds a whole context and the proposals a verification adds past it.
+        table_width = -(-(self.max_model_len + config.speculative.num_speculative_tokens + 1) // config.block_size)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          config.limits.max_num_seqs, table_width)
         self.scheduler = Scheduler(self.block_manager, config.limits)
         self.sampler = Sampler()
         self.eos_ids = frozenset(self.generation.eos_token_ids)
@@ -193,7 +197,7 @@ class LLMEngine:
         if batch.num_draft:
             self.speculator.fill(batch.seqs, batch.num_draft)
         scheduled = clock()
-        host, seqs, prompt_spans = batch.step_inputs(self.kv_cache.block_size)
+        host, seqs, prompt_spans = batch.step_inputs(self.block_manager.tables)
         built = clock()
         previous = self._in_flight
         logits = self.runner.run(host, previous.sampled.token_ids if previous is not None else None)
@@ -243,7 +247,7 @@ class LLMEngine:
         history = [(to_device(s.prompt_ids, torch.long, self.device), self._output_history(s, previous))
                    if s.params.has_penalties else (none, none) for s in seqs]
         sampled = self.sampler.sample(logits, [s.params for s in seqs], [h[0] for h in history],
-                                      [h[1] for h in history], [s.generator for s in seqs])
+                                      [h[1] for h in history], [s.draw_key() for s in seqs])
         for i, seq in enumerate(seqs):
             seq.num_pending += 1
             seq.pending_row = i
@@ -261,15 +265,19 @@ class LLMEngine:
         sampled = step.sampled.to_host()
         outputs = []
         block_size = self.kv_cache.block_size
+        token_ids, logprobs, top_logprobs = sampled.token_ids, sampled.logprobs, sampled.top_logprobs
         for i, seq in enumerate(step.seqs):
             seq.num_pending -= 1
-            if seq.is_finished:
+            if seq.status is FINISHED:
                 continue  # aborted, or ended by its token from the step before: this one is never sent
-            token = sampled.token_ids[i]
+            token = token_ids[i]
             seq.append(token)
-            outputs.append(StepOutput(seq.request_id, token, sampled.logprobs[i], sampled.top_logprobs[i],
-                                      seq.finish_reason, len(seq.prompt_ids), seq.take_prompt_logprobs()))
-            if seq.is_finished:
+            prompt_logprobs = seq.prompt_logprobs
+            if prompt_logprobs is not None:  # handed out with the first token
+                seq.prompt_logprobs = None
+            outputs.append(StepOutput(seq.request_id, token, logprobs[i], top_logprobs[i], seq.finish_reason,
+                                      len(seq.prompt_ids), prompt_logprobs))
+            if seq.status is FINISHED:
                 self.scheduler.release(seq)
                 self._seqs.pop(seq.request_id, None)
             elif len(seq.token_ids) % block_size == 0:

@@ -9,6 +9,7 @@ import torch
 from rpcserver.errors import ResourceExhausted
 from services.model_worker.config.engine import SchedulerLimits
 from services.model_worker.engine.block_manager import BlockManager
+from services.model_worker.engine.block_tables import BlockTables
 from services.model_worker.engine.sequence import Sequence, SequenceStatus
 from services.model_worker.executor.step_inputs import StepInputs
 
@@ -24,10 +25,12 @@ class ScheduledBatch:
     def __bool__(self) -> bool:
         return bool(self.seqs)
 
-    def step_inputs(self, block_size: int) -> tuple[StepInputs, list[Sequence], list[tuple[Sequence, int, int]]]:
+    def step_inputs(self, tables: BlockTables) -> tuple[StepInputs, list[Sequence], list[tuple[Sequence, int, int]]]:
         """The step's flat inputs, the sequences that get a next token from it, and the prompt spans whose
-        logprobs it computes: (sequence, first prompt position scored, count), their rows after the sampled ones."""
-        token_ids, block_tables, context_lens, extra_rows, spans = [], [], [], [], []
+        logprobs it computes: (sequence, first prompt position scored, count), their rows after the sampled ones.
+
+        tables: the running sequences' block tables, a row per sequence (its slot)."""
+        token_ids, slots, context_lens, extra_rows, spans = [], [], [], [], []
         sampled: list[int] = []  # entries of token_ids whose last row yields a next token
         sampled_seqs: list[Sequence] = []
         sampled_draft: list[int] = []
@@ -43,7 +46,7 @@ class ScheduledBatch:
                 # Its one new token is the one the step in flight samples: a placeholder here, the sampled id
                 # copied in on the device (a sequence waiting on the host is never scheduled this way).
                 token_ids.append([0])
-                block_tables.append(seq.block_table)
+                slots.append(seq.slot)
                 context_lens.append(start + 1)
                 fill_rows.append(row)
                 fill_from.append(seq.pending_row)
@@ -60,7 +63,7 @@ class ScheduledBatch:
                 # one by one with prefill attention, which made a verification cost 1.5-1.7 decode steps.
                 ids = seq.token_ids[start:start + own] + seq.draft[:num_draft[i]]
                 token_ids.extend([t] for t in ids)
-                block_tables.extend([seq.block_table] * n)
+                slots.extend([seq.slot] * n)
                 context_lens.extend(range(start + 1, start + n + 1))
                 sampled.append(len(token_ids) - 1)  # its rows are then taken back from the last one
                 sampled_seqs.append(seq)
@@ -68,7 +71,7 @@ class ScheduledBatch:
                 row += n
                 continue
             token_ids.append(seq.token_ids[start:start + own])
-            block_tables.append(seq.block_table)
+            slots.append(seq.slot)
             context_lens.append(start + n)
             # A prompt prefilled in chunks yields a token only after its last chunk.
             if start + own == len(seq):
@@ -82,7 +85,10 @@ class ScheduledBatch:
                     extra_rows.extend(range(row, row + count))
                     spans.append((seq, start + 1, count))
             row += n
-        host = StepInputs.build(token_ids, block_tables, context_lens, block_size, sampled, extra_rows,
+        # Only the columns this step's longest context reaches: a row is as wide as the longest context allowed.
+        width = -(-max(context_lens) // tables.block_size)
+        block_tables = tables.rows[:, :width].index_select(0, torch.tensor(slots, dtype=torch.int64))
+        host = StepInputs.build(token_ids, block_tables, context_lens, tables.block_size, sampled, extra_rows,
                                 sampled_draft if self.num_draft else None)
         if fill_rows:
             host.fill_rows = torch.tensor(fill_rows, dtype=torch.int64)
@@ -137,23 +143,29 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.limits.max_num_batched_tokens
         batch = ScheduledBatch([], [])
+        manager, block_size = self.block_manager, self.block_manager.block_size
+        running = SequenceStatus.RUNNING
+        # Once per sequence per step: kept to a few attribute reads for a decoding sequence that needs no new block.
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted below by an older sequence
+            if seq.status is not running:  # preempted below by an older sequence
                 continue
+            length = len(seq.token_ids) + seq.num_pending
             if seq.num_pending and len(seq.output_ids) + seq.num_pending >= seq.max_tokens:
                 continue  # its token in flight is its last: it ends when that is read back
-            wanted = min(seq.num_uncached_tokens, budget)
-            while not self.block_manager.can_grow(seq):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status != SequenceStatus.RUNNING:
-                continue
-            drafts = self._fit_draft(seq, budget - wanted)
-            self.block_manager.grow(seq, drafts)
+            wanted = min(length - seq.num_cached_tokens, budget)
+            if length > len(seq.block_table) * block_size:
+                while not manager.can_grow(seq):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not running:
+                    continue
+            drafts = self._fit_draft(seq, budget - wanted) if seq.draft else 0
+            if length + drafts > len(seq.block_table) * block_size:
+                manager.grow(seq, drafts)
             batch.seqs.append(seq)
             batch.num_tokens.append(wanted + drafts)
             budget -= wanted + drafts

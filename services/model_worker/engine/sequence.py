@@ -8,6 +8,7 @@ import logging
 import torch
 
 from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.executor.random_draws import fresh_seed
 
 log = logging.getLogger(__name__)
 _arrival = itertools.count()
@@ -40,6 +41,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []
+        # Its row in the block manager's BlockTables while it runs (-1: none), and how many blocks that row holds.
+        self.slot = -1
+        self.slot_blocks = 0
         # Tokens whose K/V are already in the cache (prefix hits, earlier prefill chunks, decoded tokens).
         self.num_cached_tokens = 0
         # Leading blocks already registered for prefix caching (kept by the block manager).
@@ -72,13 +76,15 @@ class Sequence:
         # for scheduling, their ids not yet read back to token_ids.
         self.num_pending = 0
         self.pending_row = 0  # that token's row in the in-flight step's sampled ids
-        self.generator: torch.Generator | None = None
+        # The seed of its random draws (executor/random_draws.py): the request's, else a fresh random one.
+        self.seed = params.seed if params.seed is not None else fresh_seed()
         # The structured-output matcher (executor/grammar.py's GrammarState), set by the engine; None: free text.
         self.grammar = None
-        if params.seed is not None:
-            # One generator per sequence: its draws depend on nothing else in the batch.
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(params.seed)
+
+    def draw_key(self) -> tuple[int, int]:
+        """(seed, counter) of the draw for its next output token: the counter is that token's index, tokens
+        still in flight counted."""
+        return self.seed, len(self.output_ids) + self.num_pending
 
     def __len__(self) -> int:
         """Its tokens, those still in flight included."""

@@ -31,14 +31,27 @@ class FlatLayout:
     max_context_len: int
 
     @classmethod
-    def build(cls, query_lens: list[int], block_tables: list[list[int]], context_lens: list[int],
+    def build(cls, query_lens: list[int], block_tables: list[list[int]] | torch.Tensor, context_lens: list[int],
               block_size: int) -> FlatLayout:
-        """query_lens: each sequence's new tokens; context_lens: its tokens after this step (cached + new)."""
-        used = [-(-n // block_size) for n in context_lens]  # a table may hold blocks past its context
-        width = max(used)
-        table = torch.tensor([blocks[:n] + [0] * (width - n) for blocks, n in zip(block_tables, used)],
-                             dtype=torch.int32)
+        """query_lens: each sequence's new tokens; context_lens: its tokens after this step (cached + new).
+
+        block_tables: per sequence its block ids, as lists or as the rows of an int32 tensor (entries past a
+        sequence's context are never read)."""
+        width = -(-max(context_lens) // block_size)
+        if isinstance(block_tables, torch.Tensor):
+            table = block_tables[:, :width].contiguous()
+        else:
+            used = [-(-n // block_size) for n in context_lens]  # a table may hold blocks past its context
+            table = torch.tensor([blocks[:n] + [0] * (width - n) for blocks, n in zip(block_tables, used)],
+                                 dtype=torch.int32)
         context = torch.tensor(context_lens, dtype=torch.int32)
+        max_query_len = max(query_lens)
+        if max_query_len == 1:  # a decode step: row b is sequence b's newest token
+            query_start = torch.arange(len(query_lens) + 1, dtype=torch.int32)
+            positions = (context - 1).long()
+            slots = table.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1).long() * block_size \
+                + positions % block_size
+            return cls(positions, slots, query_start, context, table, 1, max(context_lens))
         q_lens = torch.tensor(query_lens, dtype=torch.int32)
         query_start = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         torch.cumsum(q_lens, 0, out=query_start[1:])
@@ -47,7 +60,7 @@ class FlatLayout:
         seq_of_row = torch.searchsorted(query_start[1:], rows, right=True)  # repeat_interleave is far slower
         positions = (context - q_lens)[seq_of_row] + rows - query_start[seq_of_row]
         slots = table[seq_of_row, positions // block_size].long() * block_size + positions % block_size
-        return cls(positions.long(), slots, query_start, context, table, max(query_lens), max(context_lens))
+        return cls(positions.long(), slots, query_start, context, table, max_query_len, max(context_lens))
 
     def to(self, device: torch.device) -> FlatLayout:
         return replace(self, **{name: getattr(self, name).to(device) for name in

@@ -1,0 +1,40 @@
+"""Every running sequence's block table as one row of a persistent tensor, so a step's tables are one gather.
+
+A step used to turn each sequence's table (a Python list) into a padded row of a new tensor: work in
+the table's length, for every sequence, every step. Here a sequence holds a row (its slot) from
+admission until it stops running, and a row is written only where the table changed: a sequence
+gains a block every block_size tokens. Entries past a row's blocks are stale and never read: a
+step's kernels stop at each sequence's context length.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class BlockTables:
+    def __init__(self, max_seqs: int, max_blocks_per_seq: int, block_size: int):
+        self.block_size = block_size
+        self.rows = torch.zeros((max_seqs, max_blocks_per_seq), dtype=torch.int32)
+        self._free = list(range(max_seqs - 1, -1, -1))  # popped from the end: slot 0 first
+
+    @property
+    def width(self) -> int:
+        return self.rows.shape[1]
+
+    def assign(self, seq) -> None:
+        seq.slot = self._free.pop()
+        seq.slot_blocks = 0
+
+    def release(self, seq) -> None:
+        if seq.slot >= 0:
+            self._free.append(seq.slot)
+            seq.slot = -1
+
+    def write(self, seq) -> None:
+        """Copies the blocks the sequence's row does not have yet (a table only grows at its end, or shrinks)."""
+        table, done = seq.block_table, seq.slot_blocks
+        if len(table) > done:
+            if len(table) > self.width:
+                raise ValueError(f"a block table of {len(table)} blocks is wider than the {self.width} a row holds")
+            self.rows[seq.slot, done:len(table)] = torch.tensor(table[done:], dtype=torch.int32)
+        seq.slot_blocks = len(table)
