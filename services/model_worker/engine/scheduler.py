@@ -30,6 +30,10 @@ class ScheduledBatch:
         logprobs it computes: (sequence, first prompt position scored, count), their rows after the sampled ones.
 
         tables: the running sequences' block tables, a row per sequence (its slot)."""
+        seqs = self.seqs
+        if not self.num_draft and max(self.num_tokens) == 1 and all(
+                s.num_cached_tokens + 1 == len(s.token_ids) + s.num_pending for s in seqs):
+            return self._decode_inputs(tables), seqs, []
         token_ids, slots, context_lens, extra_rows, spans = [], [], [], [], []
         sampled: list[int] = []  # entries of token_ids whose last row yields a next token
         sampled_seqs: list[Sequence] = []
@@ -94,6 +98,26 @@ class ScheduledBatch:
             host.fill_rows = torch.tensor(fill_rows, dtype=torch.int64)
             host.fill_from = torch.tensor(fill_from, dtype=torch.int64)
         return host, sampled_seqs, spans
+
+
+    def _decode_inputs(self, tables: BlockTables) -> StepInputs:
+        """A step where every sequence computes its newest token and samples the next: a few values per sequence,
+        the rest in tensors."""
+        seqs = self.seqs
+        context_lens = [s.num_cached_tokens + 1 for s in seqs]
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64)
+        fill_rows = [i for i, s in enumerate(seqs) if s.num_pending]
+        if fill_rows:  # their tokens are still on the device: placeholders, copied in there
+            token_ids = [0 if s.num_pending else s.token_ids[-1] for s in seqs]
+        else:
+            token_ids = [s.token_ids[-1] for s in seqs]
+        width = -(-max(context_lens) // tables.block_size)
+        host = StepInputs.decode(token_ids, tables.rows[:, :width].index_select(0, slots), context_lens,
+                                 tables.block_size)
+        if fill_rows:
+            host.fill_rows = torch.tensor(fill_rows, dtype=torch.int64)
+            host.fill_from = torch.tensor([seqs[i].pending_row for i in fill_rows], dtype=torch.int64)
+        return host
 
 
 class Scheduler:
@@ -242,10 +266,12 @@ class Scheduler:
 
     def account(self, batch: ScheduledBatch) -> None:
         """The step's tokens are computed (or, on a device, queued to be): the next step starts after them."""
+        manager, block_size = self.block_manager, self.block_manager.block_size
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_cached_tokens += n
-            self.num_computed_tokens += n
-            self.block_manager.commit(seq)
+            if seq.num_cached_tokens // block_size > seq.num_hashed_blocks:  # a block may have filled
+                manager.commit(seq)
+        self.num_computed_tokens += sum(batch.num_tokens)
 
     def release(self, seq: Sequence) -> None:
         """A finished sequence leaves the batch and gives its blocks back (a step still in flight that wrote

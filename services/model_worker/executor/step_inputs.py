@@ -61,6 +61,15 @@ class StepInputs:
                    flat.slot_mapping, flat.query_start_loc, flat.context_lens, flat.block_tables, sample_rows,
                    flat.max_query_len, flat.max_context_len)
 
+    @classmethod
+    def decode(cls, token_ids: list[int], block_tables: torch.Tensor, context_lens: list[int],
+               block_size: int) -> "StepInputs":
+        """A decode step: one new token per sequence, each sampled; block_tables has a row per sequence."""
+        flat = FlatLayout.build([1] * len(token_ids), block_tables, context_lens, block_size)
+        return cls(torch.tensor(token_ids, dtype=torch.int64), flat.positions, flat.slot_mapping,
+                   flat.query_start_loc, flat.context_lens, flat.block_tables,
+                   torch.arange(len(token_ids), dtype=torch.int64), 1, flat.max_context_len)
+
     @property
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
