@@ -280,7 +280,7 @@ class LLMEngine:
             if seq.status is FINISHED:
                 self.scheduler.release(seq)
                 self._seqs.pop(seq.request_id, None)
-            elif len(seq.token_ids) % block_size == 0:
+            elif len(seq.token_ids) % block_size == 0 and seq.num_cached_tokens >= len(seq.token_ids):
                 self.block_manager.commit(seq)  # the block this token filled, computed by a step already launched
         return outputs
 

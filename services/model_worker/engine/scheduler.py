@@ -269,7 +269,8 @@ class Scheduler:
         manager, block_size = self.block_manager, self.block_manager.block_size
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_cached_tokens += n
-            if seq.num_cached_tokens // block_size > seq.num_hashed_blocks:  # a block may have filled
+            # A block may have filled (with tokens known here: one in flight is registered once read back).
+            if min(seq.num_cached_tokens, len(seq.token_ids)) // block_size > seq.num_hashed_blocks:
                 manager.commit(seq)
         self.num_computed_tokens += sum(batch.num_tokens)
 
