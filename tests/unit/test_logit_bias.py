@@ -12,8 +12,8 @@ VOCAB = 64
 
 
 def run(logits: torch.Tensor, params: list[SamplingParams], seed: int = 0) -> list[int]:
-    generators = [torch.Generator().manual_seed(seed + i) for i in range(len(params))]
-    return Sampler()(logits, params, [NO_IDS] * len(params), [NO_IDS] * len(params), generators).token_ids
+    draws = [(seed + i, 0) for i in range(len(params))]
+    return Sampler()(logits, params, [NO_IDS] * len(params), [NO_IDS] * len(params), draws).token_ids
 
 
 def test_bias_adds_to_listed_tokens_only():

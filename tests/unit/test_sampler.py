@@ -1,4 +1,6 @@
-"""The batched sampler against transformers' logits processors, hand-worked penalties, seeded draws."""
+"""The batched sampler against transformers' logits processors, hand-worked penalties, seeded draws.
+
+Mask tests run both ways of grouping rows (truncation.py): the CPU's (grouped) and the GPU's (batched)."""
 
 import math
 
@@ -13,14 +15,17 @@ from transformers.generation.logits_process import (
 )
 
 from services.model_worker.config.sampling import SamplingParams
-from services.model_worker.executor.sampler import Sampler, _scale, _truncate, apply_penalties
+from services.model_worker.executor.sampler import Sampler, apply_penalties
+from services.model_worker.executor.sampling_columns import Columns
+from services.model_worker.executor.truncation import masked_logits
 
 NO_IDS = torch.empty(0, dtype=torch.long)
+BOTH_PATHS = pytest.mark.parametrize("batched", [False, True], ids=["grouped", "batched"])
 
 
-def apply_sampling_masks(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def apply_sampling_masks(logits: torch.Tensor, params: list[SamplingParams], batched: bool = False) -> torch.Tensor:
     """Temperature-scaled logits with -inf outside the tokens a row can emit; greedy rows keep only
-    their argmax: the sampler's own masking (_scale, _truncate), laid out over the whole vocabulary."""
+    their argmax: the sampler's own masking (truncation.py), laid out over the whole vocabulary."""
     logits = logits.float()
     out = torch.full_like(logits, float("-inf"))
     for i, p in enumerate(params):
@@ -29,14 +34,8 @@ def apply_sampling_masks(logits: torch.Tensor, params: list[SamplingParams]) -> 
             out[i, best] = logits[i, best]
     sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if sampled_rows:
-        scaled = _scale(logits[sampled_rows], [params[i] for i in sampled_rows])
-        for rows, candidates, ids in _truncate(scaled, [params[i] for i in sampled_rows]):
-            target = [sampled_rows[r] for r in rows]
-            if ids is None:
-                out[target] = candidates
-            else:
-                spread = torch.full_like(out[target], float("-inf"))
-                out[target] = spread.scatter(1, ids, candidates)
+        columns = Columns([params[i] for i in sampled_rows], logits.shape[1], logits.device)
+        out[sampled_rows] = masked_logits(logits[sampled_rows] / columns.temperature, columns, batched)
     return out
 
 
@@ -60,11 +59,11 @@ def reference_masked(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return scores.squeeze(0)
 
 
-def sample_many(logits_row: torch.Tensor, p: SamplingParams, n: int, seed: int) -> list[int]:
-    """n independent draws for one row: n copies of it, each with its own seeded generator."""
+def sample_many(logits_row: torch.Tensor, p: SamplingParams, n: int, seed: int, batched: bool = False) -> list[int]:
+    """n independent draws for one row: n copies of it, one seed at n successive counters."""
     batch = logits_row.unsqueeze(0).expand(n, -1)
-    generators = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(n)]
-    out = Sampler()(batch, [p] * n, [NO_IDS] * n, [NO_IDS] * n, generators)
+    draws = [(seed, i) for i in range(n)]
+    out = Sampler(batched=batched)(batch, [p] * n, [NO_IDS] * n, [NO_IDS] * n, draws)
     return out.token_ids
 
 
@@ -75,16 +74,18 @@ def probs_of(values: list[float]) -> torch.Tensor:
 # --- masks on crafted logits -------------------------------------------------------------------
 
 
-def test_top_k_keeps_exactly_k_without_ties():
+@BOTH_PATHS
+def test_top_k_keeps_exactly_k_without_ties(batched):
     logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0]])
-    masked = apply_sampling_masks(logits, [SamplingParams(top_k=3)])
+    masked = apply_sampling_masks(logits, [SamplingParams(top_k=3)], batched)
     assert support(masked[0]) == {1, 2, 3}
 
 
-def test_top_k_keeps_every_token_tied_with_the_kth():
+@BOTH_PATHS
+def test_top_k_keeps_every_token_tied_with_the_kth(batched):
     logits = torch.tensor([[3.0, 2.0, 1.0, 2.0, 2.0, 0.5]])
     p = SamplingParams(top_k=2)
-    masked = apply_sampling_masks(logits, [p])
+    masked = apply_sampling_masks(logits, [p], batched)
     assert support(masked[0]) == {0, 1, 3, 4}
     assert support(masked[0]) == support(reference_masked(logits[0], p))
 
@@ -108,12 +109,13 @@ def test_top_k_off_or_at_least_vocab_keeps_everything(top_k):
         (1e-9, {0}),  # 1 - top_p rounds to 1.0 in float32; the top token is still kept
     ],
 )
-def test_top_p_cuts_at_the_smallest_set_reaching_top_p(top_p, expected):
+@BOTH_PATHS
+def test_top_p_cuts_at_the_smallest_set_reaching_top_p(top_p, expected, batched):
     logits = probs_of([0.5, 0.25, 0.125, 0.125]).unsqueeze(0)
     # The boundary cases need these probabilities to be exact in float32.
     assert logits.softmax(-1).tolist() == [[0.5, 0.25, 0.125, 0.125]]
     p = SamplingParams(top_p=top_p)
-    assert support(apply_sampling_masks(logits, [p])[0]) == expected
+    assert support(apply_sampling_masks(logits, [p], batched)[0]) == expected
     if len(expected) != 3:  # transformers breaks the 2-vs-3 tie its own way
         assert support(reference_masked(logits[0], p)) == expected
 
@@ -124,12 +126,13 @@ def test_top_p_ranks_the_lower_id_first_among_ties_whatever_their_position():
     assert support(masked[0]) == {0, 1, 3}
 
 
-def test_top_p_tie_rule_holds_inside_a_top_k_set():
+@BOTH_PATHS
+def test_top_p_tie_rule_holds_inside_a_top_k_set(batched):
     # top_k=5 keeps {4, 0, 1, 2, 3} (nothing ties the 5th), renormalized 3:1:1:1:1 over 7; the cut
     # falls among the four tied tokens, and the lowest ids are kept (topk alone orders ties freely).
     logits = probs_of([0.1, 0.1, 0.1, 0.1, 0.3, 0.01, 0.02, 0.01, 0.03, 0.01]).unsqueeze(0)
     for top_p, expected in ((0.5, {4, 0}), (0.65, {4, 0, 1}), (0.8, {4, 0, 1, 2})):
-        masked = apply_sampling_masks(logits, [SamplingParams(top_k=5, top_p=top_p)])
+        masked = apply_sampling_masks(logits, [SamplingParams(top_k=5, top_p=top_p)], batched)
         assert support(masked[0]) == expected
 
 
@@ -186,8 +189,9 @@ def _random_params(gen: torch.Generator, vocab: int) -> SamplingParams:
     )
 
 
+@BOTH_PATHS
 @pytest.mark.parametrize("quantized", [False, True])
-def test_support_matches_transformers_warpers_on_random_rows(quantized):
+def test_support_matches_transformers_warpers_on_random_rows(quantized, batched):
     # One batched call over rows with mixed settings, each row checked against the reference alone.
     # Quantized logits (bf16-like ties) are checked where tie order cannot matter: no top_p.
     gen = torch.Generator().manual_seed(1234)
@@ -199,7 +203,7 @@ def test_support_matches_transformers_warpers_on_random_rows(quantized):
         params = [
             SamplingParams(temperature=p.temperature, top_k=p.top_k, min_p=p.min_p) for p in params
         ]
-    masked = apply_sampling_masks(logits, params)
+    masked = apply_sampling_masks(logits, params, batched)
     kept_sizes = set()
     for i, p in enumerate(params):
         reference = reference_masked(logits[i], p)
@@ -210,13 +214,14 @@ def test_support_matches_transformers_warpers_on_random_rows(quantized):
     assert len(kept_sizes) > 10  # the sweep exercised many different cuts
 
 
-def test_draws_stay_inside_the_support_and_cover_it():
+@BOTH_PATHS
+def test_draws_stay_inside_the_support_and_cover_it(batched):
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(1, 40, generator=gen) * 2
     p = SamplingParams(temperature=1.3, top_k=12, top_p=0.9, min_p=0.05)
-    allowed = support(apply_sampling_masks(logits, [p])[0])
+    allowed = support(apply_sampling_masks(logits, [p], batched)[0])
     assert 2 < len(allowed) < 12
-    drawn = set(sample_many(logits[0], p, 3000, seed=1))
+    drawn = set(sample_many(logits[0], p, 3000, seed=1, batched=batched))
     assert drawn == allowed
 
 
@@ -295,8 +300,7 @@ def test_greedy_rows_in_a_sampled_batch_are_argmax():
         SamplingParams(temperature=1e-6),
         SamplingParams(top_p=0.5),
     ]
-    generators = [torch.Generator().manual_seed(i) for i in range(4)]
-    out = Sampler()(logits, params, [NO_IDS] * 4, [NO_IDS] * 4, generators)
+    out = Sampler()(logits, params, [NO_IDS] * 4, [NO_IDS] * 4, [(i, 0) for i in range(4)])
     argmax = logits.argmax(-1).tolist()
     assert out.token_ids[0] == argmax[0] and out.token_ids[2] == argmax[2]
 
@@ -309,9 +313,7 @@ def test_empirical_distribution_follows_softmax_of_scaled_logits(temperature):
     untempered = logits.softmax(-1)
     assert (expected - untempered).abs().max() > 3 * tolerance  # the test can tell T from 1
     p = SamplingParams(temperature=temperature)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)  # generators of None draw from the default RNG
-        out = Sampler()(logits.expand(n, -1), [p] * n, [NO_IDS] * n, [NO_IDS] * n, [None] * n)
+    out = Sampler()(logits.expand(n, -1), [p] * n, [NO_IDS] * n, [NO_IDS] * n, [(0, i) for i in range(n)])
     tokens = out.token_ids
     frequencies = torch.bincount(torch.tensor(tokens), minlength=4).float() / n
     assert (frequencies - expected).abs().max() < tolerance
@@ -320,13 +322,13 @@ def test_empirical_distribution_follows_softmax_of_scaled_logits(temperature):
 def _run_steps(logits_steps, params, seeds, target_row):
     """Runs several decode steps for a batch; returns target_row's tokens."""
     batch = len(params)
-    generators = [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
     outputs = [NO_IDS] * batch
     prompts = [torch.tensor([1, 2, 3])] * batch
     tokens = []
     sampler = Sampler()
-    for logits in logits_steps:
-        out = sampler(logits[:batch], params, prompts, outputs, generators)
+    for step, logits in enumerate(logits_steps):
+        draws = [(s, step) if s is not None else None for s in seeds]
+        out = sampler(logits[:batch], params, prompts, outputs, draws)
         outputs = [torch.cat((o, torch.tensor([t]))) for o, t in zip(outputs, out.token_ids)]
         tokens.append(out.token_ids[target_row])
     return tokens
@@ -379,8 +381,7 @@ def test_logprobs_come_from_the_raw_logits():
         SamplingParams(temperature=0.0, frequency_penalty=2.0, logprobs=20),
     ]
     outputs = [torch.tensor([int(logits[i].float().argmax())] * 5) for i in range(4)]
-    generators = [torch.Generator().manual_seed(i) for i in range(4)]
-    out = Sampler()(logits, params, [NO_IDS] * 4, outputs, generators)
+    out = Sampler()(logits, params, [NO_IDS] * 4, outputs, [(i, 0) for i in range(4)])
     reference = logits.float().log_softmax(-1)
 
     for i in (0, 1, 3):
@@ -402,8 +403,7 @@ def test_sampler_leaves_float32_logits_untouched():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     before = logits.clone()
     p = SamplingParams(temperature=0.5, top_k=2, repetition_penalty=2.0, presence_penalty=1.0)
-    generator = torch.Generator().manual_seed(0)
-    Sampler()(logits, [p], [torch.tensor([0])], [torch.tensor([1])], [generator])
+    Sampler()(logits, [p], [torch.tensor([0])], [torch.tensor([1])], [(0, 0)])
     assert torch.equal(logits, before)
 
 
@@ -425,8 +425,7 @@ def test_cuda_rows_match_cpu_masks_and_are_reproducible_in_a_batch():
     def run(rows):
         cuda_logits = logits[rows].cuda().to(torch.bfloat16)
         ids = [torch.tensor([1, 2, 3], device="cuda")] * len(rows)
-        generators = [torch.Generator(device="cuda").manual_seed(100 + r) for r in rows]
-        return Sampler()(cuda_logits, [params[r] for r in rows], ids, ids, generators).token_ids
+        return Sampler()(cuda_logits, [params[r] for r in rows], ids, ids, [(100 + r, 5) for r in rows]).token_ids
 
     batched = run([0, 1, 2])
     assert [run([r])[0] for r in range(3)] == batched

@@ -222,9 +222,9 @@ def test_rejection_sampler_alone_keeps_the_target_distribution():
     n = 4000
     for q in (None, draft_q):
         firsts = []
-        for _ in range(n):
+        for i in range(n):
             proposal = 2 if q is None else int(torch.multinomial(draft_q[0], 1, generator=gen))
-            firsts.append(rejection.verify(target, [proposal], q, gen)[0])
+            firsts.append(rejection.verify(target, [proposal], q, (0, i))[0])  # one seed, successive indices
         counts = torch.tensor([firsts.count(t) for t in range(4)], dtype=torch.float64)
         stat = ((counts - n * target[0].double()) ** 2 / (n * target[0].double())).sum()
         assert float(torch.special.gammaincc(torch.tensor(1.5, dtype=torch.float64), stat / 2)) > 0.01

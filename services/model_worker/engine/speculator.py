@@ -60,7 +60,7 @@ class Speculator:
         for seq in running:
             seq.draft = []
             # Decoding only (not mid-prefill); unseeded sequences decode plainly in a compute-bound batch.
-            if seq.num_uncached_tokens != 1 or (crowded and seq.generator is None):
+            if seq.num_uncached_tokens != 1 or (crowded and seq.params.seed is None):
                 continue
             # Under a grammar: not while the constraint waits for its start (a proposal could run across it).
             # Each verified row is masked by the grammar's state after the proposals before it, so a proposed
@@ -94,7 +94,7 @@ class Speculator:
         proposals, dists = self.draft.propose(
             [s.token_ids for s, _ in chosen], [min(s.draft_computed, len(s) - 1) for s, _ in chosen],
             [d for _, d in chosen], [s.block_table for s, _ in chosen], [s.params for s, _ in chosen],
-            [s.generator for s, _ in chosen])
+            [s.draw_key() for s, _ in chosen])
         for (seq, _), tokens, dist in zip(chosen, proposals, dists):
             seq.draft, seq.draft_probs = tokens, dist
             seq.draft_computed = len(seq)  # and its first len(tokens) - 1 proposals, counted once accepted
@@ -110,11 +110,14 @@ class Speculator:
         params: list[SamplingParams] = []
         outputs: list[list[int]] = []
         owner: list[int] = []
+        draws: list[tuple[int, int]] = []  # (seed, index of the output token drawn): row j, the next index + j
         for i, (seq, d) in enumerate(zip(seqs, num_draft)):
+            seed, counter = seq.draw_key()
             for j in range(d + 1):
                 params.append(seq.params)
                 outputs.append(seq.output_ids + seq.draft[:j])
                 owner.append(i)
+                draws.append((seed, counter + j))
         none = torch.empty(0, dtype=torch.long, device=device)
         history = [(to_device(seqs[owner[r]].prompt_ids, torch.long, device), to_device(out, torch.long, device))
                    if p.has_penalties else (none, none) for r, (p, out) in enumerate(zip(params, outputs))]
@@ -129,7 +132,7 @@ class Speculator:
         if plain_rows:
             rows_t = to_device(plain_rows, torch.long, device)
             out = sampler(logits[rows_t], [params[r] for r in plain_rows], [history[r][0] for r in plain_rows],
-                          [history[r][1] for r in plain_rows], [seqs[owner[r]].generator for r in plain_rows])
+                          [history[r][1] for r in plain_rows], [draws[r] for r in plain_rows])
             per_row = {r: Emitted(out.token_ids[n], out.logprobs[n], out.top_logprobs[n])
                        for n, r in enumerate(plain_rows)}
             for i, (seq, d) in enumerate(zip(seqs, num_draft)):
@@ -146,7 +149,7 @@ class Speculator:
             scores = apply_penalties(logits[rows_t].float(), [params[r] for r in rows],
                                      [history[r][0] for r in rows], [history[r][1] for r in rows])
             target = probabilities(scores, [params[r] for r in rows])
-            tokens = rejection.verify(target, seqs[i].draft[:num_draft[i]], seqs[i].draft_probs, seqs[i].generator)
+            tokens = rejection.verify(target, seqs[i].draft[:num_draft[i]], seqs[i].draft_probs, seqs[i].draw_key())
             used = rows[:len(tokens)]
             out = logprobs_of(logits[to_device(used, torch.long, device)], [params[r] for r in used],
                               to_device(tokens, torch.long, device))

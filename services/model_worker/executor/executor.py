@@ -15,7 +15,7 @@ from services.model_worker.executor.kv_sizing import blocks_from_budget, plan_kv
 from services.model_worker.executor.model_runner import ModelRunner
 from services.model_worker.executor.sampler import Sampler
 from services.model_worker.executor.step_channel import StepChannel
-from services.model_worker.kernels import cpu_argmax, cpu_decoder, cpu_norm
+from services.model_worker.kernels import cpu_argmax, cpu_decoder, cpu_norm, cpu_random_draws
 from services.model_worker.model.fused_decode import use_activation_kernel, use_fused_decode
 from services.model_worker.model.layers.linear import linear_layers
 from services.model_worker.model.layers.quant.choose_method import linear_methods
@@ -103,7 +103,9 @@ class Executor:
         """The C kernels besides the linear layers' (their method was chosen before loading)."""
         if self.device.type != "cpu":
             return
-        cpu_argmax.load()  # built now, not in the first request's step (the sampler finds it loaded)
+        # Built now, not in the first request's step (the sampler finds them loaded).
+        cpu_argmax.load()
+        cpu_random_draws.load()
         if config.norm_kernel is not False:
             library = cpu_norm.load()
             if library is not None:

@@ -25,11 +25,19 @@ Mask semantics:
 Logprobs (the chosen token's and the top N) come from log_softmax of the raw logits, before
 penalties, temperature and masks, as in vLLM's default: they describe the model, not the sampler.
 
-Reproducibility: a row's token depends only on its logits, its params and its generator, never
-on the other rows or the batch size. Each sampled row draws V exponential variates from its own
-generator (the default RNG when None), one per token id, and takes argmax(prob / noise), an exact
-draw from `prob` (the exponential race). Rows go through per-row kernels whatever batch they sit
-in, and no shape a row is computed at depends on another row's parameters.
+Reproducibility: a row's token depends only on its logits, its params and its draw key (its sequence's
+seed and the index of the output token being drawn), never on the other rows, its position or the batch
+size. The draw is the exponential race: argmax over tokens of p_t / E_t with E_t ~ Exp(1) independent per
+token, an exact draw from p. E_t is a counter-based hash of (seed, index, stream, t) (random_draws.py), so
+the same seed and request give the same tokens (OpenAI's seed) alone or in any batch, and a stream can
+resume on another worker from its seed and its output length. p_t enters as exp(logit_t - max): the row's
+normalizer does not move the argmax, and leaving it out keeps every sum over the row out of the draw, so
+the width a row's candidates are laid out at (the vocabulary, sorted or not, or a top_k cut) never changes
+its token.
+
+No host sync and no per-row launch: sample() returns device tensors (read back by to_host()); the params
+become device columns once per batch composition (sampling_columns.py), reused while the same rows come
+back in the same order; off the CPU every masked row goes through one sort (truncation.py).
 """
 
 from __future__ import annotations
@@ -39,8 +47,13 @@ from dataclasses import dataclass
 import torch
 
 from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.executor import random_draws
+from services.model_worker.executor.sampling_columns import Columns
 from services.model_worker.executor.transfer import to_device
+from services.model_worker.executor.truncation import masked_logits, truncate
 from services.model_worker.kernels import cpu_argmax
+
+DrawKey = tuple[int, int]  # (seed, index of the output token drawn): Sequence.draw_key()
 
 
 @dataclass
@@ -52,15 +65,20 @@ class SamplerOutput:
 
 
 class Sampler:
+    def __init__(self, batched: bool = False):
+        # Off the CPU the masks always run batched (truncation.py); True runs that path on a CPU too.
+        self.batched = batched
+        self._columns: Columns | None = None
+
     def __call__(
         self,
         logits: torch.Tensor,  # (B, V), any float dtype
         params: list[SamplingParams],
         prompt_ids: list[torch.Tensor],  # per row, 1-D int64 on logits.device
         output_ids: list[torch.Tensor],  # per row, 1-D int64, may be empty
-        generators: list[torch.Generator | None],  # per row, on logits.device
+        draws: list[DrawKey | None],  # per row; None: a fresh random key
     ) -> SamplerOutput:
-        return self.sample(logits, params, prompt_ids, output_ids, generators).to_host()
+        return self.sample(logits, params, prompt_ids, output_ids, draws).to_host()
 
     def sample(
         self,
@@ -68,26 +86,31 @@ class Sampler:
         params: list[SamplingParams],
         prompt_ids: list[torch.Tensor],
         output_ids: list[torch.Tensor],
-        generators: list[torch.Generator | None],
+        draws: list[DrawKey | None],
     ) -> "SampledBatch":
         """The draws as device tensors, read back later (to_host): the next step can take its input ids from
         token_ids on the device while this one's are still on their way to the host."""
-        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if not sampled_rows and not any(p.adjusts_logits for p in params):
+        columns = self.columns(params, logits.shape[1], logits.device)
+        if not columns.sampled_rows and not columns.adjusts:
             # The common case, every step: argmax in the logits' own dtype (widening is exact).
-            token_ids = cpu_argmax.argmax(logits)
+            return _with_logprobs(logits, columns, cpu_argmax.argmax(logits))
+        scores = penalise(logits.float(), columns, prompt_ids, output_ids)
+        if not columns.sampled_rows:
+            return _with_logprobs(logits, columns, cpu_argmax.argmax(scores))
+        words = random_draws.draw_words([draws[i] for i in columns.sampled_rows], random_draws.SAMPLE,
+                                        logits.device)
+        if columns.all_sampled:
+            token_ids = _draw(scores, columns, words, self.batched)
         else:
-            scores = apply_penalties(logits.float(), params, prompt_ids, output_ids)
-            token_ids = cpu_argmax.argmax(scores)
-            if sampled_rows:
-                rows = to_device(sampled_rows, torch.long, logits.device)
-                drawn = _sample(
-                    scores[rows],
-                    [params[i] for i in sampled_rows],
-                    [generators[i] for i in sampled_rows],
-                )
-                token_ids = token_ids.index_copy(0, rows, drawn)
-        return _with_logprobs(logits, params, token_ids)
+            drawn = _draw(scores[columns.sampled], columns, words, self.batched)
+            token_ids = cpu_argmax.argmax(scores).index_copy_(0, columns.sampled, drawn)
+        return _with_logprobs(logits, columns, token_ids)
+
+    def columns(self, params: list[SamplingParams], vocab: int, device: torch.device) -> Columns:
+        """The batch's columns: the last batch's while the same params objects come back in the same order."""
+        if self._columns is None or not self._columns.matches(params, vocab, device):
+            self._columns = Columns(params, vocab, device)
+        return self._columns
 
 
 def apply_penalties(
@@ -98,182 +121,82 @@ def apply_penalties(
 ) -> torch.Tensor:
     """The logit bias, then repetition, presence and frequency penalties; rows without them come back
     unchanged."""
+    return penalise(logits, Columns(params, logits.shape[1], logits.device), prompt_ids, output_ids)
+
+
+def penalise(logits: torch.Tensor, columns: Columns, prompt_ids: list[torch.Tensor],
+             output_ids: list[torch.Tensor]) -> torch.Tensor:
+    """apply_penalties over a batch's columns."""
+    if not columns.adjusts:
+        return logits
     batch, vocab = logits.shape
     device = logits.device
-    bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
-    if bias_rows:
-        rows = [i for i in bias_rows for _ in params[i].logit_bias]
-        tokens = [t for i in bias_rows for t, _ in params[i].logit_bias]
-        biases = [b for i in bias_rows for _, b in params[i].logit_bias]
-        logits = logits.index_put((to_device(rows, torch.long, device), to_device(tokens, torch.long, device)),
-                                  to_device(biases, torch.float32, device), accumulate=True)
-    repeat_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    if repeat_rows:
-        rows, tokens = _flat_indices(
-            repeat_rows, [torch.cat((prompt_ids[i], output_ids[i])) for i in repeat_rows], device
-        )
+    if columns.bias is not None:
+        rows, tokens, biases = columns.bias
+        logits = logits.index_put((rows, tokens), biases, accumulate=True)
+    if columns.repeat_rows:
+        rows = columns.repeat_rows
+        row_index, tokens = _flat_indices(rows + rows, [prompt_ids[i] for i in rows] + [output_ids[i] for i in rows],
+                                          device)
         seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
         # A device tensor of Trues, not the Python True: index_put_ copies a host scalar to the GPU, and waits.
-        seen[rows, tokens] = torch.ones_like(tokens, dtype=torch.bool)
-        penalty = _column([p.repetition_penalty for p in params], device)
+        seen[row_index, tokens] = torch.ones_like(tokens, dtype=torch.bool)
+        penalty = columns.repetition
         penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
         logits = torch.where(seen, penalised, logits)
-    count_rows = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
-    if count_rows:
-        rows, tokens = _flat_indices(count_rows, [output_ids[i] for i in count_rows], device)
+    if columns.count_rows:
+        row_index, tokens = _flat_indices(columns.count_rows, [output_ids[i] for i in columns.count_rows], device)
         counts = torch.zeros(batch, vocab, device=device)
         ones = torch.ones_like(tokens, dtype=counts.dtype)
-        counts.index_put_((rows, tokens), ones, accumulate=True)
-        frequency = _column([p.frequency_penalty for p in params], device)
-        presence = _column([p.presence_penalty for p in params], device)
-        logits = logits - frequency * counts - presence * (counts > 0)
+        counts.index_put_((row_index, tokens), ones, accumulate=True)
+        logits = logits - columns.frequency * counts - columns.presence * (counts > 0)
     return logits
 
 
-def _sample(
-    scores: torch.Tensor,  # (R, V) float32, penalties applied
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+def _draw(
+    scores: torch.Tensor,  # (S, V) float32: the sampled rows, penalties applied
+    columns: Columns,
+    words: torch.Tensor,  # (S, 3): the rows' draw words (random_draws.draw_words)
+    batched: bool,
 ) -> torch.Tensor:
-    noise = _exponential_noise(scores.shape, generators, scores.device)
     token_ids = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
-    for rows, candidates, ids in _truncate(_scale(scores, params), params):
-        rows_t = to_device(rows, torch.long, scores.device)
-        row_noise = noise[rows_t] if ids is None else noise[rows_t].gather(1, ids)
-        choice = candidates.softmax(dim=-1).div_(row_noise).argmax(dim=-1, keepdim=True)
-        chosen = choice if ids is None else ids.gather(1, choice)
-        token_ids[rows_t] = chosen.squeeze(1)
+    for group in truncate(scores / columns.temperature, columns, batched):
+        ids = columns.vocab_ids if group.ids is None else group.ids
+        noise = random_draws.exponential(words[group.rows], ids)
+        # exp(logit - max): each token's probability times the row's normalizer, which does not move the argmax.
+        weights = (group.candidates - group.candidates.amax(dim=-1, keepdim=True)).exp_()
+        choice = weights.div_(noise).argmax(dim=-1, keepdim=True)
+        chosen = choice if group.ids is None else group.ids.gather(1, choice)
+        token_ids.index_copy_(0, group.rows, chosen.squeeze(1))
     return token_ids
 
 
 def probabilities(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """(R, V) float32: the distribution each (non-greedy) row's draw is taken from, after temperature and
-    the top_k, top_p and min_p masks; scores are the logits with penalties applied, as _sample gets them.
+    the top_k, top_p and min_p masks; scores are the logits with penalties applied, as the draw gets them.
     Speculative decoding's rejection sampler verifies proposals against it."""
-    probs = torch.zeros_like(scores)
-    for rows, candidates, ids in _truncate(_scale(scores, params), params):
-        rows_t = to_device(rows, torch.long, scores.device)
-        row_probs = candidates.softmax(dim=-1)
-        if ids is None:
-            probs[rows_t] = row_probs
-        else:
-            probs[rows_t] = torch.zeros_like(probs[rows_t]).scatter_(1, ids, row_probs)
-    return probs
+    columns = Columns(params, scores.shape[1], scores.device)
+    masked = masked_logits(scores / columns.temperature, columns)
+    return masked.softmax(dim=-1)
 
 
 def logprobs_of(logits: torch.Tensor, params: list[SamplingParams], token_ids: torch.Tensor) -> SamplerOutput:
     """The chosen tokens with their logprobs and top logprobs, as the sampler reports them."""
-    return _with_logprobs(logits, params, token_ids).to_host()
+    return _with_logprobs(logits, Columns(params, logits.shape[1], logits.device), token_ids).to_host()
 
 
-def _scale(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    return logits / _column([p.temperature for p in params], logits.device)
-
-
-def _truncate(
-    logits: torch.Tensor, params: list[SamplingParams]
-) -> list[tuple[list[int], torch.Tensor, torch.Tensor | None]]:
-    """Splits rows into groups, each (rows, candidate logits (R, W), their token ids (R, W) or None
-    when W is the whole vocabulary), -inf on candidates that are masked out.
-
-    Rows with a top_k take a cheap topk(k + 1) instead of sorting the vocabulary: the k + 1-th value
-    proves nothing outside is tied with the k-th. Rows are grouped by their own k so the width a
-    row is computed at never depends on another row; rows with a tie there, or with top_p/min_p but
-    no top_k, sort the whole vocabulary. Checking for ties costs one device sync per distinct k, so
-    on a GPU (where sorting the vocabulary is cheap and a sync is not) every masked row is sorted.
-    """
-    vocab = logits.shape[1]
-    device = logits.device
-    plain, full, by_k = [], [], {}
-    for r, p in enumerate(params):
-        has_top_k = 0 < p.top_k < vocab
-        if has_top_k and device.type == "cpu":
-            by_k.setdefault(p.top_k, []).append(r)
-        elif has_top_k or p.top_p < 1.0 or p.min_p > 0.0:
-            full.append(r)
-        else:
-            plain.append(r)
-    groups = []
-    if plain:
-        groups.append((plain, logits[to_device(plain, torch.long, device)], None))
-    for k, rows in by_k.items():
-        values, ids = logits[rows].topk(k + 1, dim=-1)  # sorted, largest first
-        tied = (values[:, k] == values[:, k - 1]).tolist()
-        full.extend(r for r, t in zip(rows, tied) if t)
-        keep = [j for j, t in enumerate(tied) if not t]
-        if keep:
-            kept_rows = [rows[j] for j in keep]
-            values, ids = _lower_ids_first(values[keep], ids[keep])
-            masked = _mask_sorted(values, [params[r] for r in kept_rows], k)
-            groups.append((kept_rows, masked, ids))
-    if full:
-        # Stable, so that among equal logits the lower token id ranks first.
-        values, ids = logits[to_device(full, torch.long, device)].sort(dim=-1, descending=True, stable=True)
-        groups.append((full, _mask_sorted(values, [params[r] for r in full], None), ids))
-    return groups
-
-
-def _mask_sorted(
-    values: torch.Tensor,  # (R, W) descending
-    params: list[SamplingParams],
-    width_k: int | None,  # every row's top_k when the width is k + 1; None for a full sort
-) -> torch.Tensor:
-    device = values.device
-    width = values.shape[1]
-    if width_k is None:
-        k = [p.top_k if 0 < p.top_k < width else width for p in params]
-    else:
-        k = [width_k] * len(params)
-    kth = values.gather(1, to_device(k, torch.long, device).unsqueeze(1) - 1)
-    values = values.masked_fill(values < kth, float("-inf"))
-    probs = values.softmax(dim=-1)
-    # Mass of each token and all ranked below it: the ascending cumulative sum TopPLogitsWarper
-    # takes, in the same order; 1 - top_p is formed in double first, as transformers does.
-    tail_mass = probs.flip(-1).cumsum(dim=-1).flip(-1)
-    drop = tail_mass <= _column([1.0 - p.top_p for p in params], device)
-    drop |= probs < _column([p.min_p for p in params], device) * probs[:, :1]
-    drop[:, 0] = False
-    return values.masked_fill(drop, float("-inf"))
-
-
-def _lower_ids_first(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reorders topk's output so equal values rank by token id, as the stable full sort does
-    (topk leaves the order of ties unspecified)."""
-    ids, order = ids.sort(dim=-1)
-    values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
-    return values, ids.gather(1, order)
-
-
-def _exponential_noise(
-    shape: torch.Size, generators: list[torch.Generator | None], device: torch.device
-) -> torch.Tensor:
-    noise = torch.empty(shape, device=device)
-    default_rows = []
-    for r, generator in enumerate(generators):
-        if generator is None:
-            default_rows.append(r)
-        else:
-            noise[r].exponential_(generator=generator)
-    if default_rows:
-        drawn = torch.empty(len(default_rows), shape[1], device=device).exponential_()
-        noise[to_device(default_rows, torch.long, device)] = drawn
-    # A zero draw would turn prob / noise into inf or nan; the smallest normal float is as likely.
-    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-
-
-def _with_logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: torch.Tensor) -> "SampledBatch":
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+def _with_logprobs(logits: torch.Tensor, columns: Columns, token_ids: torch.Tensor) -> "SampledBatch":
+    rows = columns.logprob_rows
     if not rows:
-        return SampledBatch(token_ids, params, rows, 0, None)
-    rows_t = to_device(rows, torch.long, logits.device)
-    logprobs = logits[rows_t].float().log_softmax(dim=-1)
-    chosen_values = logprobs.gather(1, token_ids[rows_t].unsqueeze(1)).squeeze(1)
-    n = min(max(params[i].logprobs for i in rows), logprobs.shape[1])
-    top_values, top_ids = logprobs.topk(n, dim=-1)
+        return SampledBatch(token_ids, columns.params, rows, 0, None)
+    index = columns.logprob_index
+    logprobs = logits[index].float().log_softmax(dim=-1)
+    chosen_values = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1)
+    top_values, top_ids = logprobs.topk(columns.top_n, dim=-1)
     # One read back for everything: float64 holds the float32 logprobs and the token ids exactly.
     packed = torch.cat((token_ids.double(), chosen_values.double(), top_values.double().flatten(),
                         top_ids.double().flatten()))
-    return SampledBatch(token_ids, params, rows, n, packed)
+    return SampledBatch(token_ids, columns.params, rows, columns.top_n, packed)
 
 
 @dataclass
@@ -315,7 +238,3 @@ def _flat_indices(
         output_size=sum(lengths),
     )
     return row_index, torch.cat(ids).to(device)
-
-
-def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return to_device(values, torch.float32, device).unsqueeze(1)

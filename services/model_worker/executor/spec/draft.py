@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.executor import random_draws
 from services.model_worker.executor.model_runner import ModelRunner
 from services.model_worker.executor.sampler import probabilities
 from services.model_worker.executor.step_inputs import StepInputs
@@ -25,11 +26,13 @@ class DraftProposer:
 
     def propose(self, token_ids: list[list[int]], computed: list[int], counts: list[int],
                 block_tables: list[list[int]], params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+                draws: list[tuple[int, int]]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Per sequence: `counts[i]` proposed tokens, and for a sampled sequence the (count, V) distributions
         they were drawn from (None for greedy: its proposals are the draft's argmax).
 
-        token_ids: each sequence's tokens; computed: how many of them the draft's cache holds.
+        token_ids: each sequence's tokens; computed: how many of them the draft's cache holds; draws: its
+        seed and the index of the output token its first proposal is for (proposal j: stream DRAFT's draw
+        at that index + j).
         """
         rows = list(range(len(token_ids)))
         proposals: list[list[int]] = [[] for _ in rows]
@@ -45,11 +48,13 @@ class DraftProposer:
             sampled = [n for n, i in enumerate(rows) if not params[i].is_greedy]
             if sampled:
                 probs = probabilities(logits[sampled], [params[rows[n]] for n in sampled])
-                for n, p in zip(sampled, probs):
-                    i = rows[n]
-                    noise = torch.empty_like(p).exponential_(generator=generators[i])
-                    greedy[n] = int((p / noise.clamp_(min=torch.finfo(p.dtype).tiny)).argmax())
-                    dists[i].append(p)
+                words = random_draws.draw_words([(draws[rows[n]][0], draws[rows[n]][1] + j) for n in sampled],
+                                                random_draws.DRAFT, logits.device)
+                noise = random_draws.exponential(words, torch.arange(probs.shape[1], device=logits.device))
+                drawn = (probs / noise).argmax(dim=-1).tolist()
+                for n, p, token in zip(sampled, probs, drawn):
+                    greedy[n] = token
+                    dists[rows[n]].append(p)
             for n, i in enumerate(rows):
                 proposals[i].append(greedy[n])
                 new[i] = [greedy[n]]

@@ -6,17 +6,22 @@ more token from the target's distribution after the last. Each emitted token is 
 exactly as a plain draw from p would be, whatever the proposer. A deterministic proposer (prompt
 lookup) is the case q = one-hot(d): accept with probability p(d), else draw from p with d removed.
 
-Draws come from the sequence's own generator (the default RNG when None), so a seeded request is
-reproducible. Residual and bonus draws use the exponential race, as the sampler does.
+Draws are the sequence's counter-based ones (executor/random_draws.py), keyed by the index of the output
+token they decide, so a seeded request is reproducible: the uniform for the proposal at index n is stream
+ACCEPT's at n, a residual draw RESIDUAL's, and the bonus token SAMPLE's, the draw a plain step makes for
+that index. Residual and bonus draws use the exponential race, as the sampler does.
 """
 from __future__ import annotations
 
 import torch
 
+from services.model_worker.executor import random_draws
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One exact draw from a (V,) distribution: argmax(p / E) with E ~ Exp(1) i.i.d."""
-    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
+
+def _draw(probs: torch.Tensor, key: tuple[int, int], stream: int) -> int:
+    """One exact draw from a (V,) distribution: argmax(p / E) with E ~ Exp(1) i.i.d. per token."""
+    words = random_draws.draw_words([key], stream, probs.device)
+    noise = random_draws.exponential(words, torch.arange(probs.shape[0], device=probs.device))[0]
     return int((probs / noise).argmax())
 
 
@@ -24,14 +29,19 @@ def verify(
     target: torch.Tensor,  # (d + 1, V) float32: the target's distribution at each proposed position and after
     draft_ids: list[int],  # d proposed tokens
     draft_probs: torch.Tensor | None,  # (d, V) the proposer's distributions; None: a deterministic proposer
-    generator: torch.Generator | None,
+    key: tuple[int, int],  # the sequence's seed and the index of the output token the first proposal is for
 ) -> list[int]:
     """The tokens to emit: the accepted proposals, then one drawn token (a correction or the bonus)."""
     count = len(draft_ids)
-    uniform = torch.rand(count, generator=generator, device=target.device).tolist() if count else []
-    ids = torch.tensor(draft_ids, dtype=torch.long, device=target.device)
-    p_at = target[torch.arange(count, device=target.device), ids].tolist() if count else []
-    q_at = (draft_probs[torch.arange(count, device=target.device), ids].tolist() if draft_probs is not None
+    seed, index = key
+    device = target.device
+    uniform = []
+    if count:
+        words = random_draws.draw_words([(seed, index + j) for j in range(count)], random_draws.ACCEPT, device)
+        uniform = random_draws.uniform(words, torch.zeros(1, dtype=torch.long, device=device))[:, 0].tolist()
+    ids = torch.tensor(draft_ids, dtype=torch.long, device=device)
+    p_at = target[torch.arange(count, device=device), ids].tolist() if count else []
+    q_at = (draft_probs[torch.arange(count, device=device), ids].tolist() if draft_probs is not None
             else [1.0] * count)
     out: list[int] = []
     for j, token in enumerate(draft_ids):
@@ -46,7 +56,7 @@ def verify(
             residual = (target[j] - draft_probs[j]).clamp_(min=0.0)
         if float(residual.sum()) <= 0.0:  # p == q to rounding: any draw from p is then exact
             residual = target[j]
-        out.append(_draw(residual, generator))
+        out.append(_draw(residual, (seed, index + j), random_draws.RESIDUAL))
         return out
-    out.append(_draw(target[count], generator))
+    out.append(_draw(target[count], (seed, index + count), random_draws.SAMPLE))
     return out
