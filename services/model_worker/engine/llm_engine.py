@@ -53,6 +53,7 @@ class _InFlight:
     """A launched step: the sequences it samples a token for, in row order, and the draws on the device."""
     seqs: list[Sequence]
     sampled: SampledBatch
+    deferred: bool  # read back after the next step launches; its sequences count their tokens as pending
 
 
 class LLMEngine:
@@ -215,25 +216,28 @@ class LLMEngine:
         if previous is not None:
             outputs += self._read_back(previous)
         if launched is not None:
-            if self._can_defer(seqs):
+            if launched.deferred:
+                # Each sequence counts its token in flight, and where it sits in this step's sampled ids.
+                for i, seq in enumerate(launched.seqs):
+                    seq.num_pending += 1
+                    seq.pending_row = i
                 self._in_flight = launched
             else:
                 outputs += self._read_back(launched)
         phases["outputs"] += clock() - sampled_at
         return outputs
 
-    def _can_defer(self, seqs: list[Sequence]) -> bool:
+    def _can_defer(self, constrained: list[int]) -> bool:
         """Whether the next step may be scheduled before this one's tokens are on the host."""
         if not self.async_scheduling or self.speculator is not None or self.executor.group is not None:
             # Proposals are made from the newest ids on the host; tensor-parallel ranks take every input id
             # from rank 0's host.
             return False
-        # A grammar's next mask needs the token it accepts first.
-        return not any(s.grammar is not None and s.grammar.active for s in seqs)
+        return not constrained  # a grammar's next mask needs the token it accepts first
 
     def _sample(self, batch, seqs: list[Sequence], prompt_spans, logits: torch.Tensor | None,
                 previous: "_InFlight | None") -> "_InFlight | None":
-        """Draws the step's tokens on the device; each sampled sequence counts one token in flight."""
+        """Draws the step's tokens on the device."""
         if prompt_spans:
             self._score_prompts(logits[len(seqs):], prompt_spans)
             logits = logits[:len(seqs)]
@@ -244,14 +248,15 @@ class LLMEngine:
             logits = apply_token_bitmask(logits, constrained, [seqs[i].grammar.mask() for i in constrained])
         # Token histories matter only to penalties; skip building them for the common case.
         none = torch.empty(0, dtype=torch.long, device=self.device)
-        history = [(to_device(s.prompt_ids, torch.long, self.device), self._output_history(s, previous))
-                   if s.params.has_penalties else (none, none) for s in seqs]
-        sampled = self.sampler.sample(logits, [s.params for s in seqs], [h[0] for h in history],
-                                      [h[1] for h in history], [s.draw_key() for s in seqs])
-        for i, seq in enumerate(seqs):
-            seq.num_pending += 1
-            seq.pending_row = i
-        return _InFlight(seqs, sampled)
+        if any(s.has_penalties for s in seqs):
+            history = [(to_device(s.prompt_ids, torch.long, self.device), self._output_history(s, previous))
+                       if s.has_penalties else (none, none) for s in seqs]
+            prompt_ids, output_ids = [h[0] for h in history], [h[1] for h in history]
+        else:
+            prompt_ids = output_ids = [none] * len(seqs)
+        draws = [None if s.is_greedy else s.draw_key() for s in seqs]
+        sampled = self.sampler.sample(logits, [s.params for s in seqs], prompt_ids, output_ids, draws)
+        return _InFlight(seqs, sampled, self._can_defer(constrained))
 
     def _output_history(self, seq: Sequence, previous: "_InFlight | None") -> torch.Tensor:
         """The sequence's output ids on the device, its token still in flight (if any) taken from there."""
@@ -266,8 +271,10 @@ class LLMEngine:
         outputs = []
         block_size = self.kv_cache.block_size
         token_ids, logprobs, top_logprobs = sampled.token_ids, sampled.logprobs, sampled.top_logprobs
+        deferred = step.deferred
         for i, seq in enumerate(step.seqs):
-            seq.num_pending -= 1
+            if deferred:
+                seq.num_pending -= 1
             if seq.status is FINISHED:
                 continue  # aborted, or ended by its token from the step before: this one is never sent
             token = token_ids[i]

@@ -35,6 +35,9 @@ class Sequence:
         # Prompt then output, kept as one list: the runner and block manager slice it every step.
         self.token_ids: list[int] = list(prompt_ids)
         self.params = params
+        # Read for every row of every step: kept as plain attributes, not recomputed from the params each time.
+        self.is_greedy = params.is_greedy
+        self.has_penalties = params.has_penalties
         self.max_tokens = max_tokens
         # Ids that end this sequence: the checkpoint's eos (unless ignored) plus the request's own.
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
