@@ -82,12 +82,15 @@ async def grpc_stream(stub, text: str, new_tokens: int) -> list[float]:
 
 def completion_body(text: str, new_tokens: int) -> bytes:
     # An empty model name is the served model, as in vLLM; any other name but the served one is a 404.
+    # Usage in every chunk: an event may carry several tokens (the gateway merges those that come faster
+    # than events go out), and its completion_tokens says how many so far.
     return json.dumps({"model": "", "prompt": text, "max_tokens": new_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True}).encode()
+                       "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode()
 
 
 async def http_stream(port: int, text: str, new_tokens: int) -> list[float]:
-    """POST /v1/completions with stream: true; one stamp per `data: {` event."""
+    """POST /v1/completions with stream: true; one stamp per token, each event's tokens stamped at its arrival."""
     body = completion_body(text, new_tokens)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
@@ -101,7 +104,8 @@ async def http_stream(port: int, text: str, new_tokens: int) -> list[float]:
     stamps = []
     async for line in reader:  # chunked framing lines are skipped: only event lines start with `data:`
         if line.startswith(b"data: {"):
-            stamps.append(time.perf_counter())
+            now, tokens = time.perf_counter(), json.loads(line[6:])["usage"]["completion_tokens"]
+            stamps.extend(now for _ in range(tokens - len(stamps)))
         elif line.startswith(b"data: [DONE]"):
             break
     writer.close()

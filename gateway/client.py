@@ -131,8 +131,11 @@ def stream(args: argparse.Namespace) -> int:
                     sys.stdout.write(response.text)
                     sys.stdout.flush()
                     ends_line = response.text.endswith("\n")
-                # One token per message: its text delta is that token's text (empty while a character is split).
-                logprobs.extend((entry, response.text) for entry in response.logprobs)
+                # A message's text delta goes beside its last token: with one token per message that is the
+                # token's text (empty while a character is split); tokens that came together share one text.
+                last_entry = len(response.logprobs) - 1
+                logprobs.extend((entry, response.text if i == last_entry else "")
+                                for i, entry in enumerate(response.logprobs))
                 last = response
         except KeyboardInterrupt:
             # Cancelling tells the gateway to stop generating, freeing the worker's slot.

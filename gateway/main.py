@@ -39,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--worker-stream", "multiplexed", "how requests travel to a worker: multiplexed (one "
              "GenerateMany call per worker, one message per engine step for all its requests) or per-request (a "
              "Generate call each)", choices=WORKER_STREAMS)
+    add_flag(parser, "--stream-interval", 1, "tokens per streamed message while the client keeps up: 1 sends "
+             "each token as it comes; N holds tokens until N are ready (the first and last never wait). Either "
+             "way, tokens that come faster than messages go out are merged into one message")
     add_flag(parser, "--model-name", "", "the model's id in GetInfo and the HTTP API (default: the worker's: its "
              "checkpoint's folder name, or the hub id given as --model)")
     add_flag(parser, "--max-prompt-tokens", 0, "longest prompt accepted, in tokens (0: the context minus one)")
@@ -75,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 ("--max-stop-strings", 0, None), ("--max-stop-string-chars", 1, None),
                                 ("--max-logprobs", 0, None), ("--max-prompt-chars", 1, None),
                                 ("--health-interval", 0.01, None), ("--http-port", 0, 65535),
+                                ("--stream-interval", 1, None),
                                 ("--http-request-timeout", 0, None)))
     return args
 
@@ -143,7 +147,7 @@ async def serve(args: argparse.Namespace) -> None:
                               args.health_interval, Router(RouterConfig(args.routing)), args.worker_stream,
                               downstream_api_key(args), args.max_message_bytes)
     REGISTRY.register(FleetCollector(downstreams.fleet))
-    core = GenerationCore(downstreams, limits_overrides(args))
+    core = GenerationCore(downstreams, limits_overrides(args), args.stream_interval)
     add_servicer(server.server, service,
                  GatewayServicer(core, args.model_name, args.log_prompts, args.max_message_bytes))
     await server.start()

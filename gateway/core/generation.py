@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 
+from gateway.core.deltas import Delta, PromptLogprob, TokenLogprob, piece_ids, step_logprobs
 from gateway.core.metrics import RequestRecord
 from gateway.core.request_id import new_request_id
 from gateway.core.tools import forced_call_constraint, is_forced, offered_tools, tool_call_grammar
@@ -22,55 +22,14 @@ from gateway.core.validation import (
 from gateway.text.chat_output import ChatOutput
 from gateway.text.reasoning_parser import THINK_END, ReasoningParser, prompt_opens_reasoning
 from gateway.text.stop import StopStringMatcher
-from gateway.text.tool_parser import ToolCallDelta, ToolCallParser
+from gateway.text.detokenize import TextStream
+from gateway.text.tool_parser import ToolCallParser
 from rpcserver.errors import InvalidArgument, Unavailable
 from rpcserver.shared import SAMPLING_FIELDS
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 from vllm_v0.worker.v1 import worker_pb2
 
 FINISH_REASONS = {worker_pb2.FINISH_REASON_EOS: "eos", worker_pb2.FINISH_REASON_LENGTH: "length"}
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    piece: bytes | None = None  # the token's raw bytes, when asked for
-
-
-@dataclass
-class Logprobs:
-    chosen: TokenLogprob
-    top: list[TokenLogprob]
-
-
-@dataclass
-class PromptLogprob:
-    """One prompt token: its logprob (None for the first token) and its position's best alternatives."""
-
-    token: TokenLogprob  # its logprob may be None
-    top: list[TokenLogprob]
-
-
-@dataclass
-class Delta:
-    """What one worker step adds: text safe to show now, the token, and on the last one how it ended."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[Logprobs] = field(default_factory=list)
-    finish_reason: str | None = None  # "eos", "stop" or "length" on the last delta
-    stop_reason: str = ""  # the stop string or eos token text that ended it
-    prompt_tokens: int = 0
-    completion_tokens: int = 0  # so far, counting this delta's token
-    time_to_first_token_s: float | None = None  # on the last delta
-    # Chat: the think block's text, and parsed tool calls; `text` is then the content outside both.
-    reasoning_text: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
-    called_tools: bool = False  # on the last delta: the completion made at least one tool call
-    # On the first delta only: the prompt's logprobs when asked for, and its text when echoed.
-    prompt_logprobs: list[PromptLogprob] | None = None
-    prompt_text: str | None = None
 
 
 class SharedEncodes:
@@ -93,11 +52,17 @@ class SharedEncodes:
 
 
 class GenerationCore:
-    """Runs one request at a time per call of `generate`, any number concurrently."""
+    """Runs one request at a time per call of `generate`, any number concurrently.
 
-    def __init__(self, downstreams, limits_overrides: dict):
+    Tokens that came while a request's reader was busy (its client slow, or tokens faster than a
+    message per token can go out) are handled together and go out as one delta; `stream_interval`
+    > 1 also holds tokens back until that many are ready (the first and last tokens never wait).
+    """
+
+    def __init__(self, downstreams, limits_overrides: dict, stream_interval: int = 1):
         self.downstreams = downstreams  # Downstreams, or any object with the same surface
         self.limits_overrides = limits_overrides
+        self.stream_interval = stream_interval
 
     def limits(self) -> Limits:
         info = self.downstreams.worker_info
@@ -169,50 +134,55 @@ class GenerationCore:
 
         stops = StopStringMatcher(req.stop)
         output = chat_output(req, rendered)
+        constrained = req.structured_output is not None or constraint is not None
         stream = self.downstreams.open_worker_stream(work, timeout())
         text = None
         worker_finished = False
         first = True
+        held: Delta | None = None  # tokens waiting for --stream-interval's count
         try:
             text = self.downstreams.detokenizer.open(req.skip_special_tokens)
-            async for step in stream:
+            async for steps in stream.batches():
                 if first:
                     first = False
-                    prompt_logprobs, prompt_text = await self._prompt_extras(req, prompt_ids, step, with_pieces)
+                    prompt_logprobs, prompt_text = await self._prompt_extras(req, prompt_ids, steps[0], with_pieces)
                     if max_tokens == 0:
                         record.finish_reason = "length"
                         yield Delta(text="", token_ids=[], finish_reason="length", prompt_tokens=len(prompt_ids),
                                     time_to_first_token_s=record.ttft, prompt_logprobs=prompt_logprobs,
                                     prompt_text=prompt_text)
                         return  # the cancel below drops the worker's sequence, if it has not ended already
-                record.add_token()
-                if step.HasField("spec_accepted"):
-                    record.spec_steps += 1
-                    record.spec_accepted += step.spec_accepted
-                final = bool(step.finish_reason)
-                piece_ids = _piece_ids(step) if with_pieces else []
-                new_text, pieces = await text.add([step.token_id], final, piece_ids)
-                shown, matched = stops.feed(new_text)
-                delta = Delta(text=shown, token_ids=[step.token_id], prompt_tokens=len(prompt_ids),
+                pieces_wanted = with_pieces and req.logprobs is not None
+                steps, shown, pieces, matched = await decoded(steps, text, stops, pieces_wanted)
+                last = steps[-1]
+                final = bool(last.finish_reason)
+                record.add_tokens(len(steps))
+                for step in steps:
+                    if step.HasField("spec_accepted"):
+                        record.spec_steps += 1
+                        record.spec_accepted += step.spec_accepted
+                delta = Delta(text=shown, token_ids=[step.token_id for step in steps], prompt_tokens=len(prompt_ids),
                               completion_tokens=record.completion_tokens)
-                if step.HasField("logprob"):
-                    delta.logprobs.append(_logprobs(step, pieces))
+                if req.logprobs is not None:
+                    delta.logprobs = step_logprobs(steps, pieces)
                 if prompt_logprobs is not None or prompt_text is not None:
                     delta.prompt_logprobs, delta.prompt_text = prompt_logprobs, prompt_text
                     prompt_logprobs = prompt_text = None
                 if matched is not None:
                     delta.finish_reason, delta.stop_reason = "stop", matched
                 elif final:
-                    delta.finish_reason = FINISH_REASONS[step.finish_reason]
+                    delta.finish_reason = FINISH_REASONS[last.finish_reason]
                     # A grammar that completes ends the sequence on its own last token: no stop reason to give.
-                    constrained = req.structured_output is not None or constraint is not None
-                    grammar_done = constrained and not _is_stop_id(step.token_id, req, self.downstreams)
+                    grammar_done = constrained and not _is_stop_id(last.token_id, req, self.downstreams)
                     if delta.finish_reason == "eos" and not grammar_done:
-                        delta.stop_reason = self.downstreams.token_text.get(step.token_id, str(step.token_id))
+                        delta.stop_reason = self.downstreams.token_text.get(last.token_id, str(last.token_id))
                     delta.text += stops.flush()
                 if output is not None:
                     delta.reasoning_text, delta.text, delta.tool_calls = output.feed(
                         delta.text, final=bool(delta.finish_reason))
+                if held is not None:
+                    delta.follow(held)
+                    held = None
                 if delta.finish_reason:
                     delta.called_tools = output is not None and output.called_tools
                     delta.time_to_first_token_s = record.ttft
@@ -222,6 +192,9 @@ class GenerationCore:
                         return  # the worker is still generating: the cancel below stops it
                     # Read the worker's stream to its end, so its call completes OK rather than cancelled.
                     worker_finished = True
+                    continue
+                if len(delta.token_ids) < self.stream_interval and not delta.has_first_token:
+                    held = delta
                     continue
                 yield delta
             if not worker_finished:
@@ -247,14 +220,14 @@ class GenerationCore:
         if scored is not None and len(scored) != len(prompt_ids):
             raise Unavailable(f"the model worker sent {len(scored)} prompt logprobs for {len(prompt_ids)} prompt tokens")
         prompt_text, pieces = None, []
-        piece_ids = await asyncio.to_thread(_prompt_piece_ids, prompt_ids, scored) \
+        wanted = await asyncio.to_thread(_prompt_piece_ids, prompt_ids, scored) \
             if scored is not None and with_pieces else []
-        if req.echo or piece_ids:
+        if req.echo or wanted:
             # One decode of the whole prompt gives its text and every token's bytes; special tokens are kept,
             # as they are part of what was scored.
             stream = self.downstreams.detokenizer.open(False)
-            decoded, pieces = await stream.add(prompt_ids, True, piece_ids)
-            prompt_text = req.prompt if req.prompt is not None else decoded
+            whole, pieces = await stream.add(prompt_ids, True, wanted)
+            prompt_text = req.prompt if req.prompt is not None else whole
         if scored is None:
             return None, prompt_text if req.echo else None
         return await asyncio.to_thread(_prompt_logprobs, prompt_ids, scored, pieces), prompt_text if req.echo else None
@@ -336,15 +309,25 @@ def _prompt_logprobs(prompt_ids: list[int], scored, pieces: list[bytes]) -> list
     return out
 
 
-def _piece_ids(step: worker_pb2.GenerateResponse) -> list[int]:
-    if not step.HasField("logprob"):
-        return []
-    return [step.token_id, *(t.token_id for t in step.top_logprobs)]
+async def decoded(steps: list[worker_pb2.GenerateResponse], text: TextStream, stops: StopStringMatcher,
+                  with_pieces: bool) -> tuple[list[worker_pb2.GenerateResponse], str, list[bytes], str | None]:
+    """(the steps, their text safe to show, their logprob tokens' bytes, the stop string matched or None).
 
-
-def _logprobs(step: worker_pb2.GenerateResponse, pieces: list[bytes]) -> Logprobs:
-    ids = [step.token_id, *(t.token_id for t in step.top_logprobs)]
-    values = [step.logprob, *(t.logprob for t in step.top_logprobs)]
-    pieces = pieces or [None] * len(ids)
-    chosen, *top = (TokenLogprob(i, v, p) for i, v, p in zip(ids, values, pieces))
-    return Logprobs(chosen, top)
+    With stop strings, several steps are decoded one text per token, so a stop string completed by one
+    of them cuts the steps there: the tokens, logprobs and counts are the ones a message per token gives.
+    """
+    ids = [step.token_id for step in steps]
+    final = bool(steps[-1].finish_reason)
+    wanted = piece_ids(steps) if with_pieces else []
+    if not stops.has_stops or len(ids) == 1:
+        new_text, pieces = await text.add(ids, final, wanted)
+        shown, matched = stops.feed(new_text)
+        return steps, shown, pieces, matched
+    texts, pieces = await text.add_each(ids, final, wanted)
+    parts, matched = [], None
+    for count, token_text in enumerate(texts, 1):
+        part, matched = stops.feed(token_text)
+        parts.append(part)
+        if matched is not None:
+            return steps[:count], "".join(parts), pieces, matched
+    return steps, "".join(parts), pieces, None

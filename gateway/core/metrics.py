@@ -39,9 +39,10 @@ class RequestRecord:
     spec_steps: int = 0
     spec_accepted: int = 0
 
-    def add_token(self) -> None:
+    def add_tokens(self, count: int = 1) -> None:
+        """`count` tokens came now (several when they came faster than a message per token went out)."""
         now = time.perf_counter()
-        self.completion_tokens += 1
+        self.completion_tokens += count
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
 

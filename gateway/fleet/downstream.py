@@ -13,7 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.fleet.bearer import bearer_interceptors
 from gateway.fleet.fleet_metrics import RETRIED, ROUTED
 from gateway.fleet.router import Router
-from gateway.fleet.worker_mux import JoinedCall, MuxRequest, WorkerMux
+from gateway.fleet.step_stream import CallSteps
+from gateway.fleet.worker_mux import MuxRequest, WorkerMux
 from gateway.fleet.workers import Fleet, Worker, parse_targets
 from gateway.text.detokenize import Detokenizer
 from rpcserver.errors import Unavailable
@@ -59,14 +60,14 @@ def open_channel(address: str, tls: DownstreamTLS, api_key: str | None = None) -
     return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
-# Starts a request on a worker: an async-iterable of GenerateResponse with cancel(), failing as a Generate call does.
+# Starts a request on a worker: a StepStream (its steps in batches) with cancel(), failing as a Generate call does.
 OpenCall = Callable[[Worker, worker_pb2.GenerateRequest, "float | None"], Any]
 WORKER_STREAMS = ("multiplexed", "per-request")
 
 
-def generate_call(worker: Worker, work: worker_pb2.GenerateRequest, timeout: float | None):
+def generate_call(worker: Worker, work: worker_pb2.GenerateRequest, timeout: float | None) -> CallSteps:
     """The request as its own Generate call, its prompt logprobs' pieces joined."""
-    return JoinedCall(worker.stub.Generate(work, timeout=timeout))
+    return CallSteps(worker.stub.Generate(work, timeout=timeout))
 
 
 class MultiplexedCalls:
@@ -111,9 +112,15 @@ class WorkerStream:
             self._worker = None
 
     def __aiter__(self):
-        return self._steps()
+        return self._each()
 
-    async def _steps(self):
+    async def _each(self):
+        async for batch in self.batches():
+            for step in batch:
+                yield step
+
+    async def batches(self):
+        """The steps in batches: each holds every step that came since the previous one was taken."""
         tried: list[str] = []
         while not self._cancelled:
             worker = self.fleet.pick(list(self.work.prompt_token_ids), exclude=tuple(tried))
@@ -128,9 +135,9 @@ class WorkerStream:
             self._call = self.open_call(worker, self.work, timeout)
             first = True
             try:
-                async for step in self._call:
+                async for batch in self._call.batches():
                     first = False
-                    yield step
+                    yield batch
                 return
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE:

@@ -5,12 +5,12 @@ import asyncio
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from rpcserver.errors import Unavailable
-from rpcserver.pieces import GRPC_MESSAGE_BYTES, PromptLogprobsJoiner, element_bytes
+from gateway.fleet.step_stream import StepStream
+from rpcserver.pieces import GRPC_MESSAGE_BYTES, element_bytes
 from rpcserver.status import SharedCallError, status_from_number
 from vllm_v0.worker.v1 import worker_pb2
 
@@ -20,61 +20,15 @@ log = logging.getLogger(__name__)
 OpenCall = Callable[[AsyncIterator[worker_pb2.GenerateManyRequest]], grpc.aio.StreamStreamCall]
 
 
-async def joined_steps(steps: AsyncIterable[worker_pb2.GenerateResponse]) -> AsyncIterator[worker_pb2.GenerateResponse]:
-    """A worker's token stream with the pieces of its prompt logprobs joined onto the first token's message,
-    so what follows sees one message per token, as when the prompt was short.
-
-    Pieces come only past a megabyte of entries, whose copy would hold the event loop for tens of
-    milliseconds: they are joined on a thread (this stream's later steps wait for it, other streams do not).
-    """
-    joiner = PromptLogprobsJoiner()
-    async for step in steps:
-        try:
-            if step.prompt_logprobs_only:
-                joiner.add(step)
-                continue
-            step = await asyncio.to_thread(joiner.complete, step) if joiner.pieces else joiner.complete(step)
-        except ValueError as e:
-            raise Unavailable(f"the model worker's prompt logprobs do not join up: {e}") from None
-        yield step
-
-
-class JoinedCall:
-    """A Generate call whose steps come out joined (see `joined_steps`): async-iterable, with cancel()."""
-
-    def __init__(self, call):
-        self.call = call
-
-    def __aiter__(self):
-        return joined_steps(self.call)
-
-    def cancel(self) -> bool:
-        return self.call.cancel()
-
-
-class MuxRequest:
-    """One request on a shared call: async-iterable of GenerateResponse and `cancel()`, as a Generate call is."""
-
-    __slots__ = ("call", "wire_id", "request_id", "outputs", "timer")
+class MuxRequest(StepStream):
+    """One request on a shared call: its steps in batches or one by one, and `cancel()`, as a Generate call."""
 
     def __init__(self, call: MuxCall, wire_id: str, request_id: str):
+        super().__init__()
         self.call = call
         self.wire_id = wire_id
         self.request_id = request_id
-        self.outputs: asyncio.Queue = asyncio.Queue()  # GenerateResponse, then the end: a final one or an error
         self.timer: asyncio.TimerHandle | None = None
-
-    def __aiter__(self):
-        return joined_steps(self._steps())
-
-    async def _steps(self):
-        while True:
-            item = await self.outputs.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finish_reason:
-                return
 
     def cancel(self) -> None:
         """Drop it on the worker (its blocks are freed within a step); a no-op once it has ended."""
@@ -109,7 +63,7 @@ class MuxCall:
         request = MuxRequest(self, f"{request_id}#{next(self._ids)}", request_id)
         if request_id in self._caller_ids:
             # What the worker says of a request id already generating, had it been its own call.
-            request.outputs.put_nowait(SharedCallError(grpc.StatusCode.INVALID_ARGUMENT, (
+            request.buffer.end(SharedCallError(grpc.StatusCode.INVALID_ARGUMENT, (
                 f"request id {request_id!r} is already generating; use a unique id")))
             return request
         start = worker_pb2.GenerateRequest()
@@ -117,7 +71,7 @@ class MuxCall:
         start.request_id = request.wire_id
         size = element_bytes(start.ByteSize())
         if size > self.max_message_bytes:
-            request.outputs.put_nowait(SharedCallError(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+            request.buffer.end(SharedCallError(grpc.StatusCode.RESOURCE_EXHAUSTED, (
                 f"the request takes {size} bytes on the way to the model worker, over the {self.max_message_bytes} "
                 "bytes a message may take (--max-message-bytes): shorten the prompt or the structured output")))
             self._close_if_idle()
@@ -138,7 +92,7 @@ class MuxCall:
         # The deadline a Generate call carried is kept here: the shared call has none of its own.
         if self._end(request):
             self._outgoing.put_nowait(worker_pb2.GenerateManyRequest(cancel=request.wire_id))
-            request.outputs.put_nowait(SharedCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            request.buffer.end(SharedCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
             self._close_if_idle()
 
     def _end(self, request: MuxRequest) -> bool:
@@ -176,18 +130,21 @@ class MuxCall:
         self._fail_all(error.code(), error.details() or "")
 
     def _dispatch(self, response: worker_pb2.GenerateManyResponse) -> None:
+        # Once per token of every open request: a lookup and an append, nothing that grows with the request.
+        requests = self._requests
         for output in response.outputs:
-            request = self._requests.get(output.request_id)
+            request = requests.get(output.request_id)
             if request is None:
                 continue  # cancelled or expired here; its cancel is on its way
             if output.error_code:
                 self._end(request)
-                request.outputs.put_nowait(SharedCallError(status_from_number(output.error_code),
-                                                           output.error_message))
-            else:
-                if output.step.finish_reason:
-                    self._end(request)
-                request.outputs.put_nowait(output.step)
+                request.buffer.end(SharedCallError(status_from_number(output.error_code), output.error_message))
+                continue
+            step = output.step
+            request.buffer.put(step)
+            if step.finish_reason:
+                self._end(request)
+                request.buffer.end()
         self._close_if_idle()
 
     def _fail_all(self, code: grpc.StatusCode, details: str) -> None:
@@ -197,7 +154,7 @@ class MuxCall:
             self._outgoing.put_nowait(None)  # ends the sender, should the call still be reading it
         for request in list(self._requests.values()):
             self._end(request)
-            request.outputs.put_nowait(SharedCallError(code, details))
+            request.buffer.end(SharedCallError(code, details))
 
 
 class WorkerMux:

@@ -5,7 +5,8 @@ import asyncio
 
 import grpc
 
-from gateway.core.generation import Delta, GenerationCore
+from gateway.core.deltas import Delta
+from gateway.core.generation import GenerationCore
 from gateway.core.metrics import RequestRecord
 from gateway.core.request_id import caller_request_id
 from gateway.grpc_api.convert import from_proto
@@ -64,6 +65,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 def in_pieces(reply: gateway_pb2.GenerateResponse, budget: int) -> list[gateway_pb2.GenerateResponse]:
     """The reply, after pieces of its prompt logprobs when they pass `budget` (gateway.proto says how);
     the first piece then carries the request id, as the first message does."""
+    if not reply.prompt_logprobs:  # every message but perhaps the first: nothing to measure
+        return [reply]
     replies = split_prompt_logprobs(reply, budget, gateway_pb2.GenerateResponse)
     replies[0].request_id = reply.request_id
     return replies
@@ -89,7 +92,7 @@ def to_proto(delta: Delta, request_id: str,
             gateway_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in entry.top])
         if entry.token.logprob is not None:
             scored.logprob = entry.token.logprob
-    if delta.completion_tokens == 1:
+    if delta.has_first_token:
         reply.request_id = request_id
     if delta.finish_reason:
         reply.finish_reason = FINISH_REASONS[delta.finish_reason]

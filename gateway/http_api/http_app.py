@@ -10,7 +10,8 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.core.generation import Delta, GenerationCore, SharedEncodes
+from gateway.core.deltas import Delta
+from gateway.core.generation import GenerationCore, SharedEncodes
 from gateway.core.metrics import RequestRecord
 from gateway.core.request_id import check_request_id, new_request_id
 from gateway.core.validation import GenerationRequest

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from gateway.core.generation import Delta, Logprobs, TokenLogprob
+from gateway.core.deltas import Delta, Logprobs, TokenLogprob
 from gateway.text.tool_parser import ToolCallDelta
 
 # OpenAI has no separate reason for an eos token; both it and a stop string are "stop".

@@ -16,11 +16,15 @@ from vllm_v0.tokenizer.v1 import tokenizer_pb2
 log = logging.getLogger(__name__)
 
 
+# The most bytes a DecodeBatchItem takes besides its ids (5 bytes each at most): its framing, stream id and flags.
+ITEM_BYTES = 32
+
+
 class Detokenizer:
     """Opens a TextStream per request; all of them share one lazily opened DecodeBatches call.
 
     gRPC costs a fixed amount of CPU per message on each side, so the streams' new ids travel
-    together: one message per event-loop iteration for every stream that added ids in it.
+    together: one message, each time the call's writer is free, for every stream that added ids since.
     A call that fails is dropped with its streams; the next `open` starts a new one.
 
     One message over the tokenizer's limit would end the call and every stream's text with it, so
@@ -63,34 +67,52 @@ class TextStream:
     async def add(self, token_ids: list[int], final: bool = False,
                   piece_ids: list[int] = ()) -> tuple[str, list[bytes]]:
         """(text delta, raw bytes of each id in piece_ids)."""
-        items = self._items(token_ids, final, piece_ids)
+        if len(token_ids) + len(piece_ids) <= self._per_item():
+            items = [self._item(token_ids=token_ids, piece_ids=piece_ids)]
+        else:
+            # Each within the budget: the piece ids' runs, then the token ids' (the service decodes a
+            # stream's items in order, so their texts join).
+            items = self._runs("piece_ids", piece_ids) + self._runs("token_ids", token_ids)
+        parts = await self._submit(items, final)
+        if len(parts) == 1:
+            return parts[0]
+        return "".join(text for text, _ in parts), [piece for _, pieces in parts for piece in pieces]
+
+    async def add_each(self, token_ids: list[int], final: bool = False,
+                       piece_ids: list[int] = ()) -> tuple[list[str], list[bytes]]:
+        """(each id's text delta, raw bytes of each id in piece_ids): an item per id, in one message."""
+        items = self._runs("piece_ids", piece_ids)
+        leading = len(items)
+        items += [self._item(token_ids=(token_id,)) for token_id in token_ids]
+        parts = await self._submit(items, final)
+        return [text for text, _ in parts[leading:]], [piece for _, pieces in parts[:leading] for piece in pieces]
+
+    def _per_item(self) -> int:
+        return max(1, (self.batch.budget - PIECE_HEADROOM) // 5)  # 5: the most bytes a uint32 id takes
+
+    def _item(self, **fields) -> tokenizer_pb2.DecodeBatchItem:
+        return tokenizer_pb2.DecodeBatchItem(stream_id=self.stream_id, **fields)
+
+    def _runs(self, name: str, ids: list[int]) -> list[tokenizer_pb2.DecodeBatchItem]:
+        per_item = self._per_item()
+        return [self._item(**{name: ids[i:i + per_item]}) for i in range(0, len(ids), per_item)]
+
+    async def _submit(self, items: list[tokenizer_pb2.DecodeBatchItem], final: bool) -> list[tuple[str, list[bytes]]]:
+        """Each item's (text, pieces); `final` goes on the last, the stream's skip_special_tokens on its first."""
+        items[-1].final = final
         if not self.opened:
             items[0].skip_special_tokens = self.skip_special_tokens
         replies = [self.batch.submit(item) for item in items]
         self.opened = True
         self.finished = final
         if len(replies) == 1:
-            return await replies[0]
+            return [await replies[0]]
         # Every part is awaited, so none is left with an exception nobody reads.
         parts = await asyncio.gather(*replies, return_exceptions=True)
         for part in parts:
             if isinstance(part, BaseException):
                 raise part
-        return "".join(text for text, _ in parts), [piece for _, pieces in parts for piece in pieces]
-
-    def _items(self, token_ids: list[int], final: bool, piece_ids: list[int]) -> list[tokenizer_pb2.DecodeBatchItem]:
-        """One item, or for many ids several, each within the budget: the piece ids' runs, then the
-        token ids' (the service decodes a stream's items in order, so their texts join), `final` on the last."""
-        per_item = max(1, (self.batch.budget - PIECE_HEADROOM) // 5)  # 5: the most bytes a uint32 id takes
-        if len(token_ids) + len(piece_ids) <= per_item:
-            return [tokenizer_pb2.DecodeBatchItem(stream_id=self.stream_id, token_ids=token_ids, final=final,
-                                                  piece_ids=piece_ids)]
-        items = [tokenizer_pb2.DecodeBatchItem(stream_id=self.stream_id, piece_ids=piece_ids[i:i + per_item])
-                 for i in range(0, len(piece_ids), per_item)]
-        items += [tokenizer_pb2.DecodeBatchItem(stream_id=self.stream_id, token_ids=token_ids[i:i + per_item])
-                  for i in range(0, len(token_ids), per_item)]
-        items[-1].final = final
-        return items
+        return parts
 
     def cancel(self) -> None:
         """Let the service forget an unfinished stream; a no-op once it is finished or its call is gone."""
@@ -100,9 +122,13 @@ class TextStream:
 
 
 class BatchCall:
-    """One DecodeBatches call: items added in one loop iteration go out as one message (several when they
-    pass `budget` bytes), and results answer the items in order, a result cut into parts joined first.
+    """One DecodeBatches call: items go out together, one message (several when they pass `budget` bytes)
+    for every item added since the last one was written, and results answer the items in order, a result
+    cut into parts joined first.
 
+    The writer takes what is waiting each time it is free: items added in one loop iteration go
+    together, and while a write is in progress (many streams, a busy loop) the next message gathers
+    every item added meanwhile, however many iterations that takes. No item waits for a timer.
     The call has no deadline of its own: each request's deadline bounds its generation upstream.
     """
 
@@ -112,39 +138,54 @@ class BatchCall:
         self.budget = budget  # the most bytes a message sent may take
         self.failure: str | None = None  # why the call is over, once it is
         self.items: list[tokenizer_pb2.DecodeBatchItem] = []  # the next message
+        self.bound = 0  # at least the bytes the next message takes
         # (stream id, future) per item of the next message that is not a close; then of each one sent, unanswered.
         self.replies: list[tuple[int, asyncio.Future]] = []
         self.in_flight: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
         self.parts: list[tokenizer_pb2.DecodeBatchResult] = []  # the leading parts of a result cut short
-        self.outbox: asyncio.Queue[tokenizer_pb2.DecodeBatchRequest] = asyncio.Queue()
+        self.idle: asyncio.Future | None = None  # the writer waits on it while it has nothing to send
         self.tasks = [loop.create_task(self._write()), loop.create_task(self._read())]
 
+    @property
+    def pending(self) -> bool:
+        """Whether items are waiting to go out."""
+        return bool(self.items)
+
     def submit(self, item: tokenizer_pb2.DecodeBatchItem) -> asyncio.Future | None:
-        """Queue an item for this iteration's message; its future gets (text, pieces). A close gets no reply."""
+        """Queue an item for the next message; its future gets (text, pieces). A close gets no reply."""
         if self.failure is not None:
             raise Unavailable(self.failure)
         reply = None
         if not item.close:
             reply = self.loop.create_future()
             self.replies.append((item.stream_id, reply))
-        if not self.items:
-            self.loop.call_soon(self._flush)
         self.items.append(item)
+        self.bound += ITEM_BYTES + 5 * (len(item.token_ids) + len(item.piece_ids))
+        if self.idle is not None and not self.idle.done():
+            self.idle.set_result(None)
         return reply
 
-    def _flush(self) -> None:
-        if self.failure is not None or not self.items:
-            return
+    def _take(self) -> list[tokenizer_pb2.DecodeBatchRequest]:
+        """The waiting items as messages within the budget; their replies are in flight from here."""
         items = self.items
-        for run in runs([element_bytes(item.ByteSize()) for item in items], self.budget):
-            self.outbox.put_nowait(tokenizer_pb2.DecodeBatchRequest(items=items[run.start:run.stop]))
+        if self.bound <= self.budget:  # the usual message, a few ids per stream: no item's size is needed
+            messages = [tokenizer_pb2.DecodeBatchRequest(items=items)]
+        else:
+            messages = [tokenizer_pb2.DecodeBatchRequest(items=items[run.start:run.stop])
+                        for run in runs([element_bytes(item.ByteSize()) for item in items], self.budget)]
         self.in_flight.extend(self.replies)
-        self.items, self.replies = [], []
+        self.items, self.replies, self.bound = [], [], 0
+        return messages
 
     async def _write(self) -> None:
         try:
             while True:
-                await self.call.write(await self.outbox.get())
+                if not self.items:
+                    self.idle = self.loop.create_future()
+                    await self.idle
+                    continue
+                for message in self._take():
+                    await self.call.write(message)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             # The call ended between two messages (the service died or restarted): its status says why.
             await self._fail_with_status()
@@ -178,13 +219,17 @@ class BatchCall:
                 self.parts.append(result)
                 continue
             self.in_flight.popleft()
-            parts, self.parts = [*self.parts, result], []
             if reply.done():  # its add was cancelled: the text goes nowhere
+                self.parts = []
                 continue
             if result.error_code:  # this stream's item was refused; the call and the other streams go on
                 reply.set_exception(SharedCallError(status_from_number(result.error_code), result.error_message))
+            elif not self.parts:  # the usual result, whole
+                reply.set_result((result.text, list(result.pieces)))
             else:
+                parts = [*self.parts, result]
                 reply.set_result(("".join(part.text for part in parts), [p for part in parts for p in part.pieces]))
+            self.parts = []
 
     async def _fail_with_status(self) -> None:
         code, details = await self.call.code(), await self.call.details()
@@ -196,7 +241,7 @@ class BatchCall:
             return
         self.failure = reason
         waiting = [reply for _, reply in [*self.replies, *self.in_flight]]
-        self.items, self.replies, self.parts = [], [], []
+        self.items, self.replies, self.parts, self.bound = [], [], [], 0
         self.in_flight.clear()
         for reply in waiting:
             if not reply.done():

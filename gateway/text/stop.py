@@ -23,6 +23,10 @@ class StopStringMatcher:
         self._held = ""
         self.stop: str | None = None
 
+    @property
+    def has_stops(self) -> bool:
+        return bool(self._stops)
+
     def feed(self, delta: str) -> tuple[str, str | None]:
         """Takes new text; returns (text safe to emit now, the stop matched or None)."""
         if self.stop is not None:

@@ -9,12 +9,16 @@ from tokenizers import Tokenizer
 
 from checkpoint.files import eos_token_ids, read_json
 from rpcserver.errors import InvalidArgument
+from services.tokenizer.byte_level import ByteLevelText
 from services.tokenizer.chat_template import ChatTemplate
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 # What a byte-level decode puts where a UTF-8 character is cut short.
 REPLACEMENT_CHAR = "\ufffd"
+# Windows up to this many ids are decoded in Python (byte-level vocabularies): quicker than a call into
+# tokenizers for a few ids, and short enough to hold the GIL for.
+SMALL_DECODE_IDS = 256
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class TokenizerCore:
         # ids). A model, random weights above all, can sample those padding ids; they decode to
         # nothing, as in HF tokenizers, rather than fail the stream.
         self.id_limit = max(self.vocab_size, model_vocab_size or 0)
+        self.byte_level = ByteLevelText.of(tokenizer)
         added = sorted(tokenizer.get_added_tokens_decoder().items())
         self.info = TokenizerInfo(
             vocab_size=self.vocab_size,
@@ -146,6 +151,11 @@ class TokenizerCore:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; a cut or invalid UTF-8 sequence becomes U+FFFD."""
         self.check_ids(ids)
+        return self._decode(ids, skip_special_tokens)
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        if self.byte_level is not None and len(ids) <= SMALL_DECODE_IDS:
+            return self.byte_level.decode(ids, skip_special_tokens)
         # decode_batch, as encode_batch above: it lets go of the GIL, decode does not.
         return self.tokenizer.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
@@ -160,8 +170,8 @@ class TokenizerCore:
         self.check_ids(token_ids)
         if not 0 <= read_offset <= len(token_ids):
             raise InvalidArgument(f"read_offset {read_offset} must lie between 0 and the {len(token_ids)} ids sent")
-        prefix_text = self.decode(token_ids[:read_offset], skip_special_tokens)
-        full_text = self.decode(token_ids, skip_special_tokens)
+        prefix_text = self._decode(token_ids[:read_offset], skip_special_tokens)
+        full_text = self._decode(token_ids, skip_special_tokens)
         if full_text.endswith(REPLACEMENT_CHAR) and not final:
             # Most likely a character split across tokens: hold it until the rest arrives.
             return "", 0, read_offset
@@ -173,6 +183,11 @@ class TokenizerCore:
         return new_text, read_offset, len(token_ids) - read_offset
 
     def check_ids(self, ids: list[int]) -> None:
+        try:  # the usual case, every id an int in range, checked in C
+            if not ids or (min(ids) >= 0 and max(ids) < self.id_limit and set(map(type, ids)) == {int}):
+                return
+        except TypeError:  # ids that do not compare: the loop below names the first bad one
+            pass
         for position, token_id in enumerate(ids):
             if not isinstance(token_id, int) or not 0 <= token_id < self.id_limit:
                 raise InvalidArgument(

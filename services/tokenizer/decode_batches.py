@@ -51,9 +51,11 @@ class DecodeBatchState:
         self.last_used: dict[int, float] = {}
         self.dropped = 0  # idle streams dropped to make room, over the call's life
 
-    def add(self, stream_id: int, token_ids: list[int], final: bool, skip_special_tokens: bool) -> str:
-        """The stream's new text; its first item opens it, with that item's skip_special_tokens."""
-        now = self.clock()
+    def add(self, stream_id: int, token_ids: list[int], final: bool, skip_special_tokens: bool,
+            now: float | None = None) -> str:
+        """The stream's new text; its first item opens it, with that item's skip_special_tokens.
+        `now`: the clock's time, when the caller read it once for many items."""
+        now = self.clock() if now is None else now
         state = self.streams.get(stream_id)
         if state is None:
             self._make_room(stream_id, now)
@@ -105,6 +107,10 @@ def reply_messages(results: list[tokenizer_pb2.DecodeBatchResult],
     message fits whatever the request held.
     """
     budget = piece_budget(max_message_bytes)
+    whole = tokenizer_pb2.DecodeBatchResponse(results=results)
+    if whole.ByteSize() <= budget:  # the usual reply, a few characters per stream: one size, counted in C
+        yield whole
+        return
     parts = [part for result in results for part in _cut(result, budget)]
     if not parts:
         yield tokenizer_pb2.DecodeBatchResponse()  # a request of closes alone is still answered

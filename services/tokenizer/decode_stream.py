@@ -1,26 +1,9 @@
 """Per-call state of DecodeStream: the window of one generation's ids, and tokens' raw bytes."""
 from __future__ import annotations
 
+from services.tokenizer.byte_level import BYTE_LEVEL
 from services.tokenizer.core import TokenizerCore
 
-
-def byte_level_table() -> dict[str, int]:
-    """Printable character -> byte, the inverse of the byte-level alphabet BPE vocabularies are written in.
-
-    Printable Latin-1 bytes stand for themselves; the 68 others (controls, space, ...) are
-    shifted to 256 and up, in byte order.
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {chr(b): b for b in printable}
-    shifted = 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + shifted)] = b
-            shifted += 1
-    return table
-
-
-BYTE_LEVEL = byte_level_table()
 # A UTF-8 character spans at most 4 bytes, hence at most 4 byte tokens (a few more with skipped
 # special tokens between them). A tail held back over more ids than this is not a character being
 # completed but invalid bytes: it is emitted (as U+FFFD, as `final` would), so the window of a

@@ -98,7 +98,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         async for request in requests:
             if isinstance(request, MalformedRequest):
                 raise InvalidArgument(f"a DecodeBatches message does not parse: {request.error}")
-            if sum(len(item.token_ids) + len(item.piece_ids) for item in request.items) > LARGE_DECODE_IDS:
+            # An id takes a byte at least: a message that small cannot hold many (the usual case, counted in C).
+            if request.ByteSize() > LARGE_DECODE_IDS and \
+                    sum(len(item.token_ids) + len(item.piece_ids) for item in request.items) > LARGE_DECODE_IDS:
                 response = await self.off_loop(self._decode_batch_step, core, batch, request)
             else:
                 response = self._decode_batch_step(core, batch, request)
@@ -109,6 +111,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     def _decode_batch_step(self, core: TokenizerCore, batch: DecodeBatchState,
                            request: tokenizer_pb2.DecodeBatchRequest) -> tokenizer_pb2.DecodeBatchResponse:
         results = []
+        now = batch.clock()  # one message's items arrived together
         for item in request.items:
             token_ids, piece_ids = list(item.token_ids), list(item.piece_ids)
             if item.close:
@@ -116,15 +119,17 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 continue
             try:
                 core.check_ids(piece_ids)
-                text = batch.add(item.stream_id, token_ids, item.final, item.skip_special_tokens)
+                text = batch.add(item.stream_id, token_ids, item.final, item.skip_special_tokens, now)
             except ServiceError as e:
                 # The call carries every generation's text: a bad item ends its own stream only.
                 batch.forget(item.stream_id)
                 results.append(tokenizer_pb2.DecodeBatchResult(
                     stream_id=item.stream_id, error_code=status_for(e).value[0], error_message=str(e)))
                 continue
-            results.append(tokenizer_pb2.DecodeBatchResult(
-                stream_id=item.stream_id, text=text, pieces=[self._pieces(i) for i in piece_ids]))
+            result = tokenizer_pb2.DecodeBatchResult(stream_id=item.stream_id, text=text)
+            if piece_ids:
+                result.pieces.extend([self._pieces(i) for i in piece_ids])
+            results.append(result)
         return tokenizer_pb2.DecodeBatchResponse(results=results)
 
     @grpc_errors

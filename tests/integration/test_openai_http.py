@@ -53,9 +53,10 @@ def test_completion_stream_with_usage(client, gateway):
     chunks = list(client.completions.create(model="", prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
     texts = [c.choices[0].text for c in chunks if c.choices]
-    assert "".join(texts) == want and len(texts) == messages[-1].usage.completion_tokens
+    # A chunk per token, or fewer: tokens that come faster than chunks go out share one.
+    assert "".join(texts) == want and 1 < len(texts) <= messages[-1].usage.completion_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(texts)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == messages[-1].usage.completion_tokens
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -67,7 +68,9 @@ def test_completion_stream_with_continuous_usage_counts_every_chunk(client, gate
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counted = [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in chunks if c.choices]
     prompt = messages[-1].usage.prompt_tokens
-    assert counted == [(prompt, k) for k in range(1, 13)]
+    # One chunk per token unless several came at once: then a chunk counts them all.
+    assert {p for p, _ in counted} == {prompt} and counted[0][1] >= 1 and counted[-1][1] == 12
+    assert all(a < b for (_, a), (_, b) in zip(counted, counted[1:]))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 

@@ -55,7 +55,7 @@ def healthy(own_stack: Stack) -> Stack:
     with gateway_channel(own_stack) as gateway:
         code, messages = drain(gateway.Generate(gateway_pb2.GenerateRequest(prompt="warm up", max_tokens=2),
                                                 timeout=60))
-    assert code == grpc.StatusCode.OK and len(messages) == 2
+    assert code == grpc.StatusCode.OK and sum(len(m.token_ids) for m in messages) == 2
     info = wait_for(lambda: worker_info(own_stack), idle, timeout=5)
     assert idle(info), info
     return own_stack

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from starlette.testclient import TestClient
@@ -19,7 +20,11 @@ def test_the_benchmarks_completion_is_served_whatever_the_served_models_name(dem
     reply = TestClient(app).post("/v1/completions", content=completion_body("hi", len(ids)),
                                  headers={"content-type": "application/json"})
     assert reply.status_code == 200, reply.text
-    assert reply.text.count("data: {") == len(ids) and reply.text.endswith("data: [DONE]\n\n")
+    events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["usage"]["completion_tokens"] == len(ids) and reply.text.endswith("data: [DONE]\n\n")
+    # Every event says the tokens so far, from which the benchmark stamps each token.
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[0] >= 1
 
 
 def test_a_refused_benchmark_request_raises_rather_than_timing_nothing():

@@ -99,6 +99,11 @@ class FakeWorkerStream:
     def __aiter__(self):
         return self._steps()
 
+    async def batches(self):
+        """A step a batch: a reader that keeps up with the worker."""
+        async for step in self._steps():
+            yield [step]
+
     async def _steps(self):
         for i, token_id in enumerate(self.ids):
             step = worker_pb2.GenerateResponse(token_id=token_id)
@@ -138,7 +143,7 @@ async def settle(detokenizer: Detokenizer) -> None:
     """Wait until the items already added (a cancel's close among them) have reached the call."""
     for _ in range(100):
         batch = detokenizer.batch
-        if batch is None or (not batch.items and batch.outbox.empty()):
+        if batch is None or not batch.pending:
             return
         await asyncio.sleep(0)
     raise AssertionError("the detokenizer's items never went out")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from gateway.fleet.worker_mux import joined_steps
+from gateway.fleet.step_stream import PieceJoin
 from rpcserver.pieces import PromptLogprobsJoiner, split_prompt_logprobs
 from services.model_worker.engine.llm_engine import StepOutput
 from services.model_worker.engine.sequence import FinishReason
@@ -145,12 +145,9 @@ def test_the_gateway_joins_a_long_prompts_pieces_on_a_thread(monkeypatch):
 
     monkeypatch.setattr(PromptLogprobsJoiner, "complete", recorded)
 
-    async def stream():
-        for step in steps:
-            yield step
-
     async def run():
-        return [step async for step in joined_steps(stream())]
+        join = PieceJoin()
+        return [joined for step in steps for joined in await join([step])]
 
     joined = asyncio.run(run())
     assert len(joined) == 1 and len(joined[0].prompt_logprobs) == 3000 and joined[0].token_id == 5

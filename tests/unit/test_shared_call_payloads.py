@@ -201,6 +201,10 @@ class ScoringWorkerStream:
     def __aiter__(self):
         return self._steps()
 
+    async def batches(self):
+        async for step in self._steps():
+            yield [step]
+
     async def _steps(self):
         first = worker_pb2.GenerateResponse(token_id=11, prompt_tokens=len(self.work.prompt_token_ids))
         for entry in prompt_scores(len(self.work.prompt_token_ids)):

@@ -33,13 +33,13 @@ class SignallingCore(TokenizerCore):
         self.events.append("computed")
         return ids
 
-    def decode(self, ids, skip_special_tokens=False):
+    def _decode(self, ids, skip_special_tokens):  # what every decode, whole or incremental, runs
         if len(ids) <= 1000:
-            return super().decode(ids, skip_special_tokens)
+            return super()._decode(ids, skip_special_tokens)
         self.started.set()
         if self.hold:
             self.released.wait(10)
-        text = super().decode(ids, skip_special_tokens)
+        text = super()._decode(ids, skip_special_tokens)
         self.events.append("computed")
         return text
 
