@@ -7,13 +7,12 @@ from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.executor.sampler import Sampler, apply_penalties
 from services.model_worker.kernels import cpu_argmax
 
-NO_IDS = torch.empty(0, dtype=torch.long)
 VOCAB = 64
 
 
 def run(logits: torch.Tensor, params: list[SamplingParams], seed: int = 0) -> list[int]:
     draws = [(seed + i, 0) for i in range(len(params))]
-    return Sampler()(logits, params, [NO_IDS] * len(params), [NO_IDS] * len(params), draws).token_ids
+    return Sampler()(logits, params, None, draws).token_ids
 
 
 def test_bias_adds_to_listed_tokens_only():
@@ -23,7 +22,7 @@ def test_bias_adds_to_listed_tokens_only():
     expected[0, 5] += 2.5
     expected[0, 9] -= 1.0
     expected[2, 0] += 7.0
-    assert torch.equal(apply_penalties(logits, params, [NO_IDS] * 3, [NO_IDS] * 3), expected)
+    assert torch.equal(apply_penalties(logits, params, None), expected)
 
 
 def test_greedy_plus_100_picks_the_token_and_minus_100_never_does():
@@ -58,7 +57,7 @@ def test_unbiased_rows_in_a_biased_batch_are_unchanged():
 def test_logprobs_describe_the_raw_model():
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3))
     params = [SamplingParams(temperature=0.0, logit_bias={7: 100.0}, logprobs=0)]
-    out = Sampler()(logits, params, [NO_IDS], [NO_IDS], [None])
+    out = Sampler()(logits, params, None, [None])
     assert out.token_ids == [7]
     assert out.logprobs[0] == pytest.approx(logits.log_softmax(-1)[0, 7].item(), abs=1e-6)
 

@@ -15,12 +15,17 @@ from transformers.generation.logits_process import (
 )
 
 from services.model_worker.config.sampling import SamplingParams
+from services.model_worker.executor.penalty_state import PenaltyRows
 from services.model_worker.executor.sampler import Sampler, apply_penalties
 from services.model_worker.executor.sampling_columns import Columns
 from services.model_worker.executor.truncation import masked_logits
 
 NO_IDS = torch.empty(0, dtype=torch.long)
 BOTH_PATHS = pytest.mark.parametrize("batched", [False, True], ids=["grouped", "batched"])
+
+
+def histories(logits: torch.Tensor, params: list[SamplingParams], prompts: list, outputs: list) -> PenaltyRows | None:
+    return PenaltyRows.from_ids(params, prompts, outputs, logits.shape[1], logits.device)
 
 
 def apply_sampling_masks(logits: torch.Tensor, params: list[SamplingParams], batched: bool = False) -> torch.Tensor:
@@ -63,7 +68,7 @@ def sample_many(logits_row: torch.Tensor, p: SamplingParams, n: int, seed: int, 
     """n independent draws for one row: n copies of it, one seed at n successive counters."""
     batch = logits_row.unsqueeze(0).expand(n, -1)
     draws = [(seed, i) for i in range(n)]
-    out = Sampler(batched=batched)(batch, [p] * n, [NO_IDS] * n, [NO_IDS] * n, draws)
+    out = Sampler(batched=batched)(batch, [p] * n, None, draws)
     return out.token_ids
 
 
@@ -233,7 +238,7 @@ def test_penalties_match_hand_computed_values():
     prompt = [torch.tensor([0, 1, 1])]
     output = [torch.tensor([1, 2, 2])]
     p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.3)
-    got = apply_penalties(logits, [p], prompt, output)
+    got = apply_penalties(logits, [p], histories(logits, [p], prompt, output))
     # repetition over {0, 1, 2} (prompt + output, once each): 2 -> 1, -1 -> -2, 0.5 -> 0.25;
     # then output counts {1: 1, 2: 2}: token 1 -= 0.5 + 0.3, token 2 -= 1.0 + 0.3.
     expected = torch.tensor([[1.0, -2.8, -1.05, -3.0, 1.0]])
@@ -244,13 +249,13 @@ def test_penalties_match_hand_computed_values():
 def test_presence_and_frequency_ignore_the_prompt():
     logits = torch.zeros(1, 4)
     p = SamplingParams(frequency_penalty=1.0, presence_penalty=1.0)
-    got = apply_penalties(logits, [p], [torch.tensor([0, 0, 3])], [torch.tensor([3])])
+    got = apply_penalties(logits, [p], histories(logits, [p], [[0, 0, 3]], [[3]]))
     assert got.tolist() == [[0.0, 0.0, 0.0, -2.0]]
 
 
 def test_negative_presence_and_frequency_encourage_repeats():
     p = SamplingParams(frequency_penalty=-0.5, presence_penalty=-1.0)
-    got = apply_penalties(torch.zeros(1, 3), [p], [NO_IDS], [torch.tensor([2, 2])])
+    got = apply_penalties(torch.zeros(1, 3), [p], histories(torch.zeros(1, 3), [p], [[]], [[2, 2]]))
     assert got.tolist() == [[0.0, 0.0, 2.0]]
 
 
@@ -261,7 +266,7 @@ def test_repetition_penalty_matches_transformers_per_row():
     prompts = [torch.randint(vocab, (n,), generator=gen) for n in (7, 0, 20)]
     outputs = [torch.randint(vocab, (n,), generator=gen) for n in (3, 5, 0)]
     params = [SamplingParams(repetition_penalty=r) for r in (1.3, 0.7, 1.0)]
-    got = apply_penalties(logits, params, prompts, outputs)
+    got = apply_penalties(logits, params, histories(logits, params, prompts, outputs))
     for i, p in enumerate(params):
         ids = torch.cat((prompts[i], outputs[i])).unsqueeze(0)
         processor = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)
@@ -270,11 +275,59 @@ def test_repetition_penalty_matches_transformers_per_row():
     assert torch.equal(got[2], logits[2])
 
 
+MIXED = [dict(repetition_penalty=1.3), dict(presence_penalty=-0.7, frequency_penalty=0.45),
+         dict(repetition_penalty=0.8, presence_penalty=0.3, frequency_penalty=-1.1), dict(frequency_penalty=2.0),
+         dict(presence_penalty=1.5), dict(repetition_penalty=1.05, frequency_penalty=0.1)]
+
+
+@pytest.mark.parametrize("every_row", [True, False], ids=["every_row", "some_rows"])
+@pytest.mark.parametrize("kinds", [
+    MIXED,
+    [{k: v for k, v in kind.items() if k != "frequency_penalty"} or dict(presence_penalty=0.2) for kind in MIXED],
+    [{k: v for k, v in kind.items() if k != "presence_penalty"} or dict(frequency_penalty=-0.2) for kind in MIXED],
+], ids=["mixed", "presence_only", "frequency_only"])
+def test_penalties_equal_the_plain_formula_bit_for_bit(every_row, kinds):
+    """Rows gathered by slot from a larger table, in place arithmetic: the same floats as the formula written
+    out per row, masked (-inf) and signed-zero logits included."""
+    gen = torch.Generator().manual_seed(17)
+    vocab, batch = 300, 6
+    logits = torch.randn(batch, vocab, generator=gen) * 3
+    logits[:, :5] = torch.tensor([float("-inf"), 0.0, -0.0, 1e-30, -1e-30])
+    params = [SamplingParams(**kind) for kind in kinds]
+    if not every_row:
+        params[1] = params[4] = SamplingParams(logit_bias=((7, 2.0),))
+    prompts = [torch.randint(vocab, (int(n),), generator=gen).tolist() for n in torch.randint(0, 40, (batch,))]
+    outputs = [torch.randint(8, (int(n),), generator=gen).tolist() + [1, 2] for n in torch.randint(0, 60, (batch,))]
+    table = PenaltyRows.from_ids(params, prompts, outputs, vocab, logits.device)
+    # The same rows scattered into a larger table at other slots, as the engine's state holds them.
+    slots = torch.tensor([5, 0, 9, 2, 7, 3])[:table.slots.numel()]
+    wide = PenaltyRows(table.rows, slots, torch.zeros(10, vocab, dtype=torch.bool).index_copy(0, slots, table.seen),
+                       torch.zeros(10, vocab).index_copy(0, slots, table.counts))
+    got = apply_penalties(logits, params, wide)
+    expected = logits.clone()
+    for i, p in enumerate(params):
+        x = expected[i]
+        for t, b in p.logit_bias:
+            x[t] += b
+        if not p.has_penalties:
+            continue
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[prompts[i] + outputs[i]] = True
+        counts = torch.bincount(torch.tensor(outputs[i]), minlength=vocab).float()
+        if p.repetition_penalty != 1.0:
+            x = torch.where(seen, torch.where(x < 0, x * p.repetition_penalty, x / p.repetition_penalty), x)
+        if p.presence_penalty or p.frequency_penalty:
+            x = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+        expected[i] = x
+    assert torch.equal(got, expected)
+    assert torch.equal(got.signbit(), expected.signbit())
+
+
 def test_penalties_steer_greedy_and_leave_other_rows_alone():
     logits = torch.tensor([[1.0, 0.9, 0.0], [1.0, 0.9, 0.0]])
     params = [SamplingParams(temperature=0.0, presence_penalty=0.5), SamplingParams(temperature=0.0)]
     outputs = [torch.tensor([0]), torch.tensor([0])]
-    out = Sampler()(logits, params, [NO_IDS, NO_IDS], outputs, [None, None])
+    out = Sampler()(logits, params, histories(logits, params, [[], []], outputs), [None, None])
     assert out.token_ids == [1, 0]
 
 
@@ -286,7 +339,7 @@ def test_greedy_is_argmax_in_any_dtype(dtype):
     gen = torch.Generator().manual_seed(11)
     logits = (torch.randn(6, 1000, generator=gen) * 5).to(dtype)
     params = [SamplingParams(temperature=0.0)] * 6
-    out = Sampler()(logits, params, [NO_IDS] * 6, [NO_IDS] * 6, [None] * 6)
+    out = Sampler()(logits, params, None, [None] * 6)
     assert out.token_ids == logits.float().argmax(-1).tolist()
     assert out.logprobs == [None] * 6 and out.top_logprobs == [[]] * 6
 
@@ -300,7 +353,7 @@ def test_greedy_rows_in_a_sampled_batch_are_argmax():
         SamplingParams(temperature=1e-6),
         SamplingParams(top_p=0.5),
     ]
-    out = Sampler()(logits, params, [NO_IDS] * 4, [NO_IDS] * 4, [(i, 0) for i in range(4)])
+    out = Sampler()(logits, params, None, [(i, 0) for i in range(4)])
     argmax = logits.argmax(-1).tolist()
     assert out.token_ids[0] == argmax[0] and out.token_ids[2] == argmax[2]
 
@@ -313,7 +366,7 @@ def test_empirical_distribution_follows_softmax_of_scaled_logits(temperature):
     untempered = logits.softmax(-1)
     assert (expected - untempered).abs().max() > 3 * tolerance  # the test can tell T from 1
     p = SamplingParams(temperature=temperature)
-    out = Sampler()(logits.expand(n, -1), [p] * n, [NO_IDS] * n, [NO_IDS] * n, [(0, i) for i in range(n)])
+    out = Sampler()(logits.expand(n, -1), [p] * n, None, [(0, i) for i in range(n)])
     tokens = out.token_ids
     frequencies = torch.bincount(torch.tensor(tokens), minlength=4).float() / n
     assert (frequencies - expected).abs().max() < tolerance
@@ -328,7 +381,7 @@ def _run_steps(logits_steps, params, seeds, target_row):
     sampler = Sampler()
     for step, logits in enumerate(logits_steps):
         draws = [(s, step) if s is not None else None for s in seeds]
-        out = sampler(logits[:batch], params, prompts, outputs, draws)
+        out = sampler(logits[:batch], params, histories(logits[:batch], params, prompts, outputs), draws)
         outputs = [torch.cat((o, torch.tensor([t]))) for o, t in zip(outputs, out.token_ids)]
         tokens.append(out.token_ids[target_row])
     return tokens
@@ -381,7 +434,7 @@ def test_logprobs_come_from_the_raw_logits():
         SamplingParams(temperature=0.0, frequency_penalty=2.0, logprobs=20),
     ]
     outputs = [torch.tensor([int(logits[i].float().argmax())] * 5) for i in range(4)]
-    out = Sampler()(logits, params, [NO_IDS] * 4, outputs, [(i, 0) for i in range(4)])
+    out = Sampler()(logits, params, histories(logits, params, [[]] * 4, outputs), [(i, 0) for i in range(4)])
     reference = logits.float().log_softmax(-1)
 
     for i in (0, 1, 3):
@@ -403,7 +456,7 @@ def test_sampler_leaves_float32_logits_untouched():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     before = logits.clone()
     p = SamplingParams(temperature=0.5, top_k=2, repetition_penalty=2.0, presence_penalty=1.0)
-    Sampler()(logits, [p], [torch.tensor([0])], [torch.tensor([1])], [(0, 0)])
+    Sampler()(logits, [p], histories(logits, [p], [[0]], [[1]]), [(0, 0)])
     assert torch.equal(logits, before)
 
 
@@ -425,7 +478,9 @@ def test_cuda_rows_match_cpu_masks_and_are_reproducible_in_a_batch():
     def run(rows):
         cuda_logits = logits[rows].cuda().to(torch.bfloat16)
         ids = [torch.tensor([1, 2, 3], device="cuda")] * len(rows)
-        return Sampler()(cuda_logits, [params[r] for r in rows], ids, ids, [(100 + r, 5) for r in rows]).token_ids
+        chosen = [params[r] for r in rows]
+        return Sampler()(cuda_logits, chosen, histories(cuda_logits, chosen, ids, ids),
+                         [(100 + r, 5) for r in rows]).token_ids
 
     batched = run([0, 1, 2])
     assert [run([r])[0] for r in range(3)] == batched

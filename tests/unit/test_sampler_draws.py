@@ -12,10 +12,15 @@ from transformers.generation.logits_process import (
 
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.engine.sequence import Sequence
+from services.model_worker.executor.penalty_state import PenaltyRows
 from services.model_worker.executor.sampler import Sampler
 
 NO_IDS = torch.empty(0, dtype=torch.long)
 BOTH_PATHS = pytest.mark.parametrize("batched", [False, True], ids=["grouped", "batched"])
+
+
+def histories(logits: torch.Tensor, params: list[SamplingParams], prompts: list, outputs: list) -> PenaltyRows | None:
+    return PenaltyRows.from_ids(params, prompts, outputs, logits.shape[1], logits.device)
 
 TARGETS = [
     SamplingParams(temperature=1.5),
@@ -48,12 +53,12 @@ def test_a_row_draws_the_same_token_alone_and_anywhere_in_a_batch(target, batche
     for counter in range(5):
         row = torch.randn(1, vocab, generator=gen) * 2
         key = (2 ** 64 - 17, counter)
-        alone = Sampler(batched)(row, [target], [history], [history], [key]).token_ids[0]
+        alone = Sampler(batched)(row, [target], histories(row, [target], [history], [history]), [key]).token_ids[0]
         for position in (0, 17, 63):
             logits, params, draws = random_others(64, vocab, seed=counter * 10 + position)
             logits[position], params[position], draws[position] = row[0], target, key
             ids = [history if p.has_penalties else NO_IDS for p in params]
-            batch = Sampler(batched)(logits, params, ids, ids, draws).token_ids
+            batch = Sampler(batched)(logits, params, histories(logits, params, ids, ids), draws).token_ids
             assert batch[position] == alone, (counter, position)
 
 
@@ -63,9 +68,10 @@ def test_the_cpu_and_gpu_groupings_draw_the_same_tokens():
     logits = logits.bfloat16().float()  # ties, as bf16 logits have
     params = [SamplingParams(**{**p.__dict__, "top_k": k}) for p, k in zip(params, [-1, 3, 20, 999, 1000] * 20)]
     draws = [(s, 11) for s in range(rows)]
-    ids = [torch.tensor([1, 2, 3])] * rows
-    grouped = Sampler(batched=False)(logits, params, ids, ids, draws).token_ids
-    assert grouped == Sampler(batched=True)(logits, params, ids, ids, draws).token_ids
+    ids = [[1, 2, 3]] * rows
+    penalties = histories(logits, params, ids, ids)
+    grouped = Sampler(batched=False)(logits, params, penalties, draws).token_ids
+    assert grouped == Sampler(batched=True)(logits, params, penalties, draws).token_ids
     assert len(set(grouped)) > 30
 
 
@@ -82,8 +88,7 @@ def test_a_stream_resumes_where_it_stopped():
         for counter in range(first, last):
             logits, params, draws = random_others(crowd, vocab, seed=counter)
             logits = torch.cat((logits, rows[counter:counter + 1]))
-            out = sampler(logits, params + [target], [NO_IDS] * (crowd + 1), [NO_IDS] * (crowd + 1),
-                          draws + [(77, counter)])
+            out = sampler(logits, params + [target], None, draws + [(77, counter)])
             tokens.append(out.token_ids[-1])
         return tokens
 
@@ -127,7 +132,8 @@ def test_draws_follow_the_distribution_exactly(params, batched):
     history = torch.tensor([0, 2, 2])
     expected = reference_probs(logits, params, history)
     n = 40_000
-    out = Sampler(batched)(logits.expand(n, -1), [params] * n, [history] * n, [NO_IDS] * n,
+    out = Sampler(batched)(logits.expand(n, -1), [params] * n, histories(logits.expand(n, -1), [params] * n,
+                                                                          [history] * n, [NO_IDS] * n),
                            [(123, c) for c in range(n)])
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=10).double()
     support = expected > 0
@@ -145,8 +151,7 @@ def test_successive_tokens_of_a_sequence_are_independent():
     sampler = Sampler()
 
     def tokens(counter):
-        return sampler(logits.expand(n, -1), [SamplingParams()] * n, [NO_IDS] * n, [NO_IDS] * n,
-                       [(s, counter) for s in range(n)]).token_ids
+        return sampler(logits.expand(n, -1), [SamplingParams()] * n, None, [(s, counter) for s in range(n)]).token_ids
 
     cells = torch.tensor(tokens(4)) * 5 + torch.tensor(tokens(5))
     table = torch.bincount(cells, minlength=25).double().view(5, 5)
@@ -168,7 +173,8 @@ def test_sample_never_reads_the_device(monkeypatch):
               SamplingParams(top_k=40, top_p=0.8, min_p=0.02, logit_bias=((5, 2.0),)), SamplingParams(temperature=0.3)]
     history = [torch.randint(vocab, (n,), generator=gen) for n in range(8)]
     draws = [(3, 0), (4, 1), None, (3, 2), (5, 3), None, (6, 4), (7, 5)]
-    expected = Sampler(batched=True)(logits, params, history, history, draws[:2] + [(1, 1)] + draws[3:5] +
+    penalties = histories(logits, params, history, history)
+    expected = Sampler(batched=True)(logits, params, penalties, draws[:2] + [(1, 1)] + draws[3:5] +
                                      [(2, 2)] + draws[6:])
 
     def read(*args, **kwargs):
@@ -178,7 +184,7 @@ def test_sample_never_reads_the_device(monkeypatch):
     for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, read)
     for _ in range(2):  # building the columns, then reusing them
-        sampled = sampler.sample(logits, params, history, history, draws[:2] + [(1, 1)] + draws[3:5] + [(2, 2)] +
+        sampled = sampler.sample(logits, params, penalties, draws[:2] + [(1, 1)] + draws[3:5] + [(2, 2)] +
                                  draws[6:])
     monkeypatch.undo()
     assert sampled.to_host() == expected
@@ -196,8 +202,8 @@ def test_the_columns_are_reused_while_the_same_rows_come_back():
     draws = [(i, 0) for i in range(3)]
     for batch in (params, params[::-1], params[1:], params):
         rows = len(batch)
-        got = sampler(logits[:rows], batch, [NO_IDS] * rows, [NO_IDS] * rows, draws[:rows])
-        assert got == Sampler()(logits[:rows], batch, [NO_IDS] * rows, [NO_IDS] * rows, draws[:rows])
+        got = sampler(logits[:rows], batch, None, draws[:rows])
+        assert got == Sampler()(logits[:rows], batch, None, draws[:rows])
 
 
 def test_a_sequence_keys_its_draws_by_seed_and_output_index():

@@ -21,10 +21,10 @@ from services.model_worker.engine.sequence import FinishReason, Sequence, Sequen
 from services.model_worker.engine.speculator import Speculator
 from services.model_worker.executor.executor import Executor
 from services.model_worker.executor.grammar import GrammarEngine, apply_token_bitmask
+from services.model_worker.executor.penalty_state import PenaltyState
 from services.model_worker.executor.prompt_logprobs import score_rows
 from services.model_worker.executor.sampler import SampledBatch, Sampler
 from services.model_worker.executor.spec.draft import DraftProposer
-from services.model_worker.executor.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class LLMEngine:
                                           config.limits.max_num_seqs, table_width)
         self.scheduler = Scheduler(self.block_manager, config.limits)
         self.sampler = Sampler()
+        self.penalties = PenaltyState(config.limits.max_num_seqs, self.device)
         self.eos_ids = frozenset(self.generation.eos_token_ids)
         # Seconds spent in each part of step(), summed over steps, for the host-overhead benchmark
         # (bench/bench_host.py); on a GPU "model" and "sampler" are launches, and "outputs" includes waiting for
@@ -246,24 +247,14 @@ class LLMEngine:
         constrained = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.active]
         if constrained:  # a batch without constraints does no grammar work at all
             logits = apply_token_bitmask(logits, constrained, [seqs[i].grammar.mask() for i in constrained])
-        # Token histories matter only to penalties; skip building them for the common case.
-        none = torch.empty(0, dtype=torch.long, device=self.device)
-        if any(s.has_penalties for s in seqs):
-            history = [(to_device(s.prompt_ids, torch.long, self.device), self._output_history(s, previous))
-                       if s.has_penalties else (none, none) for s in seqs]
-            prompt_ids, output_ids = [h[0] for h in history], [h[1] for h in history]
-        else:
-            prompt_ids = output_ids = [none] * len(seqs)
+        # Penalised rows read their histories from per-slot device rows, built once and then fed this step's ids.
+        in_flight = previous.sampled.token_ids if previous is not None else None
+        penalties = self.penalties.rows(seqs, logits.shape[1], in_flight)
         draws = [None if s.is_greedy else s.draw_key() for s in seqs]
-        sampled = self.sampler.sample(logits, [s.params for s in seqs], prompt_ids, output_ids, draws)
+        sampled = self.sampler.sample(logits, [s.params for s in seqs], penalties, draws)
+        if penalties is not None:
+            self.penalties.record(sampled.token_ids)
         return _InFlight(seqs, sampled, self._can_defer(constrained))
-
-    def _output_history(self, seq: Sequence, previous: "_InFlight | None") -> torch.Tensor:
-        """The sequence's output ids on the device, its token still in flight (if any) taken from there."""
-        known = to_device(seq.output_ids, torch.long, self.device)
-        if not seq.num_pending:
-            return known
-        return torch.cat((known, previous.sampled.token_ids[seq.pending_row:seq.pending_row + 1]))
 
     def _read_back(self, step: "_InFlight") -> list[StepOutput]:
         """A launched step's tokens on the host: appended, checked for their end, and turned into outputs."""
@@ -311,6 +302,7 @@ class LLMEngine:
         if rows:
             logits = apply_token_bitmask(logits, rows, masks)
         emitted = self.speculator.sample(self.sampler, logits, seqs, num_draft)
+        self.penalties.forget(seqs)  # the tokens it emits are not added to their rows: rebuilt when next needed
         outputs = []
         for seq, d, tokens in zip(seqs, num_draft, emitted):
             self.speculator.record(seq, d, len(tokens))

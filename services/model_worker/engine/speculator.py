@@ -24,6 +24,7 @@ import torch
 from services.model_worker.config.engine import SpeculativeConfig
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.engine.sequence import Sequence
+from services.model_worker.executor.penalty_state import PenaltyRows
 from services.model_worker.executor.sampler import Sampler, apply_penalties, logprobs_of, probabilities
 from services.model_worker.executor.spec import ngram, rejection
 from services.model_worker.executor.spec.draft import DraftProposer
@@ -108,19 +109,23 @@ class Speculator:
         """
         device = logits.device
         params: list[SamplingParams] = []
-        outputs: list[list[int]] = []
+        outputs: list[list[int]] = []  # a penalised row's output ids, the proposals before it included
         owner: list[int] = []
         draws: list[tuple[int, int]] = []  # (seed, index of the output token drawn): row j, the next index + j
         for i, (seq, d) in enumerate(zip(seqs, num_draft)):
             seed, counter = seq.draw_key()
             for j in range(d + 1):
                 params.append(seq.params)
-                outputs.append(seq.output_ids + seq.draft[:j])
+                outputs.append(seq.output_ids + seq.draft[:j] if seq.has_penalties else [])
                 owner.append(i)
                 draws.append((seed, counter + j))
-        none = torch.empty(0, dtype=torch.long, device=device)
-        history = [(to_device(seqs[owner[r]].prompt_ids, torch.long, device), to_device(out, torch.long, device))
-                   if p.has_penalties else (none, none) for r, (p, out) in enumerate(zip(params, outputs))]
+        vocab = logits.shape[1]
+
+        def penalties(rows: list[int]) -> PenaltyRows | None:
+            """The rows' histories, each row's output with the proposals before it."""
+            return PenaltyRows.from_ids([params[r] for r in rows], [seqs[owner[r]].prompt_ids for r in rows],
+                                        [outputs[r] for r in rows], vocab, device)
+
         # Rows the plain sampler decides: greedy ones, and every row of a sequence without proposals.
         starts = [0]
         for d in num_draft:
@@ -131,8 +136,8 @@ class Speculator:
         emitted: list[list[Emitted]] = [[] for _ in seqs]
         if plain_rows:
             rows_t = to_device(plain_rows, torch.long, device)
-            out = sampler(logits[rows_t], [params[r] for r in plain_rows], [history[r][0] for r in plain_rows],
-                          [history[r][1] for r in plain_rows], [draws[r] for r in plain_rows])
+            out = sampler(logits[rows_t], [params[r] for r in plain_rows], penalties(plain_rows),
+                          [draws[r] for r in plain_rows])
             per_row = {r: Emitted(out.token_ids[n], out.logprobs[n], out.top_logprobs[n])
                        for n, r in enumerate(plain_rows)}
             for i, (seq, d) in enumerate(zip(seqs, num_draft)):
@@ -146,8 +151,7 @@ class Speculator:
         for i in drawn_seqs:
             rows = list(range(starts[i], starts[i + 1]))
             rows_t = to_device(rows, torch.long, device)
-            scores = apply_penalties(logits[rows_t].float(), [params[r] for r in rows],
-                                     [history[r][0] for r in rows], [history[r][1] for r in rows])
+            scores = apply_penalties(logits[rows_t].float(), [params[r] for r in rows], penalties(rows))
             target = probabilities(scores, [params[r] for r in rows])
             tokens = rejection.verify(target, seqs[i].draft[:num_draft[i]], seqs[i].draft_probs, seqs[i].draw_key())
             used = rows[:len(tokens)]

@@ -112,8 +112,7 @@ def profile_step_memory(model, sampler: Sampler, config: Qwen3Config, device: to
         score_rows(scored, [0] * tokens, [MAX_LOGPROBS] * tokens)
         logits = logits.float()
         params = [SamplingParams(temperature=1.0, top_p=0.9, logprobs=MAX_LOGPROBS)] * limits.max_num_seqs
-        none = torch.empty(0, dtype=torch.long, device=device)
-        sampler(logits, params, [none] * len(params), [none] * len(params), [None] * len(params))
+        sampler(logits, params, None, [None] * len(params))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - weights - cache_bytes
     del cache, runner, hidden, logits, scored

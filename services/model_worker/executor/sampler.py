@@ -22,6 +22,9 @@ Mask semantics:
     temperature, top_k and top_p, as MinPLogitsWarper applied last. Renormalizing after top_p scales
     every probability alike, so the test is done on the post-top_k probabilities.
 
+The histories penalties read come as device rows, the seen set and the output counts of the penalised rows
+alone (penalty_state.py): the engine keeps them per slot and adds each step's tokens on the device.
+
 Logprobs (the chosen token's and the top N) come from log_softmax of the raw logits, before
 penalties, temperature and masks, as in vLLM's default: they describe the model, not the sampler.
 
@@ -48,8 +51,8 @@ import torch
 
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.executor import random_draws
+from services.model_worker.executor.penalty_state import PenaltyRows
 from services.model_worker.executor.sampling_columns import Columns
-from services.model_worker.executor.transfer import to_device
 from services.model_worker.executor.truncation import masked_logits, truncate
 from services.model_worker.kernels import cpu_argmax
 
@@ -74,18 +77,16 @@ class Sampler:
         self,
         logits: torch.Tensor,  # (B, V), any float dtype
         params: list[SamplingParams],
-        prompt_ids: list[torch.Tensor],  # per row, 1-D int64 on logits.device
-        output_ids: list[torch.Tensor],  # per row, 1-D int64, may be empty
+        penalties: PenaltyRows | None,  # the penalised rows' histories; None when no row has penalties
         draws: list[DrawKey | None],  # per row; None: a fresh random key
     ) -> SamplerOutput:
-        return self.sample(logits, params, prompt_ids, output_ids, draws).to_host()
+        return self.sample(logits, params, penalties, draws).to_host()
 
     def sample(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        prompt_ids: list[torch.Tensor],
-        output_ids: list[torch.Tensor],
+        penalties: PenaltyRows | None,
         draws: list[DrawKey | None],
     ) -> "SampledBatch":
         """The draws as device tensors, read back later (to_host): the next step can take its input ids from
@@ -94,7 +95,7 @@ class Sampler:
         if not columns.sampled_rows and not columns.adjusts:
             # The common case, every step: argmax in the logits' own dtype (widening is exact).
             return _with_logprobs(logits, columns, cpu_argmax.argmax(logits))
-        scores = penalise(logits.float(), columns, prompt_ids, output_ids)
+        scores = penalise(logits.float(), columns, penalties)
         if not columns.sampled_rows:
             return _with_logprobs(logits, columns, cpu_argmax.argmax(scores))
         words = random_draws.draw_words([draws[i] for i in columns.sampled_rows], random_draws.SAMPLE,
@@ -116,41 +117,46 @@ class Sampler:
 def apply_penalties(
     logits: torch.Tensor,  # (B, V) float32; not modified
     params: list[SamplingParams],
-    prompt_ids: list[torch.Tensor],
-    output_ids: list[torch.Tensor],
+    penalties: PenaltyRows | None,  # the penalised rows' histories (PenaltyRows.from_ids builds them from ids)
 ) -> torch.Tensor:
     """The logit bias, then repetition, presence and frequency penalties; rows without them come back
     unchanged."""
-    return penalise(logits, Columns(params, logits.shape[1], logits.device), prompt_ids, output_ids)
+    return penalise(logits, Columns(params, logits.shape[1], logits.device), penalties)
 
 
-def penalise(logits: torch.Tensor, columns: Columns, prompt_ids: list[torch.Tensor],
-             output_ids: list[torch.Tensor]) -> torch.Tensor:
+def penalise(logits: torch.Tensor, columns: Columns, penalties: PenaltyRows | None) -> torch.Tensor:
     """apply_penalties over a batch's columns."""
     if not columns.adjusts:
         return logits
-    batch, vocab = logits.shape
-    device = logits.device
     if columns.bias is not None:
         rows, tokens, biases = columns.bias
         logits = logits.index_put((rows, tokens), biases, accumulate=True)
+    if penalties is None:
+        return logits
+    # Over the penalised rows alone; in a row with only some penalties the others' factors (1 and 0) change
+    # nothing, exactly. On a CPU each pass over (rows, vocab) costs milliseconds: the arithmetic works in
+    # place on the tensors the gathers make.
+    rows, slots = penalties.rows, penalties.slots
+    scores = logits if rows is None else logits[rows]
     if columns.repeat_rows:
-        rows = columns.repeat_rows
-        row_index, tokens = _flat_indices(rows + rows, [prompt_ids[i] for i in rows] + [output_ids[i] for i in rows],
-                                          device)
-        seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
-        # A device tensor of Trues, not the Python True: index_put_ copies a host scalar to the GPU, and waits.
-        seen[row_index, tokens] = torch.ones_like(tokens, dtype=torch.bool)
-        penalty = columns.repetition
-        penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
-        logits = torch.where(seen, penalised, logits)
+        penalty = columns.repetition if rows is None else columns.repetition[rows]
+        penalised = torch.div(scores, penalty)
+        torch.where(scores < 0, scores * penalty, penalised, out=penalised)
+        scores = torch.where(penalties.seen.index_select(0, slots), penalised, scores, out=penalised)
     if columns.count_rows:
-        row_index, tokens = _flat_indices(columns.count_rows, [output_ids[i] for i in columns.count_rows], device)
-        counts = torch.zeros(batch, vocab, device=device)
-        ones = torch.ones_like(tokens, dtype=counts.dtype)
-        counts.index_put_((row_index, tokens), ones, accumulate=True)
-        logits = logits - columns.frequency * counts - columns.presence * (counts > 0)
-    return logits
+        frequency, presence = ((columns.frequency, columns.presence) if rows is None
+                               else (columns.frequency[rows], columns.presence[rows]))
+        counts = penalties.counts.index_select(0, slots)
+        # presence * (count > 0) is presence * sign(count): counts are never negative. A term every row has
+        # at 0 subtracts exact zeros: left out.
+        if not any(p.presence_penalty for p in columns.params):
+            scores = torch.sub(scores, counts.mul_(frequency), out=counts)
+        elif not any(p.frequency_penalty for p in columns.params):
+            scores = torch.sub(scores, counts.sign_().mul_(presence), out=counts)
+        else:
+            present = counts.sign().mul_(presence)
+            scores = torch.sub(scores, counts.mul_(frequency), out=counts).sub_(present)
+    return scores if rows is None else logits.index_copy(0, rows, scores)
 
 
 def _draw(
@@ -225,16 +231,3 @@ class SampledBatch:
             want = self.params[i].logprobs
             top[i] = [(int(t), v) for t, v in zip(top_ids[j * n:j * n + want], top_values[j * n:j * n + want])]
         return SamplerOutput(token_ids=ids, logprobs=chosen, top_logprobs=top)
-
-
-def _flat_indices(
-    rows: list[int], ids: list[torch.Tensor], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = [t.numel() for t in ids]
-    # output_size spares a device sync on cuda.
-    row_index = torch.repeat_interleave(
-        to_device(rows, torch.long, device),
-        to_device(lengths, torch.long, device),
-        output_size=sum(lengths),
-    )
-    return row_index, torch.cat(ids).to(device)
