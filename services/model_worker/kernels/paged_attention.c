@@ -169,6 +169,8 @@ static inline __attribute__((always_inline)) void accumulate_values_g(const Args
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define BF16_PATH 1
+/* A key or value row's bytes on the bf16 path. */
+#define ROW_BYTES(C, HALF) ((HALF) ? (size_t)32 : (size_t)(C) * 64)
 
 /* Lane i of the result is the sum of v[i]'s sixteen lanes: a transposing tree of 45 shuffles and
  * adds, where sixteen separate reductions take about 150 instructions. */
@@ -207,7 +209,9 @@ static inline __m512 sum16(const __m512 v[16]) {
  * sums unused), so the loops unroll and the 16 sums stay in registers: with the head size a runtime
  * value they went through memory, and this step took most of the kernel's time with the rows in cache. */
 static inline __attribute__((always_inline)) void score_step_bf16(const Args *a, const char *const *keys,
-                                                                   const __m512i *qb, const int G, const int C,
+                                                                   const char *run, const char *v_run,
+                                                                   const __m512i *qb,
+                                                                   const int G, const int C, const int HALF,
                                                                    int m, float scores[][SUB], int avail) {
     const int KB = 16 / G;
     const __m512 scale = _mm512_set1_ps(a->scale);
@@ -217,21 +221,27 @@ static inline __attribute__((always_inline)) void score_step_bf16(const Args *a,
         __m512 acc[16];
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
         for (int i = 0; i < KB; i++) {
-            const uint16_t *key = (const uint16_t *)keys[j0 + (i < k ? i : 0)];
+            const int at = j0 + (i < k ? i : 0);
+            const uint16_t *key = (const uint16_t *)(run ? run + (size_t)at * ROW_BYTES(C, HALF) : keys[at]);
             if (i < k && j0 + i + AHEAD < avail) { /* the key and value rows AHEAD on: see above */
-                prefetch_row(keys[j0 + i + AHEAD], (size_t)C * 64);
-                prefetch_row(keys[VALUES_AT + j0 + i + AHEAD], (size_t)C * 64);
+                const size_t ahead = (size_t)(j0 + i + AHEAD) * ROW_BYTES(C, HALF);
+                prefetch_row(run ? run + ahead : keys[j0 + i + AHEAD], ROW_BYTES(C, HALF));
+                prefetch_row(run ? v_run + ahead : keys[VALUES_AT + j0 + i + AHEAD], ROW_BYTES(C, HALF));
             }
             for (int c = 0; c < C; c++) {
-                const __m512bh kv = (__m512bh)_mm512_loadu_si512(key + 32 * c);
+                const __m512bh kv = (__m512bh)(HALF ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)key))
+                                                    : _mm512_loadu_si512(key + 32 * c));
                 for (int r = 0; r < G; r++)
                     acc[r * KB + i] = _mm512_dpbf16_ps(acc[r * KB + i], (__m512bh)qb[r * C + c], kv);
             }
         }
         float s[16];
         _mm512_storeu_ps(s, _mm512_mul_ps(sum16(acc), scale));
-        for (int r = 0; r < G; r++)
-            for (int i = 0; i < k; i++) scores[r][j0 + i] = s[r * KB + i];
+        if (k == KB)
+            for (int r = 0; r < G; r++) memcpy(&scores[r][j0], &s[r * KB], sizeof(float) * KB);
+        else
+            for (int r = 0; r < G; r++)
+                for (int i = 0; i < k; i++) scores[r][j0 + i] = s[r * KB + i];
     }
 }
 
@@ -259,9 +269,20 @@ static inline float softmax_step(float *scores, int m, float *max, float *sum) {
  * 32-dimension chunk as its 16 even dimensions, then its 16 odd ones (acc_index). CB chunks a pass keep
  * the 2 G CB sums in registers while each value row is read. */
 static inline __attribute__((always_inline)) void accumulate_step_bf16(const Args *a, float *acc,
-                                                                        const char *const *values, const int G,
-                                                                        const int C, int m, float p_rows[][SUB],
-                                                                        const float *correction) {
+                                                                        const char *const *values, const char *run,
+                                                                        const int G, const int C, const int HALF, int m,
+                                                                        float p_rows[][SUB], const float *correction) {
+    if (HALF) { /* 16 dimensions: one widening shift a value row, acc in order */
+        __m512 sums[8];
+        for (int r = 0; r < G; r++) sums[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * r), _mm512_set1_ps(correction[r]));
+        for (int j = 0; j < m; j++) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(run ? run + (size_t)j * 32 : values[j]));
+            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            for (int r = 0; r < G; r++) sums[r] = _mm512_fmadd_ps(_mm512_set1_ps(p_rows[r][j]), v, sums[r]);
+        }
+        for (int r = 0; r < G; r++) _mm512_storeu_ps(acc + 16 * r, sums[r]);
+        return;
+    }
     const int CB = G >= 8 ? 1 : 8 / G;
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int c0 = 0; c0 < C; c0 += CB) {
@@ -278,7 +299,8 @@ static inline __attribute__((always_inline)) void accumulate_step_bf16(const Arg
             __m512 p[8];
             for (int r = 0; r < G; r++) p[r] = _mm512_set1_ps(p_rows[r][j]);
             for (int c = 0; c < cs; c++) {
-                const __m512i v = _mm512_loadu_si512((const uint16_t *)values[j] + 32 * (c0 + c));
+                const char *row = run ? run + (size_t)j * ROW_BYTES(C, HALF) : values[j];
+                const __m512i v = _mm512_loadu_si512((const uint16_t *)row + 32 * (c0 + c));
                 const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
                 const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(v, high));
                 for (int r = 0; r < G; r++) {
@@ -297,44 +319,59 @@ static inline __attribute__((always_inline)) void accumulate_step_bf16(const Arg
 
 /* A chunk of n keys on the bf16 path (w->keys: n key rows, then at VALUES_AT the value rows, each array
  * with `avail` >= n entries, those past n the next chunk's first rows), in steps of SUB keys. G query rows
- * a KV head, C = head_dim / 32. */
+ * a KV head, C = head_dim / 32, or C = 1 and HALF for head_dim 16 (rows zero-extended to 32 to be scored).
+ * Where the chunk's slots are one run, k_run and v_run are its first key and value rows and w->keys is
+ * not read: rows by stride, still fetched AHEAD on (without, 64 sequences at 1,500-2,048 tokens, head size
+ * 128, took 1.4x the time on one core of an AMD EPYC Zen 4). */
 static inline __attribute__((always_inline)) void chunk_bf16(const Args *a, Scratch *w, const __m512i *qb,
-                                                              const int G, const int C, int n, int avail,
-                                                              float *max, float *sum) {
+                                                              const int G, const int C, const int HALF,
+                                                              const int STRIDED, const char *k_run,
+                                                              const char *v_run, int n, int avail, float *max,
+                                                              float *sum) {
     const char *const *keys = w->keys, *const *values = w->keys + VALUES_AT;
+    const size_t row_bytes = ROW_BYTES(C, HALF);
     float scores[8][SUB] __attribute__((aligned(64)));
     for (int j0 = 0; j0 < n; j0 += SUB) {
         const int m = n - j0 < SUB ? n - j0 : SUB;
-        score_step_bf16(a, keys + j0, qb, G, C, m, scores, avail - j0);
+        score_step_bf16(a, keys + j0, STRIDED ? k_run + j0 * row_bytes : NULL,
+                        STRIDED ? v_run + j0 * row_bytes : NULL, qb, G, C, HALF, m, scores, avail - j0);
         float correction[8];
         for (int r = 0; r < G; r++) correction[r] = softmax_step(scores[r], m, &max[r], &sum[r]);
-        accumulate_step_bf16(a, w->acc, values + j0, G, C, m, scores, correction);
+        accumulate_step_bf16(a, w->acc, values + j0, STRIDED ? v_run + j0 * row_bytes : NULL, G, C, HALF, m,
+                             scores, correction);
     }
 }
 
-/* chunk_bf16 with G and C constants: the group sizes 1, 2, 4, 8 by head sizes 64, 128 and 256 (those of
- * real checkpoints); other head sizes with C a runtime value. */
-#define CHUNK_BF16_C(G)                                                                                  \
+/* chunk_bf16 with G and C constants: the group sizes 1, 2, 4, 8 by head sizes 16, 32, 64, 128 and 256 (those
+ * of real checkpoints and the small test ones: with C a runtime value, head size 32 took 1.4x the time of its
+ * own case at 20-150-token contexts); other head sizes with C a runtime value. */
+#define CHUNK_BF16_C(G, S)                                                                               \
     switch (C) {                                                                                         \
-    case 2: chunk_bf16(a, w, qb, G, 2, n, avail, max, sum); break;                                       \
-    case 4: chunk_bf16(a, w, qb, G, 4, n, avail, max, sum); break;                                       \
-    case 8: chunk_bf16(a, w, qb, G, 8, n, avail, max, sum); break;                                       \
-    default: chunk_bf16(a, w, qb, G, C, n, avail, max, sum);                                             \
+    case 0: chunk_bf16(a, w, qb, G, 1, 1, S, k_run, v_run, n, avail, max, sum); break;                   \
+    case 1: chunk_bf16(a, w, qb, G, 1, 0, S, k_run, v_run, n, avail, max, sum); break;                   \
+    case 2: chunk_bf16(a, w, qb, G, 2, 0, S, k_run, v_run, n, avail, max, sum); break;                   \
+    case 4: chunk_bf16(a, w, qb, G, 4, 0, S, k_run, v_run, n, avail, max, sum); break;                   \
+    case 8: chunk_bf16(a, w, qb, G, 8, 0, S, k_run, v_run, n, avail, max, sum); break;                   \
+    default: chunk_bf16(a, w, qb, G, C, 0, S, k_run, v_run, n, avail, max, sum);                         \
     }
-static void chunk_bf16_of(const Args *a, Scratch *w, const __m512i *qb, int group, int C, int n, int avail,
-                          float *max, float *sum) {
-    switch (group) {
-    case 1: CHUNK_BF16_C(1); break;
-    case 2: CHUNK_BF16_C(2); break;
-    case 4: CHUNK_BF16_C(4); break;
-    case 8: CHUNK_BF16_C(8); break;
+#define CHUNK_BF16_G(S)                                                                                  \
+    switch (group) {                                                                                     \
+    case 1: CHUNK_BF16_C(1, S); break;                                                                   \
+    case 2: CHUNK_BF16_C(2, S); break;                                                                   \
+    case 4: CHUNK_BF16_C(4, S); break;                                                                   \
+    case 8: CHUNK_BF16_C(8, S); break;                                                                   \
     }
+/* C: head_dim / 32, or 0 for head_dim 16; k_run, v_run: the chunk's first rows where its slots are one run,
+ * else NULL. */
+static void chunk_bf16_of(const Args *a, Scratch *w, const __m512i *qb, int group, int C, const char *k_run,
+                          const char *v_run, int n, int avail, float *max, float *sum) {
+    if (k_run) CHUNK_BF16_G(1) else CHUNK_BF16_G(0)
 }
 #endif
 
 /* Where dimension d sits in a row of acc: in place, or even/odd by 32-dimension chunk on the bf16 path. */
-static inline int acc_index(int d, int bf16_path) {
-    return bf16_path ? (d & ~31) + (d & 1) * 16 + (d & 31) / 2 : d;
+static inline int acc_index(int d, int bf16_path, int head_dim) {
+    return bf16_path && head_dim % 32 == 0 ? (d & ~31) + (d & 1) * 16 + (d & 31) / 2 : d;
 }
 
 /* Turn row r's n scores into exp(score - running max), rescaling what came before if the max rose. */
@@ -382,8 +419,10 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
     const char *v_head = (const char *)a->v_cache + (size_t)kvh * a->num_slots * row_bytes;
     float max[64], sum[64];
 #ifdef BF16_PATH
-    const int bf16_path = a->is_bf16 && D % 32 == 0 && group * (D / 32) <= 64 && (group == 1 || group == 2 || group == 4 || group == 8);
-    __m512i qb[8 * 8]; /* the group's query rows as they are, D / 32 vectors a row */
+    const int bf16_path = a->is_bf16 && (D % 32 == 0 || D == 16) && group * (D / 32) <= 64 &&
+                          (group == 1 || group == 2 || group == 4 || group == 8);
+    const int half = D == 16; /* one 32-dimension chunk, zero-extended; acc in order */
+    __m512i qb[8 * 8]; /* the group's query rows as they are, D / 32 vectors a row (one for D 16) */
 #else
     const int bf16_path = 0;
 #endif
@@ -391,7 +430,9 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
     for (int r = 0; r < group; r++) {
         const char *row = (const char *)a->q + ((size_t)b * a->num_heads + (size_t)kvh * group + r) * row_bytes;
 #ifdef BF16_PATH
-        if (bf16_path)
+        if (bf16_path && half)
+            qb[r] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)row));
+        else if (bf16_path)
             for (int c = 0; c < D / 32; c++) qb[r * (D / 32) + c] = _mm512_loadu_si512((const uint16_t *)row + 32 * c);
         else
 #endif
@@ -404,6 +445,21 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
         const int n = ctx - k0 < KEY_CHUNK ? ctx - k0 : KEY_CHUNK;
         /* The chunk's rows and the next chunk's first NEXT_ROWS, for fetching ahead. */
         const int avail = ctx - k0 < n + NEXT_ROWS ? ctx - k0 : n + NEXT_ROWS;
+#ifdef BF16_PATH
+        /* Where the blocks the chunk (and the rows after it) spans are one run of ids, its rows are read
+         * by stride: the block manager allocates runs where it can. */
+        if (bf16_path) {
+            const int first_block = k0 / a->block_size, last_block = (k0 + avail - 1) / a->block_size;
+            int run = 1;
+            for (int i = first_block; i < last_block && run; i++) run = table[i + 1] == table[i] + 1;
+            if (run) {
+                const size_t first = (size_t)table[first_block] * a->block_size + k0 % a->block_size;
+                chunk_bf16_of(a, w, qb, group, half ? 0 : D / 32, k_head + first * row_bytes,
+                              v_head + first * row_bytes, n, avail, max, sum);
+                continue;
+            }
+        }
+#endif
         /* A block's slots are consecutive: one table lookup (and one division) per block, not per key. */
         for (int j = 0; j < avail;) {
             const int pos = k0 + j, offset = pos % a->block_size;
@@ -416,7 +472,7 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
         }
 #ifdef BF16_PATH
         if (bf16_path) {
-            chunk_bf16_of(a, w, qb, group, D / 32, n, avail, max, sum);
+            chunk_bf16_of(a, w, qb, group, half ? 0 : D / 32, NULL, NULL, n, avail, max, sum);
             continue;
         }
 #endif
@@ -430,6 +486,10 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
         const size_t row = ((size_t)b * a->num_heads + (size_t)kvh * group + r) * D;
         const float inv = 1.0f / sum[r], *acc = w->acc + (size_t)r * D;
 #ifdef BF16_PATH
+        if (bf16_path && half) {
+            store_bf16((uint16_t *)a->out + row, round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(inv))));
+            continue;
+        }
         if (bf16_path) { /* each 32-dimension chunk back in order, rounded as f32_to_bf16 does */
             for (int c = 0; c < D / 32; c++) {
                 const __m512 even = _mm512_mul_ps(_mm512_loadu_ps(acc + 32 * c), _mm512_set1_ps(inv));
@@ -441,7 +501,7 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
         }
 #endif
         for (int d = 0; d < D; d++) {
-            const float x = acc[acc_index(d, bf16_path)] * inv;
+            const float x = acc[acc_index(d, bf16_path, D)] * inv;
             if (a->is_bf16) ((uint16_t *)a->out)[row + d] = f32_to_bf16(x);
             else ((float *)a->out)[row + d] = x;
         }
