@@ -171,7 +171,7 @@ def _draw(
         noise = random_draws.exponential(words[group.rows], ids)
         # exp(logit - max): each token's probability times the row's normalizer, which does not move the argmax.
         weights = (group.candidates - group.candidates.amax(dim=-1, keepdim=True)).exp_()
-        choice = weights.div_(noise).argmax(dim=-1, keepdim=True)
+        choice = cpu_argmax.argmax(weights.div_(noise)).unsqueeze(1)  # the lowest id among equal maxima, as torch's
         chosen = choice if group.ids is None else group.ids.gather(1, choice)
         token_ids.index_copy_(0, group.rows, chosen.squeeze(1))
     return token_ids
