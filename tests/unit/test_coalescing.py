@@ -17,7 +17,6 @@ from gateway.core.generation import GenerationCore
 from gateway.core.metrics import RequestRecord
 from gateway.core.validation import GenerationRequest
 from gateway.fleet.step_stream import CallSteps, StepStream
-from gateway.grpc_api.servicer import GatewayServicer
 from gateway.http_api.http_app import create_app
 from gateway.http_api.http_server import HttpServer
 from gateway.main import parse_args as gateway_args
@@ -25,7 +24,8 @@ from gateway.text.tool_parser import ToolCallDelta
 from rpcserver.config import ServerConfig
 from tests.integration.stack import free_port
 from tests.unit.test_generation_core import TEXT, FakeDownstreams
-from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.unit.test_tool_calls_api import gateway_stub
+from vllm_v0.gateway.v1 import gateway_pb2
 from vllm_v0.worker.v1 import worker_pb2
 
 WAIT_S = 10.0  # bounded waits on conditions, never a measure of speed
@@ -213,26 +213,17 @@ def test_the_grpc_client_gets_fewer_messages_than_tokens_and_exact_ids_and_text(
     downstreams, worker = serving(demo_tokenizer, ids)
 
     async def run():
-        server = grpc.aio.server()
-        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-            GatewayServicer(GenerationCore(downstreams, {}), "qwen3"), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                call = gateway_pb2_grpc.GatewayServiceStub(channel).Generate(gateway_pb2.GenerateRequest(
-                    prompt="hi", max_tokens=len(ids), request_id="slow-reader"))
-                first = await call.read()
-                produced_at_first = worker.sent
-                worker.release()
-                replies = [first]
-                while (reply := await call.read()) is not grpc.aio.EOF:
-                    replies.append(reply)
-                    await asyncio.sleep(0.002)
-                return produced_at_first, replies
-        finally:
-            await downstreams.detokenizer.close()
-            await server.stop(None)
+        async with gateway_stub(downstreams) as stub:
+            call = stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", max_tokens=len(ids),
+                                                             request_id="slow-reader"))
+            first = await call.read()
+            produced_at_first = worker.sent
+            worker.release()
+            replies = [first]
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                replies.append(reply)
+                await asyncio.sleep(0.002)
+            return produced_at_first, replies
 
     produced_at_first, replies = asyncio.run(asyncio.wait_for(run(), WAIT_S))
     assert produced_at_first == 1 and list(replies[0].token_ids) == ids[:1]

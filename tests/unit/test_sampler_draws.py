@@ -12,15 +12,8 @@ from transformers.generation.logits_process import (
 
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.engine.sequence import Sequence
-from services.model_worker.executor.penalty_state import PenaltyRows
 from services.model_worker.executor.sampler import Sampler
-
-NO_IDS = torch.empty(0, dtype=torch.long)
-BOTH_PATHS = pytest.mark.parametrize("batched", [False, True], ids=["grouped", "batched"])
-
-
-def histories(logits: torch.Tensor, params: list[SamplingParams], prompts: list, outputs: list) -> PenaltyRows | None:
-    return PenaltyRows.from_ids(params, prompts, outputs, logits.shape[1], logits.device)
+from tests.unit.test_sampler import BOTH_PATHS, NO_IDS, histories
 
 TARGETS = [
     SamplingParams(temperature=1.5),

@@ -7,6 +7,7 @@ worker replays scripted text, as random weights would never write a tool call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 
@@ -205,22 +206,29 @@ def test_bad_tool_requests_are_refused(serve, extra, param, words):
     assert downstreams.works == []
 
 
+@contextlib.asynccontextmanager
+async def gateway_stub(downstreams):
+    """A GatewayService stub on a gateway servicer served on port 0 over these downstreams; the client keeps
+    gRPC's defaults (a 4 MiB receive limit among them)."""
+    server = grpc.aio.server()
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
+        GatewayServicer(GenerationCore(downstreams, {}), "qwen3"), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield gateway_pb2_grpc.GatewayServiceStub(channel)
+    finally:
+        await downstreams.detokenizer.close()
+        await server.stop(None)
+
+
 def generate(downstreams, request: gateway_pb2.GenerateRequest,
              timeout: float | None = None) -> list[gateway_pb2.GenerateResponse]:
-    """The replies of a public Generate call to a gateway servicer on port 0; the client keeps gRPC's defaults
-    (a 4 MiB receive limit among them)."""
+    """The replies of a public Generate call to a gateway servicer on port 0."""
     async def run():
-        server = grpc.aio.server()
-        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-            GatewayServicer(GenerationCore(downstreams, {}), "qwen3"), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                return [r async for r in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request)]
-        finally:
-            await downstreams.detokenizer.close()
-            await server.stop(None)
+        async with gateway_stub(downstreams) as stub:
+            return [r async for r in stub.Generate(request)]
     return asyncio.run(asyncio.wait_for(run(), timeout))
 
 
