@@ -4,8 +4,6 @@ from __future__ import annotations
 import hashlib
 import random
 
-import torch
-
 from gateway.fleet.block_hash import prompt_block_hashes
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.engine.block_manager import BlockManager, block_hash
@@ -24,7 +22,7 @@ def spec_hashes(ids: list[int], block_size: int) -> list[bytes]:
 
 def computed_seq(bm: BlockManager, prompt: list[int]) -> Sequence:
     """A sequence whose prompt the worker has computed and committed to its cache."""
-    seq = Sequence("r", prompt, SamplingParams(), 1, frozenset(), torch.device("cpu"))
+    seq = Sequence("r", prompt, SamplingParams(), 1, frozenset())
     bm.allocate(seq)
     seq.num_cached_tokens = len(seq)
     bm.commit(seq)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from rpcserver.errors import ResourceExhausted
 from services.model_worker.config.engine import SchedulerLimits
@@ -14,11 +13,9 @@ from services.model_worker.engine.block_manager import BlockManager
 from services.model_worker.engine.scheduler import ScheduledBatch, Scheduler
 from services.model_worker.engine.sequence import Sequence, SequenceStatus
 
-CPU = torch.device("cpu")
-
 
 def make_seq(prompt: list[int], max_tokens: int = 8, name: str | None = None) -> Sequence:
-    return Sequence(name or f"r{random.random()}", prompt, SamplingParams(), max_tokens, frozenset(), CPU)
+    return Sequence(name or f"r{random.random()}", prompt, SamplingParams(), max_tokens, frozenset())
 
 
 def computed(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> None:

@@ -43,7 +43,7 @@ def forward(engine: LLMEngine, prompts: list[list[int]], cached: list[int] | Non
     slots = slots or list(range(len(prompts)))
     seqs, ids, positions = [], [], []
     for slot, prompt, done in zip(slots, prompts, cached):
-        seq = Sequence(f"s{slot}", prompt, SamplingParams(), 1, frozenset(), engine.device)
+        seq = Sequence(f"s{slot}", prompt, SamplingParams(), 1, frozenset())
         seq.block_table = list(range(slot * 12, slot * 12 + engine.block_manager.blocks_needed(len(prompt))))
         seqs.append(seq)
         ids += prompt[done:]

@@ -132,7 +132,7 @@ def test_rows_are_built_once_per_admission_and_steps_copy_no_history(checkpoint,
 
 def sequence(request_id: str, prompt: list[int], output: list[int], slot: int) -> Sequence:
     seq = Sequence(request_id, prompt, SamplingParams(presence_penalty=1.0, repetition_penalty=1.1), 50,
-                   frozenset(), CPU)
+                   frozenset())
     for t in output:
         seq.append(t)
     seq.slot = slot
@@ -171,7 +171,7 @@ def test_a_slot_is_rebuilt_for_a_new_owner_a_readmission_and_after_forget(monkey
 
 def test_a_rebuild_takes_the_token_in_flight_from_the_device():
     state = PenaltyState(max_seqs=2, device=CPU)
-    plain = Sequence("p", [4], SamplingParams(), 10, frozenset(), CPU)
+    plain = Sequence("p", [4], SamplingParams(), 10, frozenset())
     a = sequence("a", [1], [6], slot=1)
     a.num_pending, a.pending_row = 1, 2
     penalties = state.rows([plain, a], 16, pending_ids=torch.tensor([0, 0, 11]))

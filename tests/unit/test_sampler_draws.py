@@ -200,11 +200,11 @@ def test_the_columns_are_reused_while_the_same_rows_come_back():
 
 
 def test_a_sequence_keys_its_draws_by_seed_and_output_index():
-    seeded = Sequence("a", [1, 2], SamplingParams(seed=2 ** 64 - 1), 10, frozenset(), torch.device("cpu"))
+    seeded = Sequence("a", [1, 2], SamplingParams(seed=2 ** 64 - 1), 10, frozenset())
     assert seeded.draw_key() == (2 ** 64 - 1, 0)
     seeded.append(5)
     seeded.num_pending = 2  # tokens drawn by steps still in flight
     assert seeded.draw_key() == (2 ** 64 - 1, 3)
-    unseeded = [Sequence(str(i), [1], SamplingParams(), 10, frozenset(), torch.device("cpu")) for i in range(3)]
+    unseeded = [Sequence(str(i), [1], SamplingParams(), 10, frozenset()) for i in range(3)]
     seeds = {s.draw_key()[0] for s in unseeded}
     assert len(seeds) == 3 and all(0 <= s < 2 ** 64 for s in seeds)

@@ -298,7 +298,7 @@ def test_a_sequence_whose_single_draft_proposals_are_refused_rests_longer_each_t
 
     # The draft proposer itself is not called here: proposing only reserves room for its tokens.
     speculator = Speculator(SpeculativeConfig("draft", draft_model="unused", num_speculative_tokens=4), object())
-    seq = Sequence("r", [5, 6, 7] * 8, SamplingParams(temperature=0.0), 1000, frozenset(), torch.device("cpu"))
+    seq = Sequence("r", [5, 6, 7] * 8, SamplingParams(temperature=0.0), 1000, frozenset())
     seq.num_cached_tokens = len(seq) - 1  # decoding
 
     def steps_until_a_proposal() -> int:
@@ -329,7 +329,7 @@ def test_prompt_lookup_never_rests():
     from services.model_worker.engine.speculator import Speculator
 
     speculator = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=4, ngram_min=1))
-    seq = Sequence("r", [5, 6, 7] * 8, SamplingParams(temperature=0.0), 1000, frozenset(), torch.device("cpu"))
+    seq = Sequence("r", [5, 6, 7] * 8, SamplingParams(temperature=0.0), 1000, frozenset())
     seq.num_cached_tokens = len(seq) - 1
     for _ in range(5):
         speculator.propose([seq])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from services.model_worker.config.engine import EngineConfig, SchedulerLimits
 from services.model_worker.config.sampling import SamplingParams
@@ -74,8 +73,8 @@ def test_rows_follow_preemption_trims_and_reuse():
     """Slots are handed back and reused; a row rewritten after a table shrinks (proposals trimmed) or is freed."""
     manager = BlockManager(num_blocks=32, block_size=4, max_seqs=2, max_blocks_per_seq=8)
     from services.model_worker.engine.sequence import Sequence
-    a = Sequence("a", list(range(1, 10)), SamplingParams(max_tokens=8), 8, frozenset(), torch.device("cpu"))
-    b = Sequence("b", list(range(20, 26)), SamplingParams(max_tokens=8), 8, frozenset(), torch.device("cpu"))
+    a = Sequence("a", list(range(1, 10)), SamplingParams(max_tokens=8), 8, frozenset())
+    b = Sequence("b", list(range(20, 26)), SamplingParams(max_tokens=8), 8, frozenset())
     manager.allocate(a)
     manager.allocate(b)
     assert {a.slot, b.slot} == {0, 1}
@@ -88,7 +87,7 @@ def test_rows_follow_preemption_trims_and_reuse():
     slot = a.slot
     manager.free_blocks(a)
     assert a.slot == -1
-    c = Sequence("c", list(range(40, 45)), SamplingParams(max_tokens=8), 8, frozenset(), torch.device("cpu"))
+    c = Sequence("c", list(range(40, 45)), SamplingParams(max_tokens=8), 8, frozenset())
     manager.allocate(c)
     assert c.slot == slot
     assert manager.tables.rows[c.slot, :len(c.block_table)].tolist() == c.block_table

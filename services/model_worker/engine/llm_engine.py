@@ -146,7 +146,7 @@ class LLMEngine:
         if max_tokens > room:
             raise InvalidArgument(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                                   f"context of {self.max_model_len} tokens; lower max_tokens to at most {room}")
-        return Sequence(request_id, prompt_ids, params, max_tokens, self.eos_ids, self.device)
+        return Sequence(request_id, prompt_ids, params, max_tokens, self.eos_ids)
 
     def admit(self, seq: Sequence) -> Sequence:
         """Queues a checked sequence (its grammar compiled, if it has one) for the next steps."""

@@ -28,7 +28,7 @@ class FinishReason(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                 eos_ids: frozenset[int], device: torch.device):
+                 eos_ids: frozenset[int]):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
