@@ -21,6 +21,11 @@ class BlockTables:
     def width(self) -> int:
         return self.rows.shape[1]
 
+    def gather(self, slots: list[int], max_context: int) -> torch.Tensor:
+        """The rows of these slots, as wide as the longest context needs: a row is as wide as the longest allowed."""
+        width = -(-max_context // self.block_size)
+        return self.rows[:, :width].index_select(0, torch.tensor(slots, dtype=torch.int64))
+
     def assign(self, seq) -> None:
         seq.slot = self._free.pop()
         seq.slot_blocks = 0

@@ -4,8 +4,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from rpcserver.errors import ResourceExhausted
 from services.model_worker.config.engine import SchedulerLimits
 from services.model_worker.engine.block_manager import BlockManager
@@ -89,15 +87,9 @@ class ScheduledBatch:
                     extra_rows.extend(range(row, row + count))
                     spans.append((seq, start + 1, count))
             row += n
-        # Only the columns this step's longest context reaches: a row is as wide as the longest context allowed.
-        width = -(-max(context_lens) // tables.block_size)
-        block_tables = tables.rows[:, :width].index_select(0, torch.tensor(slots, dtype=torch.int64))
-        host = StepInputs.build(token_ids, block_tables, context_lens, tables.block_size, sampled, extra_rows,
-                                sampled_draft if self.num_draft else None)
-        if fill_rows:
-            host.fill_rows = torch.tensor(fill_rows, dtype=torch.int64)
-            host.fill_from = torch.tensor(fill_from, dtype=torch.int64)
-        return host, sampled_seqs, spans
+        host = StepInputs.build(token_ids, tables.gather(slots, max(context_lens)), context_lens, tables.block_size,
+                                sampled, extra_rows, sampled_draft if self.num_draft else None)
+        return host.filled_from_previous(fill_rows, fill_from), sampled_seqs, spans
 
 
     def _decode_inputs(self, tables: BlockTables) -> StepInputs:
@@ -105,19 +97,14 @@ class ScheduledBatch:
         the rest in tensors."""
         seqs = self.seqs
         context_lens = [s.num_cached_tokens + 1 for s in seqs]
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64)
         fill_rows = [i for i, s in enumerate(seqs) if s.num_pending]
         if fill_rows:  # their tokens are still on the device: placeholders, copied in there
             token_ids = [0 if s.num_pending else s.token_ids[-1] for s in seqs]
         else:
             token_ids = [s.token_ids[-1] for s in seqs]
-        width = -(-max(context_lens) // tables.block_size)
-        host = StepInputs.decode(token_ids, tables.rows[:, :width].index_select(0, slots), context_lens,
+        host = StepInputs.decode(token_ids, tables.gather([s.slot for s in seqs], max(context_lens)), context_lens,
                                  tables.block_size)
-        if fill_rows:
-            host.fill_rows = torch.tensor(fill_rows, dtype=torch.int64)
-            host.fill_from = torch.tensor([seqs[i].pending_row for i in fill_rows], dtype=torch.int64)
-        return host
+        return host.filled_from_previous(fill_rows, [seqs[i].pending_row for i in fill_rows])
 
 
 class Scheduler:

@@ -70,6 +70,14 @@ class StepInputs:
                    flat.query_start_loc, flat.context_lens, flat.block_tables,
                    torch.arange(len(token_ids), dtype=torch.int64), 1, flat.max_context_len)
 
+    def filled_from_previous(self, rows: list[int], sources: list[int]) -> "StepInputs":
+        """These inputs with input_ids rows `rows` to be copied from the previous step's sampled ids at
+        `sources`, on the device (asynchronous scheduling); unchanged when there are none."""
+        if rows:
+            self.fill_rows = torch.tensor(rows, dtype=torch.int64)
+            self.fill_from = torch.tensor(sources, dtype=torch.int64)
+        return self
+
     @property
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
