@@ -27,7 +27,6 @@ import json
 import multiprocessing
 import os
 import pathlib
-import platform
 import random
 import re
 import statistics
@@ -42,6 +41,7 @@ if str(ROOT) not in sys.path:
 import grpc  # noqa: E402
 
 from bench.bench_serving import make_text, word_pool  # noqa: E402
+from bench.cpu_kind import cpu_description, cpu_kind  # noqa: E402
 from bench.cpu_meter import CpuMeter  # noqa: E402
 from demo.vocab import write_tokenizer_files  # noqa: E402
 from services.tokenizer.core import TokenizerCore  # noqa: E402
@@ -55,21 +55,6 @@ PROMPT_TOKENS = 16
 CYCLE_TOKENS = 1024  # the stand-in's token ids, cycled: real words, so detokenizing them is real work
 CHECK_STREAMS = 8
 USAGE = re.compile(rb'"completion_tokens":\s*(\d+)')
-
-
-def cpu_kind() -> str:
-    """The CPU's model name with its family and model numbers and its bf16/AMX flags, from /proc/cpuinfo
-    (a virtual machine may name no more than "AMD EPYC")."""
-    try:
-        fields = dict(line.split(":", 1) for line in pathlib.Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-                      .splitlines() if ":" in line)
-    except OSError:
-        return platform.processor() or "unknown"
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    flags = fields.get("flags", "").split()
-    features = ", ".join(f for f in ("avx512_bf16", "amx_tile") if f in flags) or "no avx512_bf16"
-    return (f"{fields.get('model name', 'unknown')} (family {fields.get('cpu family', '?')}, model "
-            f"{fields.get('model', '?')}; {features})")
 
 
 # ---- clients (run in client processes) ----
@@ -339,7 +324,7 @@ def main(argv=None) -> None:
     addresses = {"standin": stack.worker.address, "gateway": stack.gateway.address, "http_port": http_port}
     meter = CpuMeter({"gateway": stack.gateway.process.pid, "tokenizer": stack.tokenizer.process.pid,
                       "standin": stack.worker.process.pid})
-    print(f"CPU {cpu_kind()}, {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in load_before)}; "
+    print(f"CPU {cpu_description()}, {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in load_before)}; "
           f"{args.clients} client processes; stand-in step {args.step_ms or 'unpaced'}"
           f"{' ms' if args.step_ms else ''}; {args.repeats} rounds", flush=True)
     try:
@@ -348,7 +333,7 @@ def main(argv=None) -> None:
         stack.stop()
     table, verdicts = report(raw, modes, stream_counts)
     print(json.dumps({"benchmark": "bench_gateway_ceiling", "machine": {
-        "cpu": cpu_kind(), "cpus": os.cpu_count(), "load_average_before": load_before,
+        "cpu": cpu_description(), "cpu_kind": cpu_kind(), "cpus": os.cpu_count(), "load_average_before": load_before,
         "load_average_after": os.getloadavg()},
         "settings": {"streams": stream_counts, "tokens_per_run": args.tokens, "repeats": args.repeats,
                      "client_processes": args.clients, "standin_step_ms": args.step_ms,

@@ -43,7 +43,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import peer_install  # noqa: E402
-from bench.bench_peers import cpu_model, process_tree  # noqa: E402
+from bench.bench_peers import process_tree  # noqa: E402
+from bench.cpu_kind import cpu_kind, cpu_model  # noqa: E402
 from bench.host_runs import KV_CACHE_BYTES, OursRuns, decode_figures  # noqa: E402
 from demo.checkpoint import DEMO_MARKER, qwen3_config  # noqa: E402
 from demo.vocab import GENERATION_CONFIG, write_json  # noqa: E402
@@ -57,13 +58,6 @@ SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
              initializer_range=0.3)
 PROMPT_TOKENS = 16
 WORKLOADS = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sampled": {"temperature": 1.0, "top_p": 1.0}}
-
-
-def cpu_kind() -> str:
-    """AMX where the CPU has tiles (amx_tile), else AVX512 (or "x86" without it)."""
-    flags = next((line.split(":", 1)[1].split() for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("flags")), [])
-    return "AMX" if "amx_tile" in flags else "AVX512" if "avx512f" in flags else "x86"
 
 
 def ensure_checkpoint(path: pathlib.Path, head_dim: int) -> pathlib.Path:

@@ -46,6 +46,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import peer_install  # noqa: E402
+from bench.cpu_kind import cpu_description, cpu_kind, cpu_model  # noqa: E402
 from bench.bench_engine import ensure_checkpoint  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / ".cache" / "peers-qwen3-0.6b"
@@ -457,13 +458,6 @@ def summarize(served: dict, in_process: dict) -> dict:
     return out
 
 
-def cpu_model() -> str:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--install", action="store_true", help="build the peers' venvs and GGUF files, then exit")
@@ -492,6 +486,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="ours alone, tiny workloads: checks the script works")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    print(f"CPU: {cpu_description()}, kind {cpu_kind()}, {os.cpu_count()} CPUs", flush=True)
     peers = {x for x in args.peers.split(",") if x}
     if args.quick:
         peers, args.rounds, args.single_requests, args.streams, args.burst = set(), 1, 1, 4, 6
@@ -535,7 +530,9 @@ def main(argv=None) -> None:
     summary = summarize(served, in_process)
     for key, value in summary["ratios"].items():
         print(f"{key}: {value:.2f}x")
-    print(json.dumps({"bench": "peers", "cpu": cpu_model(), "cpus": os.cpu_count(), "placement": args.placement,
+    # cpu_kind files the figures: docs/peers.md keeps one table per kind (AMX Xeons, AVX512-only Zen 4).
+    print(json.dumps({"bench": "peers", "cpu": cpu_model(), "cpu_kind": cpu_kind(), "cpu_flags": cpu_description(),
+                      "cpus": os.cpu_count(), "placement": args.placement,
                       "rounds": args.rounds, "startup_s": startup, **summary}))
 
 
