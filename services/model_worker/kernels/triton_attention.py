@@ -11,6 +11,11 @@ When a step has too few programs to fill the GPU (a few sequences with long cont
 sequence's keys are split into partitions, one program each, and a second kernel combines the
 partial results (flash-decoding; see num_partitions).
 
+The cache may hold 8-bit keys and values: e4m3 bytes with one scale per layer, or int8 with one
+scale per (KV head, slot). They are loaded as bytes and widened in registers (e4m3 bit for bit,
+as in triton_w8_linear, so no fp8 arithmetic is needed), which is exact in the queries' dtype;
+the key scales multiply the scores and the value scales the softmax weights, in float32.
+
 Triton comes with torch's CUDA wheels. On a machine without a GPU the kernel runs in Triton's
 interpreter (TRITON_INTERPRET=1, read when this module is imported), which is how the tests
 check it against a float64 reference.
@@ -56,17 +61,42 @@ if triton is not None:
             return tl.dot(a, b)
 
     @triton.jit
+    def _widen(raw, dtype):
+        """8-bit cache values as dtype: uint8 bytes hold e4m3 bits, int8 holds integers."""
+        if raw.dtype == tl.uint8:
+            # Sign-extended and shifted left 7: e4m3's exponent and mantissa land in float16's low exponent
+            # and top mantissa bits; the mask (0xBF80) clears the sign's copy in the exponent's top bit.
+            bits = (raw.to(tl.int8, bitcast=True).to(tl.int16) << 7) & -16512
+            return (bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(dtype)
+        else:
+            # Through float32: the interpreter converts integers to bfloat16 by their bits.
+            return raw.to(tl.float32).to(dtype)
+
+    @triton.jit
+    def _cache_scales(scale_ptr, kv_head, stride_h, slot, n_ok, INT8: tl.constexpr):
+        """The scales of the keys at slot, shaped (1, N) to multiply scores: int8 keeps one per
+        (KV head, slot), e4m3 one for the layer."""
+        if INT8:
+            return tl.load(scale_ptr + kv_head.to(tl.int64) * stride_h + slot, mask=n_ok, other=0.0)[None, :]
+        else:
+            return tl.load(scale_ptr)
+
+    @triton.jit
     def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_ptr, context_lens_ptr, block_tables_ptr,
-        part_out_ptr, lse_ptr, scale, num_partitions,
+        part_out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, scale, num_partitions,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_ks, stride_vh, stride_vs, stride_bt,
-        stride_pt, stride_ph, stride_pp, stride_lt, stride_lh,
+        stride_pt, stride_ph, stride_pp, stride_lt, stride_lh, stride_ksh, stride_vsh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
         SPLIT: tl.constexpr, MIN_PARTITION: tl.constexpr,
     ):
         """SPLIT: axis 2 is (tile, partition); each program writes its rows' partial output and
-        log-sum-exp over its partition's keys instead of the output."""
+        log-sum-exp over its partition's keys instead of the output. The caches' element type says what
+        they hold (uint8: e4m3 bytes, int8: int8; either: scaled by the scale pointers, int8's rows
+        stride_ksh / stride_vsh apart per KV head), a constant when the kernel compiles."""
+        EIGHT_BIT: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.uint8 or k_cache_ptr.dtype.element_ty == tl.int8
+        INT8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         if SPLIT:
@@ -108,8 +138,12 @@ if triton is not None:
             block = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + n // PAGE, mask=n_ok, other=0)
             slot = block.to(tl.int64) * PAGE + n % PAGE
             k = tl.load(k_cache_ptr + kv_head.to(tl.int64) * stride_kh + slot[None, :] * stride_ks + d[:, None],
-                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)                    # (D, N)
+                        mask=n_ok[None, :] & d_ok[:, None], other=0)                      # (D, N)
+            if EIGHT_BIT:
+                k = _widen(k, q.dtype)
             s = _dot(q, k, IEEE, UPCAST)
+            if EIGHT_BIT:
+                s = s * _cache_scales(k_scale_ptr, kv_head, stride_ksh, slot, n_ok, INT8)
             s = s * scale
             visible = (n[None, :] <= position[:, None]) & n_ok[None, :] & row_ok[:, None]
             s = tl.where(visible, s, float("-inf"))
@@ -119,8 +153,14 @@ if triton is not None:
             p = tl.exp(s - shift[:, None])
             alpha = tl.exp(m - shift)
             v = tl.load(v_cache_ptr + kv_head.to(tl.int64) * stride_vh + slot[:, None] * stride_vs + d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)                    # (N, D)
-            pv = _dot(p.to(v.dtype), v, IEEE, UPCAST)
+                        mask=n_ok[:, None] & d_ok[None, :], other=0)                      # (N, D)
+            if EIGHT_BIT:
+                # A value's scale rides on its softmax weight: one multiply per key, not per element.
+                v = _widen(v, q.dtype)
+                v_scales = _cache_scales(v_scale_ptr, kv_head, stride_vsh, slot, n_ok, INT8)
+                pv = _dot((p * v_scales).to(v.dtype), v, IEEE, UPCAST)
+            else:
+                pv = _dot(p.to(v.dtype), v, IEEE, UPCAST)
             acc = acc * alpha[:, None] + pv
             denom = denom * alpha + tl.sum(p, 1)
             m = m_new
@@ -192,15 +232,31 @@ def num_partitions(num_programs: int, max_keys: int, device: torch.device) -> in
     return min(triton.cdiv(target, num_programs), triton.cdiv(max_keys, MIN_PARTITION), MAX_PARTITIONS)
 
 
+def _as_kernel_caches(k_cache, v_cache, k_scale, v_scale):
+    """The caches and scales as the kernel reads them: e4m3 as its bytes (the kernel widens them by
+    bits, so neither the GPU nor the interpreter needs fp8 arithmetic); a cache in a float dtype
+    passes itself in place of the scales it does not have."""
+    if k_cache.dtype not in (torch.float8_e4m3fn, torch.int8):
+        return k_cache, v_cache, k_cache, v_cache
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"paged_attention: a {k_cache.dtype} cache needs k_scale and v_scale")
+    if k_cache.dtype == torch.float8_e4m3fn:
+        return k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale
+    return k_cache, v_cache, k_scale, v_scale
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, max_query_len: int,
-                    scale: float, out: torch.Tensor | None = None, partitions: int | None = None) -> torch.Tensor:
+                    scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, partitions: int | None = None) -> torch.Tensor:
     """q: (T, H, D) flat over the batch; caches: (Hkv, slots, D), this step's keys already written.
 
     query_start_loc: (B + 1,) cu_seqlens; context_lens: (B,) tokens after this step; block_tables:
-    (B, max_blocks). partitions: how many to split each sequence's keys into; None: num_partitions()
-    chooses. Returns (T, H, D). No host sync: every shape comes from the arguments.
+    (B, max_blocks). k_scale, v_scale: float32, for 8-bit caches only: (1,) for float8_e4m3fn,
+    (Hkv, slots) for int8. partitions: how many to split each sequence's keys into; None:
+    num_partitions() chooses. Returns (T, H, D) in q's dtype. No host sync: every shape comes from the arguments.
     """
+    k_cache, v_cache, k_scale, v_scale = _as_kernel_caches(k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
@@ -218,10 +274,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Triton launches on the current device; on a GPU other than cuda:0 that must be q's.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _paged_attention_kernel[(num_seqs, num_kv_heads, tiles * partitions)](
-            out, q, k_cache, v_cache, query_start_loc, context_lens, block_tables, part_out, lse, scale, partitions,
+            out, q, k_cache, v_cache, query_start_loc, context_lens, block_tables, part_out, lse, k_scale, v_scale,
+            scale, partitions,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
             part_out.stride(0), part_out.stride(1), part_out.stride(2) if split else 0, lse.stride(0), lse.stride(1),
+            k_scale.stride(0), v_scale.stride(0),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=block_size,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
             # Triton's interpreter multiplies bfloat16 wrongly (numpy has no bfloat16): upcast there.
