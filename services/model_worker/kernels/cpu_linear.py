@@ -62,6 +62,10 @@ def load_vnni(source: pathlib.Path = VNNI_SOURCE) -> ctypes.CDLL | None:
         getattr(library, name).restype = ctypes.c_int
     library.vnni_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     library.vnni_pack.restype = ctypes.c_int
+    if hasattr(library, "vnni_rows"):  # an older copy may not have it
+        library.vnni_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                      ctypes.c_void_p]
+        library.vnni_rows.restype = ctypes.c_int
     return library
 
 
@@ -79,6 +83,17 @@ def vnni_pack_(library: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
     if library.vnni_pack(weight.data_ptr(), n, k) != 0:
         raise MemoryError(f"vnni_pack: no memory for a {16 * k * 2}-byte buffer")
     return weight.view(n // 16, k // 2, 16, 2)
+
+
+def vnni_rows(library: ctypes.CDLL, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape, int64 on the CPU) of a weight from vnni_pack_, as plain rows: (*ids.shape, K) bf16,
+    F.embedding's result on the weight before it was reordered. Raises IndexError for an id outside it."""
+    n, k = packed.shape[0] * 16, packed.shape[1] * 2
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.shape[0], k, dtype=torch.bfloat16)
+    if library.vnni_rows(packed.data_ptr(), n, k, flat.data_ptr(), flat.shape[0], out.data_ptr()) != 0:
+        raise IndexError(f"vnni_rows: an id outside the {n} rows of the table")
+    return out.view(*ids.shape, k)
 
 
 def supports(weight: torch.Tensor) -> bool:
