@@ -5,12 +5,16 @@
  * saves. Each weight row has one float32 scale per block of block_k inputs (fp8: Qwen's 128 x 128
  * blocks, stored expanded to one row of scales per weight row; int8: block_k = k, one scale a row).
  *
- * - q8_linear (a few rows, decode): 16 weights at a time go from bytes to float32 lanes (int8:
- *   sign-extend and convert; fp8: the e4m3 bits moved into a float16's place and converted, which
- *   gives 2^-8 of the value, subnormals included, the factor folded into the scale) and meet the
- *   activations, widened to float32 once per call, in fused multiply-adds. fp8 multiplies each
- *   widened vector by its block's scale first, so the sum is over float32(q * scale), the weight
- *   a float32 dequantization holds; int8 multiplies each row's float32 sum by its scale once.
+ * - q8_linear (a few rows, decode): fp8 on CPUs with AVX512-BF16 and AVX512-VBMI (Zen 4; Xeons
+ *   from Sapphire Rapids) is fp8_gemv.h's: the bytes become bf16 by table lookups and meet the
+ *   bf16 activations in vdpbf16ps, each block's sum times its scale once. Otherwise (int8; fp8
+ *   without those, or with blocks not whole 64-byte lines) 16 weights at a time go from bytes to
+ *   float32 lanes (int8: sign-extend and convert; fp8: the e4m3 bits moved into a float16's place
+ *   and converted, which gives 2^-8 of the value, subnormals included, the factor folded into the
+ *   scale) and meet the activations, widened to float32 once per call, in fused multiply-adds.
+ *   That fp8 path multiplies each widened vector by its block's scale first, so the sum is over
+ *   float32(q * scale), the weight a float32 dequantization holds; int8 multiplies each row's
+ *   float32 sum by its scale once.
  * - q8_linear_amx (more rows: larger decode batches and prefill): each thread turns a block of
  *   32 weight rows into bf16(q * scale) in a buffer that stays in its L2 and runs the AMX tiles of
  *   amx_linear.c over it: the weights still cross memory as bytes.
@@ -156,6 +160,8 @@ AI void dequantize_rows(const uint8_t *w, const float *scales, uint16_t *dst, in
             }
         }
 }
+
+#include "fp8_gemv.h" /* the fp8 decode kernel on AVX512-BF16: gemv_fp8_bf16 */
 #endif
 
 /* x: (m, k) bf16; w: (n, k) int8 (fp8 0) or float8_e4m3fn bytes (fp8 1); scales: (n, ceil(k / bk))
@@ -164,6 +170,9 @@ int q8_linear(const uint16_t *x, const uint8_t *w, const float *scales, uint16_t
               int64_t bk, int fp8) {
 #if defined(__AVX512F__)
     if (m < 1 || k % 16 || bk % 16 || bk < 16) return -1;
+#ifdef FP8_BF16
+    if (fp8 && k % 32 == 0 && gemv_fp8_bf16(x, w, scales, out, m, n, k, bk) == 0) return 0;
+#endif
     float *xf = malloc(sizeof(float) * (size_t)m * k);
     if (!xf) return -1;
     for (int64_t i = 0; i < (int64_t)m * k; i++) xf[i] = bf16_to_f32(x[i]);
