@@ -2,13 +2,15 @@
 the activations the same way, the layer's routing to them, and an int8 model end to end through them."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from services.model_worker.config.engine import EngineConfig
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.engine.llm_engine import LLMEngine
 from services.model_worker.kernels import build, cpu_q8_linear
 from services.model_worker.model.layers.linear import ReplicatedLinear, use_linear_method
-from services.model_worker.model.layers.quant.eight_bit import EightBitLinearMethod
+from services.model_worker.model.layers.quant.eight_bit import EightBitLinearMethod, int8_weight
+from services.model_worker.model.layers.quant.quantize import dequantize, pack_int8_vnni, unpack_int8_vnni
 from tests.checkpoints import make_checkpoint
 from tests.unit.test_engine_reference import random_prompt
 
@@ -87,14 +89,35 @@ def test_amx_int8_kernel_takes_long_prompts_in_chunks(kernels):
 
 
 @needs_vnni
-@pytest.mark.parametrize("n,k", [(64, 128), (40, 160), (33, 1024), (8, 96)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(64, 128), (48, 160), (208, 1024), (16, 96)])  # groups of 64 outputs and a narrower last one
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 17, 64, 100, 400])  # 400: chunks of 192 rows
 def test_vnni_kernel_matches_the_quantized_product(kernels, n, k, rows):
     q, scales = weights(n, k, seed=n + k + rows)
     x = activations(rows, k, seed=rows + 1)
     if rows > 1:
         x[0] = 0
-    check(cpu_q8_linear.w8a8_linear(kernels, x, q, scales, amx=False), x, q, scales)
+    check(vnni_linear(kernels, x, q, scales), x, q, scales)
+
+
+def vnni_linear(kernels, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return cpu_q8_linear.w8a8_linear(kernels, x, pack_int8_vnni(q), scales, amx=False)
+
+
+def test_vnni_order_puts_each_weight_where_the_kernel_reads_it():
+    """Byte n0 * K + (k // 4) * width * 4 + (n - n0) * 4 + k % 4 holds w[n, k] + 128, n0 the group of 64 outputs
+    holding n and width its size (the last group N % 64 wide); unpacking gives the weight back."""
+    n, k = 80, 12
+    q = torch.randint(-127, 128, (n, k), generator=torch.Generator().manual_seed(1), dtype=torch.int8)
+    packed = pack_int8_vnni(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (n * k,)
+    for row in range(n):
+        n0 = row // 64 * 64
+        width = min(64, n - n0)
+        for col in range(k):
+            assert packed[n0 * k + col // 4 * width * 4 + (row - n0) * 4 + col % 4].item() == q[row, col].item() + 128
+    assert torch.equal(unpack_int8_vnni(packed, n), q)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pack_int8_vnni(q[:40])
 
 
 @pytest.mark.parametrize("amx", [pytest.param(True, marks=needs_amx_int8), pytest.param(False, marks=needs_vnni)])
@@ -107,7 +130,9 @@ def test_activation_ties_round_half_to_even(kernels, amx):
     x[:, :ties.numel()] = ties
     x[1, 10] = -127.0  # the largest magnitude negative
     identity = torch.eye(k, dtype=torch.int8)
-    out = cpu_q8_linear.w8a8_linear(kernels, x.bfloat16(), identity, torch.ones(k, 1), amx=amx)
+    x = x.bfloat16()
+    out = cpu_q8_linear.w8a8_linear(kernels, x, identity, torch.ones(k, 1), amx=True) if amx \
+        else vnni_linear(kernels, x, identity, torch.ones(k, 1))
     expected = torch.zeros(2, k)
     expected[:, :ties.numel()] = torch.tensor([0.0, 2, 2, 4, 0, -2, -2, -4, 126, -126, 127])
     expected[1, 10] = -127
@@ -119,17 +144,13 @@ def test_what_the_kernels_do_not_take_is_refused(kernels, amx):
     q, scales = weights(64, 128, seed=0)
     x = torch.randn(3, 128).bfloat16()
     fp8 = torch.randn(64, 128).to(torch.float8_e4m3fn)
+    kernel = kernels.w8a8.w8a8_linear_amx if amx else kernels.w8a8.w8a8_linear
     with pytest.raises(RuntimeError, match="failed"):
-        cpu_q8_linear.w8a8_linear(kernels, x, fp8, scales, amx=amx)  # fp8 weights
+        cpu_q8_linear._call(kernel, x, fp8, scales, 128)  # fp8 weights
     with pytest.raises(RuntimeError, match="failed"):
-        cpu_q8_linear._call(kernels.w8a8.w8a8_linear_amx if amx else kernels.w8a8.w8a8_linear, x, q,
-                            torch.ones(64, 2), 64)  # blocks of scales along k
-    if amx:
-        with pytest.raises(RuntimeError, match="failed"):
-            cpu_q8_linear.w8a8_linear(kernels, x, q[:48], scales[:48], amx=True)  # n not a multiple of 32
-    else:
-        with pytest.raises(RuntimeError, match="failed"):
-            cpu_q8_linear.w8a8_linear(kernels, torch.randn(5, 128).bfloat16(), q, scales, amx=False)  # 5 rows
+        cpu_q8_linear._call(kernel, x, q, torch.ones(64, 2), 64)  # blocks of scales along k
+    with pytest.raises(RuntimeError, match="failed"):  # n not a multiple of 32 (AMX) or 16 (VNNI)
+        cpu_q8_linear._call(kernel, x, q[:40], scales[:40], 128)
 
 
 def int8_layer(kernels, int8_activations: bool, bias: bool = False) -> ReplicatedLinear:
@@ -161,18 +182,38 @@ def test_the_int8_layer_takes_the_amx_int8_kernel_at_every_row_count(kernels, mo
     assert calls == [("w8a8_linear", True)] * 5
 
 
-@needs_vnni
-def test_without_amx_int8_the_layer_takes_vnni_to_four_rows_then_bf16_activations(kernels, monkeypatch):
+def without_amx_int8(kernels) -> cpu_q8_linear.Q8Kernels:
     no_amx = cpu_q8_linear.Q8Kernels(kernels.library, kernels.amx, kernels.w8a8)
     no_amx.w8a8_amx = False
-    layer = int8_layer(no_amx, int8_activations=True)
-    assert layer.w8a8_vnni and not layer.w8a8_amx
+    return no_amx
+
+
+@needs_vnni
+def test_without_amx_int8_the_layer_packs_its_weight_and_takes_vnni_at_every_row_count(kernels, monkeypatch):
+    reference = int8_layer(kernels, int8_activations=False)  # the same quantized weight, held as (N, K)
+    layer = int8_layer(without_amx_int8(kernels), int8_activations=True, bias=True)
+    assert layer.w8a8_vnni and not layer.w8a8_amx and layer.weight.dtype == torch.uint8
+    assert torch.equal(int8_weight(layer), reference.weight)
     calls = count_calls(monkeypatch)
-    for rows in (1, 4):
+    for rows in (1, 4, 5, 16, 100):
         x = torch.randn(rows, 256).bfloat16()
-        assert torch.equal(layer(x), rounded_as_the_kernels(x, layer.weight, layer.weight_scale_inv))
-    layer(torch.randn(9, 256).bfloat16())
-    assert calls == [("w8a8_linear", False)] * 2 + [("linear", kernels.amx)]
+        expected = rounded_as_the_kernels(x, reference.weight, layer.weight_scale_inv) + layer.bias
+        assert torch.equal(layer(x), expected)
+    assert calls == [("w8a8_linear", False)] * 5
+    x = torch.randn(3, 256)  # float32: F.linear on the float32 dequantization of the unpacked weight
+    assert torch.equal(layer(x), F.linear(x, dequantize(reference.weight, layer.weight_scale_inv, 256, torch.float32),
+                                          layer.bias.float()))
+
+
+@needs_vnni
+def test_a_layer_vnni_cannot_take_keeps_its_weight_and_bf16_activations(kernels, monkeypatch):
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(256, 40, bias=False).bfloat16()  # 40 outputs: not a multiple of 16
+    use_linear_method(layer, EightBitLinearMethod("int8", False, without_amx_int8(kernels)))
+    assert not layer.w8a8_vnni and layer.weight.shape == (40, 256) and layer.weight.dtype == torch.int8
+    calls = count_calls(monkeypatch)
+    layer(torch.randn(2, 256).bfloat16())
+    assert calls == [("linear", False)]
 
 
 def test_with_int8_activations_off_or_fp8_the_kernels_are_not_used(kernels, monkeypatch):
@@ -188,10 +229,18 @@ def test_with_int8_activations_off_or_fp8_the_kernels_are_not_used(kernels, monk
     assert [name for name, _ in calls] == ["linear"] * 3
 
 
-@needs_amx_int8
-def test_an_int8_model_runs_through_the_kernels_as_the_reference_rounds(tmp_path, monkeypatch):
+def load_without_amx_int8(monkeypatch) -> None:
+    real_load = cpu_q8_linear.load
+    monkeypatch.setattr(cpu_q8_linear, "load", lambda: without_amx_int8(real_load()))
+
+
+@pytest.mark.parametrize("amx", [pytest.param(True, marks=needs_amx_int8), pytest.param(False, marks=needs_vnni)])
+def test_an_int8_model_runs_through_the_kernels_as_the_reference_rounds(tmp_path, monkeypatch, amx):
     """The engine in bf16 with int8 weights (fused decode loop and all) against the same engine with every 8-bit
-    matmul done by the torch reference, layer by layer: the same greedy tokens and the same logits, bit for bit."""
+    matmul done by the torch reference, layer by layer: the same greedy tokens and the same logits, bit for bit.
+    Without AMX-INT8 the weights, the head's among them, are packed for VNNI."""
+    if not amx:
+        load_without_amx_int8(monkeypatch)
     make_checkpoint(tmp_path, eos_token_id=(), num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=32, hidden_size=128, intermediate_size=192)
     prompts = [random_prompt(5 + 6 * i, seed=i) for i in range(3)]
@@ -207,9 +256,9 @@ def test_an_int8_model_runs_through_the_kernels_as_the_reference_rounds(tmp_path
 
     calls = count_calls(monkeypatch)
     tokens, logits = run(fused=True)
-    assert calls and all(call == ("w8a8_linear", True) for call in calls)  # prefill and the head, layer by layer
-    monkeypatch.setattr(cpu_q8_linear, "w8a8_linear",
-                        lambda kernels, x, weight, scales, amx: rounded_as_the_kernels(x, weight, scales))
+    assert calls and all(call == ("w8a8_linear", amx) for call in calls)  # prefill and the head, layer by layer
+    monkeypatch.setattr(cpu_q8_linear, "w8a8_linear", lambda kernels, x, weight, scales, amx: rounded_as_the_kernels(
+        x, weight if amx else unpack_int8_vnni(weight, scales.shape[0]), scales))
     reference_tokens, reference_logits = run(fused=False)
     assert tokens == reference_tokens
     assert len(logits) == len(reference_logits) and all(torch.equal(a, b) for a, b in zip(logits, reference_logits))
@@ -238,14 +287,7 @@ def test_without_amx_int8_fused_decode_takes_vnni_steps_and_equals_the_layers(tm
     from services.model_worker.kernels import cpu_decoder
     from tests.unit.test_fused_decode import hidden_states
 
-    real_load = cpu_q8_linear.load
-
-    def load_without_amx_int8():
-        kernels = real_load()
-        kernels.w8a8_amx = False
-        return kernels
-
-    monkeypatch.setattr(cpu_q8_linear, "load", load_without_amx_int8)
+    load_without_amx_int8(monkeypatch)
     make_checkpoint(tmp_path, eos_token_id=(), num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=32, hidden_size=128, intermediate_size=192)
 

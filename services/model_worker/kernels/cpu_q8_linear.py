@@ -65,23 +65,29 @@ def linear(kernels: Q8Kernels, x: torch.Tensor, weight: torch.Tensor, scales: to
 
 def w8a8_linear(kernels: Q8Kernels, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                 amx: bool) -> torch.Tensor:
-    """x: (..., K) bf16; weight: (N, K) int8; scales: (N, 1) float32. x's rows quantized to int8 (scale
-    max|row| / 127, rounded half to even) times weight, in int32, then scaled: (..., N) bf16. amx: on AMX-INT8
-    tiles (N a multiple of 32), else AVX512-VNNI (1-4 rows)."""
-    kernel = kernels.w8a8.w8a8_linear_amx if amx else kernels.w8a8.w8a8_linear
-    return _call(kernel, x, weight, scales, weight.shape[1])
+    """x: (..., K) bf16; scales: (N, 1) float32. x's rows quantized to int8 (scale max|row| / 127, rounded half
+    to even) times the int8 weight, in int32, then scaled: (..., N) bf16. amx: on AMX-INT8 tiles, weight (N, K)
+    int8 with N a multiple of 32; else AVX512-VNNI, weight packed by quantize.pack_int8_vnni (N a multiple of 16)."""
+    if amx:
+        return _call(kernels.w8a8.w8a8_linear_amx, x, weight, scales, weight.shape[1])
+    n = scales.shape[0]
+    return _call(kernels.w8a8.w8a8_linear, x, weight, scales, weight.numel() // n, n=n)
 
 
-def _call(kernel, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_k: int) -> torch.Tensor:
+def _call(kernel, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_k: int,
+          n: int | None = None) -> torch.Tensor:
+    """n: the outputs, where the weight is not held as (N, K)."""
+    n = weight.shape[0] if n is None else n
+    k = weight.numel() // n
     flat = x.dim() == 2 and x.is_contiguous()
     rows = x if flat else x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.bfloat16)
-    status = kernel(rows.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(), rows.shape[0],
-                    weight.shape[0], weight.shape[1], block_k, _is_fp8(weight))
+    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    status = kernel(rows.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(), rows.shape[0], n, k,
+                    block_k, _is_fp8(weight))
     if status != 0:
         raise RuntimeError(f"{kernel.__name__} failed with status {status} for {tuple(rows.shape)} x "
                            f"{tuple(weight.shape)}")
-    return out if flat else out.view(*x.shape[:-1], weight.shape[0])
+    return out if flat else out.view(*x.shape[:-1], n)
 
 
 def dequantize(kernels: Q8Kernels, weight: torch.Tensor, scales: torch.Tensor, block_k: int) -> torch.Tensor:

@@ -2,11 +2,13 @@
 checkpoint quantized on load) and int8 with one scale per output row (quantized on load).
 
 Whatever the format, a loaded layer holds `weight` (N, K) in 8 bits and `weight_scale_inv` (N, ceil(K /
-block_k)) float32, the weight being weight * weight_scale_inv (quantize.py). How it is multiplied:
+block_k)) float32, the weight being weight * weight_scale_inv (quantize.py); an int8 layer on the VNNI kernel
+holds its weight packed instead (flat, uint8; int8_weight gives the (N, K) one back). How it is multiplied:
 - CPU, bf16 activations, int8 weights (unless int8_activations is off): the activations are quantized to
-  int8 in the call, one scale per row, and multiplied in integers by kernels/w8a8_linear.c: AMX-INT8 tiles
-  at every row count where the CPU has them; without them, AVX512-VNNI up to GEMV_MAX_ROWS rows and the
-  paths below above that.
+  int8 in the call, one scale per row, and multiplied in integers by kernels/w8a8_linear.c at every row
+  count: AMX-INT8 tiles where the CPU has them; without them, AVX512-VNNI register tiles on the weight packed
+  once at load into the order they stream (quantize.pack_int8_vnni; outputs a multiple of 16, else the
+  paths below).
 - CPU, bf16 activations, otherwise: the C kernels of kernels/q8_linear.c read the bytes and widen them in
   registers: a few rows (decode) by AVX-512 fused multiply-adds, more rows on AMX tiles over 32 weight
   rows dequantized at a time in cache; long prompts (over AMX_MAX_ROWS rows, where oneDNN's GEMM is the
@@ -25,8 +27,8 @@ from services.model_worker.config.quantization import FP8_BLOCK
 from services.model_worker.kernels import cpu_q8_linear
 from services.model_worker.model.layers.linear import (LinearMethod, MergedColumnParallelLinear, QKVParallelLinear,
                                                        RowParallelLinear)
-from services.model_worker.model.layers.quant.quantize import (RowScales, dequantize, quantize_fp8_blocks,
-                                                               quantize_int8)
+from services.model_worker.model.layers.quant.quantize import (RowScales, dequantize, pack_int8_vnni,
+                                                               quantize_fp8_blocks, quantize_int8, unpack_int8_vnni)
 
 SCALE = "weight_scale_inv"  # the checkpoint's name: the weight is q * weight_scale_inv
 
@@ -91,10 +93,13 @@ class EightBitLinearMethod(LinearMethod):
         on_cpu_kernel = self.kernels is not None and cpu_q8_linear.supports(weight, layer.block_k)
         layer.q8 = self.kernels if on_cpu_kernel else None
         layer.q8_amx = on_cpu_kernel and self.kernels.amx and weight.shape[0] % 32 == 0
-        # The int8 x int8 kernels: every row count on AMX-INT8 tiles, else up to GEMV_MAX_ROWS on VNNI.
+        # The int8 x int8 kernels at every row count: AMX-INT8 tiles on the weight as it is, else AVX512-VNNI on
+        # the weight packed once into the order its register tiles stream (pack_int8_vnni), in place of it.
         a8 = on_cpu_kernel and self.int8_activations and weight.dtype == torch.int8
         layer.w8a8_amx = a8 and self.kernels.w8a8_amx and weight.shape[0] % 32 == 0
-        layer.w8a8_vnni = a8 and not layer.w8a8_amx and self.kernels.w8a8_vnni
+        layer.w8a8_vnni = a8 and not layer.w8a8_amx and self.kernels.w8a8_vnni and weight.shape[0] % 16 == 0
+        if layer.w8a8_vnni:
+            layer.weight = nn.Parameter(pack_int8_vnni(weight.data), requires_grad=False)
         layer.w8_triton = self.triton and weight.device.type == "cuda"
 
     def apply(self, layer, x):
@@ -105,7 +110,7 @@ class EightBitLinearMethod(LinearMethod):
         weight, scales = layer.weight, getattr(layer, SCALE)
         if layer.q8 is not None and x.dtype == torch.bfloat16:
             rows = x.numel() // x.shape[-1]
-            if layer.w8a8_amx or (layer.w8a8_vnni and rows <= self.GEMV_MAX_ROWS):
+            if layer.w8a8_amx or layer.w8a8_vnni:
                 return cpu_q8_linear.w8a8_linear(layer.q8, x, weight, scales, amx=layer.w8a8_amx)
             if rows <= self.GEMV_MAX_ROWS or (not layer.q8_amx and rows <= self.NO_AMX_MAX_ROWS):
                 return cpu_q8_linear.linear(layer.q8, x, weight, scales, layer.block_k, amx=False)
@@ -115,7 +120,12 @@ class EightBitLinearMethod(LinearMethod):
         if layer.w8_triton:
             from services.model_worker.kernels import triton_w8_linear  # imports triton: CUDA hosts only
             return triton_w8_linear.w8_linear(x, weight, scales, layer.block_k)
-        return F.linear(x, dequantize(weight, scales, layer.block_k, x.dtype))
+        return F.linear(x, dequantize(int8_weight(layer), scales, layer.block_k, x.dtype))
+
+
+def int8_weight(layer) -> torch.Tensor:
+    """The layer's 8-bit weight as (N, K), its VNNI packing undone where it has one."""
+    return unpack_int8_vnni(layer.weight, layer.weight_scale_inv.shape[0]) if layer.w8a8_vnni else layer.weight
 
 
 def row_parts(layer) -> list[int]:

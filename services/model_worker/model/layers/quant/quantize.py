@@ -1,4 +1,4 @@
-"""Quantizing a weight to 8 bits and back, and reading a checkpoint's block scales as one scale per weight row.
+"""Quantizing a weight to 8 bits and back (and int8 into the VNNI kernel's order), and block scales per weight row.
 
 Both formats are held the same way: q (N, K), int8 or float8_e4m3fn, and float32 scales (N, ceil(K / block_k))
 such that the weight is q * scale: fp8 has Qwen's 128 x 128 blocks (a checkpoint's (ceil(N / 128), ceil(K / 128))
@@ -28,6 +28,33 @@ def quantize_int8(weight: torch.Tensor, tp: TensorParallel | None = None) -> tup
     scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
     q = torch.round(w / scales).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scales
+
+
+VNNI_GROUP = 64  # outputs in one group of the VNNI order: four vectors of 16
+
+
+def pack_int8_vnni(q: torch.Tensor) -> torch.Tensor:
+    """int8 (N, K) weights (N a multiple of 16, K of 4) in the order w8a8_linear.c's VNNI kernel streams them:
+    groups of 64 outputs (the last one N % 64 wide), each held as (K / 4, width, 4), so that one 64-byte line is
+    16 outputs x 4 consecutive inputs; every byte + 128 (dpbusd multiplies unsigned by signed bytes). Flat
+    (N * K,) uint8: the group starting at output n0 begins at byte n0 * K."""
+    n, k = q.shape
+    if n % 16 or k % 4:
+        raise ValueError(f"VNNI order needs outputs a multiple of 16 and inputs of 4, not {tuple(q.shape)}")
+    unsigned = q.view(torch.uint8) ^ 0x80
+    whole = n // VNNI_GROUP * VNNI_GROUP
+    groups = unsigned[:whole].view(-1, VNNI_GROUP, k // 4, 4).transpose(1, 2)
+    tail = unsigned[whole:].view(-1, k // 4, 4).transpose(0, 1)
+    return torch.cat([groups.reshape(-1), tail.reshape(-1)])
+
+
+def unpack_int8_vnni(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_int8_vnni undone: the (N, K) int8 weights."""
+    k = packed.numel() // n
+    whole = n // VNNI_GROUP * VNNI_GROUP
+    groups = packed[:whole * k].view(-1, k // 4, VNNI_GROUP, 4).transpose(1, 2).reshape(whole, k)
+    tail = packed[whole * k:].view(k // 4, n - whole, 4).transpose(0, 1).reshape(n - whole, k)
+    return (torch.cat([groups, tail]) ^ 0x80).view(torch.int8)
 
 
 def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
