@@ -53,6 +53,10 @@ class SchedulerLimits:
 
 SPECULATIVE_METHODS = ("ngram", "draft")
 
+# --kv-cache-dtype: auto (the model's dtype) or an 8-bit cache; fp8_e4m3 is vLLM's name for fp8.
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+KV_CACHE_ALIASES = {"fp8_e4m3": "fp8"}
+
 
 @dataclass
 class SpeculativeConfig:
@@ -98,6 +102,10 @@ class EngineConfig:
     # KV cache size: an explicit block count, else bytes on CPU, else a fraction of free GPU memory.
     num_blocks: int | None = None
     kv_cache_bytes: int = 2 << 30
+    # The KV cache's element type: "auto" (the model's dtype), "fp8" (e4m3, a scale per layer) or "int8" (a scale
+    # per token and KV head): half the bytes a token, so the same budget holds about twice the tokens
+    # (docs/kv-cache.md). "fp8_e4m3" is taken as "fp8".
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.85
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -163,6 +171,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        self.kv_cache_dtype = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in ("none", "fp8", "int8"):
             raise ValueError(f"quantization must be none, fp8 or int8, got {self.quantization!r}")
         if self.tensor_parallel_size < 1:

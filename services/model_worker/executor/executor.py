@@ -70,13 +70,16 @@ class Executor:
         # CUDA graphs under tensor parallelism would capture NCCL all-reduces: untested, so eager there.
         graphs = on_cuda and not config.enforce_eager and tp_size == 1
         self.kv_cache = KVCache(self.rank_config, num_blocks, config.block_size, self.dtype, device,
-                                spare_block=graphs, huge_pages=config.huge_pages)
+                                spare_block=graphs, huge_pages=config.huge_pages,
+                                kv_cache_dtype=config.kv_cache_dtype, fp8_scales=self._fp8_scales())
         self.runner = ModelRunner(self.model, self.kv_cache, device)
         self.max_model_len = min(self._max_len(model_config), num_blocks * config.block_size)
-        log.info("KV cache: %d blocks of %d tokens (%.2f GB%s); max context %d tokens", num_blocks,
+        log.info("KV cache: %d blocks of %d tokens (%.2f GB%s, %s); max context %d tokens", num_blocks,
                  config.block_size,
-                 num_blocks * KVCache.bytes_per_block(self.rank_config, config.block_size, self.dtype) / 1e9,
-                 " per rank" if tp_size > 1 else "", self.max_model_len)
+                 num_blocks * KVCache.bytes_per_block(self.rank_config, config.block_size, self.dtype,
+                                                      config.kv_cache_dtype) / 1e9,
+                 " per rank" if tp_size > 1 else "", str(self.kv_cache.dtype).removeprefix("torch."),
+                 self.max_model_len)
         if graphs:
             self.runner.capture_graphs(config.limits.max_num_seqs, self.max_model_len)
         self.step_channel: StepChannel | None = None
@@ -119,6 +122,10 @@ class Executor:
         if config.fused_decode is not False:
             use_fused_decode(self.model.model, decoder)
 
+    def _fp8_scales(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's fp8 KV cache scales as loaded with the checkpoint (1.0 where it has none)."""
+        return [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in self.model.model.layers]
+
     def _max_len(self, model_config: Qwen3Config) -> int:
         return min(model_config.max_position_embeddings,
                    self.engine_config.max_model_len or model_config.max_position_embeddings)
@@ -127,14 +134,14 @@ class Executor:
         """An explicit count, else what profiling leaves on a GPU, else the byte budget on a CPU; the
         same on every rank (each holds its own heads of every block)."""
         config = self.engine_config
-        per_block = KVCache.bytes_per_block(self.rank_config, config.block_size, self.dtype)
+        per_block = KVCache.bytes_per_block(self.rank_config, config.block_size, self.dtype, config.kv_cache_dtype)
         max_len = self._max_len(model_config)
         if config.num_blocks:
             num_blocks = config.num_blocks
         elif self.device.type == "cuda":
             # Run the largest step once, measure its peak, and give the cache what is left.
             memory = profile_step_memory(self.model, Sampler(), self.rank_config, self.device, self.dtype,
-                                         config.block_size, config.limits, max_len)
+                                         config.block_size, config.limits, max_len, config.kv_cache_dtype)
             plan = plan_kv_cache(memory, config.gpu_memory_utilization, per_block, config.block_size,
                                  max_len, config.limits.max_num_seqs)
             log.info("%s", plan.summary)

@@ -77,13 +77,17 @@ def blocks_from_budget(budget_bytes: int, bytes_per_block: int, max_model_len: i
 
 @torch.inference_mode()
 def profile_step_memory(model, sampler: Sampler, config: Qwen3Config, device: torch.device, dtype: torch.dtype,
-                        block_size: int, limits: SchedulerLimits, max_len: int | None = None) -> GpuMemory:
+                        block_size: int, limits: SchedulerLimits, max_len: int | None = None,
+                        kv_cache_dtype: str = "auto") -> GpuMemory:
     """A prefill of max_num_batched_tokens tokens, then logits and a top-p draw for max_num_seqs rows, then
     prompt logprobs scored over all max_num_batched_tokens rows.
 
     The prefill is prompts of max_len tokens (the longest a sequence may be; default the model's
     max_position_embeddings) and one with the rest: no position past the rotary table, which on a GPU
     would be a device-side assert that leaves the CUDA context unusable.
+
+    kv_cache_dtype: the cache's format (--kv-cache-dtype); the plan counts its blocks with KVCache.bytes_per_block,
+    which holds an 8-bit cache's elements and int8's per-token scales.
 
     Top-p sorts the whole vocabulary per row: the sampler's most memory-hungry path. The scored rows'
     logits live beside the sampled rows' in a step that both prefills a scored prompt and samples.
@@ -100,7 +104,8 @@ def profile_step_memory(model, sampler: Sampler, config: Qwen3Config, device: to
         used = -(-length // block_size)
         tables.append(list(range(num_blocks, num_blocks + used)))
         num_blocks += used
-    cache = KVCache(config, num_blocks, block_size, dtype, device)  # just big enough for the warm-up
+    # Just big enough for the warm-up, in the cache's own format: an 8-bit one's write and read are part of the step.
+    cache = KVCache(config, num_blocks, block_size, dtype, device, kv_cache_dtype=kv_cache_dtype)
     cache_bytes = torch.cuda.memory_allocated(device) - weights
     runner = ModelRunner(model, cache, device, default_backend(device))
     host = StepInputs.build([[0] * length for length in lengths], tables, lengths, block_size)

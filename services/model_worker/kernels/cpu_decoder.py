@@ -36,7 +36,8 @@ class Layer(ctypes.Structure):
                                                      "down", "k_cache", "v_cache")] + \
                [(name, ctypes.c_int) for name in ("qkv_amx", "o_amx", "gate_up_amx", "down_amx")] + \
                [(name, ctypes.c_void_p) for name in ("qkv_scale", "o_scale", "gate_up_scale", "down_scale")] + \
-               [("fp8", ctypes.c_int)]
+               [("fp8", ctypes.c_int), ("kv_kind", ctypes.c_int), ("k_scale", ctypes.c_void_p),
+                ("v_scale", ctypes.c_void_p)]
 
 
 class Prompts(ctypes.Structure):

@@ -37,13 +37,16 @@ typedef void (*norm_fn)(const void *x, int64_t group_stride, int group_rows, con
 typedef void (*norm_rope_fn)(const void *x, int64_t group_stride, int group_rows, const void *weight,
                              int weight_rows, const void *cos, const void *signed_sin, void *out, int64_t rows,
                              int dim, float eps, int is_bf16);
+/* paged_attention.c's write_kv_quant and paged_decode_attention_kv: caches in bf16 (kv_kind 0, scales NULL) or
+ * 8-bit (kv_kind 1 fp8, 2 int8, with their scales), quantized as written and widened as read. */
 typedef int (*write_kv_fn)(const void *k, const void *v, int64_t k_stride, int64_t v_stride, void *k_cache,
                            void *v_cache, const int64_t *slots, int64_t tokens, int num_kv_heads, int64_t num_slots,
-                           int head_dim, int elem_size);
+                           int head_dim, int elem_size, int kv_kind, float *k_scale, float *v_scale);
 typedef int (*attention_fn)(const void *q, const void *k_cache, const void *v_cache, void *out,
                             const int32_t *context_lens, const int32_t *block_tables, int64_t num_slots,
                             int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                            int max_blocks, int is_bf16, float scale);
+                            int max_blocks, int is_bf16, float scale, int kv_kind, const float *k_scale,
+                            const float *v_scale);
 typedef int (*prefill_attention_fn)(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                                     const uint16_t *v, int64_t v_stride, const int64_t *slots, int64_t num_slots,
                                     uint16_t *out, int64_t out_stride, int lq, int lk, int heads, int kv_heads,
@@ -77,13 +80,16 @@ typedef struct {
 
 /* One layer's weights (bf16, contiguous, as the checkpoint's tensors) and cache; *_amx: whether
  * that weight may take the AMX kernel (its output size a multiple of 32). With 8-bit weights the four
- * matmul weights are bytes, *_scale their scales (NULL for bf16) and fp8 says which format. */
+ * matmul weights are bytes, *_scale their scales (NULL for bf16) and fp8 says which format. kv_kind:
+ * the cache's (0 bf16; 1 fp8, 2 int8, with k_scale and v_scale: decode steps only, prompts go layer by layer). */
 typedef struct {
     const uint16_t *input_norm, *qkv, *qk_norm, *o, *post_norm, *gate_up, *down;
     uint16_t *k_cache, *v_cache;
     int qkv_amx, o_amx, gate_up_amx, down_amx;
     const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
     int fp8;
+    int kv_kind;
+    float *k_scale, *v_scale;
 } Layer;
 
 /* The sequences of a step with prompts in it. A prompt (more than one new row) is rows starts[i] ..
@@ -171,7 +177,8 @@ static int attend(const Kernels *kn, const Shape *sh, const Layer *L, const Step
     if (!p) {
         for (int r = 0; r < st->rows; r++) memcpy(q + r * width, qk + r * qk_width, sizeof(uint16_t) * width);
         return kn->attention(q, L->k_cache, L->v_cache, attn, st->context_lens, st->block_tables, sh->num_slots,
-                             st->rows, Hq, Hkv, D, sh->block_size, st->max_blocks, 1, sh->scale);
+                             st->rows, Hq, Hkv, D, sh->block_size, st->max_blocks, 1, sh->scale, L->kv_kind,
+                             L->k_scale, L->v_scale);
     }
     int status = 0;
     if (p->decodes) {
@@ -179,11 +186,13 @@ static int attend(const Kernels *kn, const Shape *sh, const Layer *L, const Step
         for (int i = 0; i < p->decodes; i++)
             memcpy(q + i * width, qk + p->decode_rows[i] * qk_width, sizeof(uint16_t) * width);
         if ((status = kn->attention(q, L->k_cache, L->v_cache, out, p->context_lens, p->block_tables, sh->num_slots,
-                                    p->decodes, Hq, Hkv, D, sh->block_size, p->max_blocks, 1, sh->scale)))
+                                    p->decodes, Hq, Hkv, D, sh->block_size, p->max_blocks, 1, sh->scale, L->kv_kind,
+                                    L->k_scale, L->v_scale)))
             return status;
         for (int i = 0; i < p->decodes; i++)
             memcpy(attn + p->decode_rows[i] * width, out + i * width, sizeof(uint16_t) * width);
     }
+    if (p->count && L->kv_kind) return -1; /* the prefill kernel reads bf16 caches only */
     for (int i = 0; i < p->count && status == 0; i++) {
         const int64_t r = p->starts[i];
         const int64_t *slots = p->key_slots[i];
@@ -219,7 +228,8 @@ int run_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int num_
         kn->norm_rope(qkv, qkv_width, Hq + Hkv, L->qk_norm, Hq + Hkv, st->cos, st->signed_sin, qk,
                       (int64_t)m * (Hq + Hkv), D, sh->eps, 1);
         if ((status = kn->write_kv(qk + (int64_t)Hq * D, qkv + qk_width, qk_width, qkv_width, L->k_cache,
-                                   L->v_cache, st->slots, m, Hkv, sh->num_slots, D, 2)))
+                                   L->v_cache, st->slots, m, Hkv, sh->num_slots, D, 2, L->kv_kind, L->k_scale,
+                                   L->v_scale)))
             break;
         if ((status = attend(kn, sh, L, st, qkv, qk, q, attn))) break;
         if ((status = linear(kn, L->o_amx, attn, L->o, L->o_scale, L->fp8, o, m, H, (int64_t)Hq * D))) break;

@@ -14,6 +14,11 @@
  * vdpbf16ps on the raw bf16 query, sixteen of them reduced in one shuffle tree, and values split
  * into float32 with a shift or a mask instead of a widening convert. The arithmetic stays float32.
  * It reads each key and its value in one pass, SUB keys a softmax step (chunk_bf16).
+ *
+ * 8-bit caches (fp8 e4m3 with a scale per layer, int8 with a scale per row: kv8.h, docs/kv-cache.md) take a
+ * path of their own in the same one-pass shape (chunk_q8): each row widened to float32 in registers, scores
+ * reduced sixteen at a time, fp8's scale folded into the query and the output, int8's into each key's score
+ * and each value's weight. write_kv_quant quantizes rows as it writes them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,6 +26,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kv8.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -42,13 +48,22 @@
 /* Where a chunk's value rows start in Scratch.keys: after its key rows and the next chunk's first ones. */
 #define VALUES_AT (KEY_CHUNK + NEXT_ROWS)
 
-static inline float load1(const void *row, int is_bf16, int i) {
-    return is_bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+/* What a row's elements are (load1, load16): float32, bf16, or an 8-bit cache's fp8 (read as 2^-8 times its
+ * value, as widen8x16 gives it) or int8 (its row's scale not applied). */
+#define ELEM_F32 0
+#define ELEM_BF16 1
+#define ELEM_FP8 2
+#define ELEM_INT8 3
+
+static inline float load1(const void *row, int kind, int i) {
+    if (kind >= ELEM_FP8) return widen8((const uint8_t *)row, i, kind == ELEM_FP8);
+    return kind ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
 }
 
 #ifdef __AVX512F__
-static inline __m512 load16(const void *row, int is_bf16, int i) {
-    if (!is_bf16) return _mm512_loadu_ps((const float *)row + i);
+static inline __m512 load16(const void *row, int kind, int i) {
+    if (kind >= ELEM_FP8) return widen8x16((const uint8_t *)row + i, kind == ELEM_FP8);
+    if (!kind) return _mm512_loadu_ps((const float *)row + i);
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -88,12 +103,20 @@ typedef struct {
     int64_t num_slots;
     int num_heads, num_kv_heads, head_dim, block_size, max_blocks, is_bf16;
     float scale;
+    /* kv_kind: KV_SAME (the caches hold q's dtype), KV_FP8 (k_scale, v_scale: (1,)) or KV_INT8 (k_scale,
+     * v_scale: (num_kv_heads, num_slots), a scale per cached row); elem: the caches' ELEM_ kind. */
+    int kv_kind, elem;
+    const float *k_scale, *v_scale;
 } Args;
 
 typedef struct {
     float *q, *acc, *scores;  /* (group, head_dim), (group, head_dim), (group, KEY_CHUNK) */
     const char **keys;        /* the chunk's key rows, then at VALUES_AT its value rows */
+    float *k_scales, *v_scales; /* an int8 cache: the chunk's keys' and values' scales (KEY_CHUNK) */
 } Scratch;
+
+/* Bytes of one cache element. */
+static inline size_t elem_bytes(int elem) { return elem >= ELEM_FP8 ? 1 : elem == ELEM_BF16 ? 2 : 4; }
 
 /* scores[r][j] = q[r] . key[j] for the chunk's n keys, and acc[r] += sum_j p[r][j] * value[j].
  * G, the query heads per KV head, is a constant in each specialisation below, so the loops over
@@ -101,7 +124,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void score_chunk_g(const Args *a, const Scratch *w, const int G,
                                                                 int n) {
     const int D = a->head_dim, vec_end = D / LANES * LANES;
-    const size_t row_bytes = (size_t)D * (a->is_bf16 ? 2 : 4);
+    const size_t row_bytes = (size_t)D * elem_bytes(a->elem);
     for (int j = 0; j < n; j++) {
         const void *key = w->keys[j];
         /* The hardware prefetcher does not run far enough ahead through rows picked by a block
@@ -115,13 +138,13 @@ static inline __attribute__((always_inline)) void score_chunk_g(const Args *a, c
         __m512 acc[G];
         for (int r = 0; r < G; r++) acc[r] = _mm512_setzero_ps();
         for (; d < vec_end; d += 16) {
-            const __m512 k = load16(key, a->is_bf16, d);
+            const __m512 k = load16(key, a->elem, d);
             for (int r = 0; r < G; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w->q + (size_t)r * D + d), k, acc[r]);
         }
         for (int r = 0; r < G; r++) s[r] = _mm512_reduce_add_ps(acc[r]);
 #endif
         for (; d < D; d++) {
-            const float k = load1(key, a->is_bf16, d);
+            const float k = load1(key, a->elem, d);
             for (int r = 0; r < G; r++) s[r] += w->q[(size_t)r * D + d] * k;
         }
         for (int r = 0; r < G; r++) w->scores[(size_t)r * KEY_CHUNK + j] = s[r];
@@ -138,7 +161,7 @@ static inline __attribute__((always_inline)) void accumulate_values_g(const Args
         __m512 sum[G];
         for (int r = 0; r < G; r++) sum[r] = _mm512_loadu_ps(w->acc + (size_t)r * D + d);
         for (int j = 0; j < n; j++) {
-            const __m512 v = load16(values[j], a->is_bf16, d);
+            const __m512 v = load16(values[j], a->elem, d);
             for (int r = 0; r < G; r++)
                 sum[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->scores[(size_t)r * KEY_CHUNK + j]), v, sum[r]);
         }
@@ -147,7 +170,7 @@ static inline __attribute__((always_inline)) void accumulate_values_g(const Args
 #endif
     for (; d < D; d++)
         for (int j = 0; j < n; j++) {
-            const float v = load1(values[j], a->is_bf16, d);
+            const float v = load1(values[j], a->elem, d);
             for (int r = 0; r < G; r++) w->acc[(size_t)r * D + d] += w->scores[(size_t)r * KEY_CHUNK + j] * v;
         }
 }
@@ -162,16 +185,12 @@ static inline __attribute__((always_inline)) void accumulate_values_g(const Args
     default:                                                                                             \
         for (int r = 0; r < (group); r++) {                                                              \
             Scratch row = {(w)->q + (size_t)r * (a)->head_dim, (w)->acc + (size_t)r * (a)->head_dim,    \
-                           (w)->scores + (size_t)r * KEY_CHUNK, (w)->keys};                              \
+                           (w)->scores + (size_t)r * KEY_CHUNK, (w)->keys, (w)->k_scales, (w)->v_scales}; \
             fn(a, &row, 1, n);                                                                           \
         }                                                                                                \
     }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define BF16_PATH 1
-/* A key or value row's bytes on the bf16 path. */
-#define ROW_BYTES(C, HALF) ((HALF) ? (size_t)32 : (size_t)(C) * 64)
-
+#ifdef __AVX512F__
 /* Lane i of the result is the sum of v[i]'s sixteen lanes: a transposing tree of 45 shuffles and
  * adds, where sixteen separate reductions take about 150 instructions. */
 static inline __m512 sum16(const __m512 v[16]) {
@@ -186,6 +205,31 @@ static inline __m512 sum16(const __m512 v[16]) {
                              _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
 }
+
+/* Row r's step of the online softmax: scores[r] become exp(score - running max) (0 past the step's keys),
+ * max and sum move on, and the factor that rescales what acc holds so far is returned (1 where the max
+ * stayed, 0 on the first step). max_ps returns its second operand when the first is NaN: a NaN score is
+ * skipped in the max, as in softmax_update. */
+static inline float softmax_step(float *scores, int m, float *max, float *sum) {
+    const __m512 s = _mm512_loadu_ps(scores);
+    const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(s, _mm512_set1_ps(-INFINITY)));
+    float correction = 1.0f;
+    if (step_max > *max) {
+        correction = expf(*max - step_max); /* 0 on the first step: *max is -inf */
+        *max = step_max;
+    }
+    const __m512 e = _mm512_maskz_mov_ps((__mmask16)((1u << m) - 1),
+                                         exp16(_mm512_sub_ps(s, _mm512_set1_ps(*max))));
+    _mm512_storeu_ps(scores, e);
+    *sum = *sum * correction + _mm512_reduce_add_ps(e);
+    return correction;
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define BF16_PATH 1
+/* A key or value row's bytes on the bf16 path. */
+#define ROW_BYTES(C, HALF) ((HALF) ? (size_t)32 : (size_t)(C) * 64)
 
 /* The bf16 path reads each key and its value in one pass, SUB keys at a time: their scores, the online
  * softmax's update and the values' products. Keys in one pass and values in a second (the float32 path's
@@ -243,25 +287,6 @@ static inline __attribute__((always_inline)) void score_step_bf16(const Args *a,
             for (int r = 0; r < G; r++)
                 for (int i = 0; i < k; i++) scores[r][j0 + i] = s[r * KB + i];
     }
-}
-
-/* Row r's step of the online softmax: scores[r] become exp(score - running max) (0 past the step's keys),
- * max and sum move on, and the factor that rescales what acc holds so far is returned (1 where the max
- * stayed, 0 on the first step). max_ps returns its second operand when the first is NaN: a NaN score is
- * skipped in the max, as in softmax_update. */
-static inline float softmax_step(float *scores, int m, float *max, float *sum) {
-    const __m512 s = _mm512_loadu_ps(scores);
-    const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(s, _mm512_set1_ps(-INFINITY)));
-    float correction = 1.0f;
-    if (step_max > *max) {
-        correction = expf(*max - step_max); /* 0 on the first step: *max is -inf */
-        *max = step_max;
-    }
-    const __m512 e = _mm512_maskz_mov_ps((__mmask16)((1u << m) - 1),
-                                         exp16(_mm512_sub_ps(s, _mm512_set1_ps(*max))));
-    _mm512_storeu_ps(scores, e);
-    *sum = *sum * correction + _mm512_reduce_add_ps(e);
-    return correction;
 }
 
 /* acc[r] = acc[r] * correction[r] + sum_j p[r][j] * value[j] over the step's m values. 32 bf16 dimensions
@@ -369,6 +394,99 @@ static void chunk_bf16_of(const Args *a, Scratch *w, const __m512i *qb, int grou
 }
 #endif
 
+#ifdef __AVX512F__
+#define Q8_PATH 1
+/* An 8-bit cache's chunk of n keys (w->keys as chunk_bf16 takes them), in steps of SUB keys: scores, the
+ * online softmax's step and the values' products in one pass, each row widened in registers (widen8x16)
+ * and multiplied in float32. qf: the group's query rows in float32, already times the softmax scale (and
+ * fp8's 2^8 k_scale); an int8 key's score is then times its row's scale, and an int8 value's weight times
+ * its row's. Scores go 16 / G keys at a time for all G rows, reduced together (sum16), as the bf16 path's.
+ * G and C (head_dim / 16) are constants at each call site. acc holds each row in order. */
+static inline __attribute__((always_inline)) void chunk_q8(Scratch *w, const float *qf, const int G, const int C,
+                                                            const int FP8, int n, int avail, float *max,
+                                                            float *sum) {
+    const char *const *keys = w->keys, *const *values = w->keys + VALUES_AT;
+    const size_t row_bytes = (size_t)C * 16;
+    const int KB = 16 / G, D = C * 16;
+    const int CB = G >= 8 ? 2 : 16 / G; /* G CB value sums stay in registers */
+    float scores[8][SUB] __attribute__((aligned(64)));
+    for (int j0 = 0; j0 < n; j0 += SUB) {
+        const int m = n - j0 < SUB ? n - j0 : SUB;
+        for (int r = 0; r < G; r++) _mm512_storeu_ps(scores[r], _mm512_set1_ps(-INFINITY));
+        for (int i0 = 0; i0 < m; i0 += KB) {
+            const int k = m - i0 < KB ? m - i0 : KB;
+            __m512 acc[16];
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+            for (int i = 0; i < KB; i++) {
+                const int at = j0 + i0 + (i < k ? i : 0); /* a short group repeats its first key, sums unused */
+                const uint8_t *key = (const uint8_t *)keys[at];
+                if (i < k && at + AHEAD < avail) {
+                    prefetch_row(keys[at + AHEAD], row_bytes);
+                    prefetch_row(values[at + AHEAD], row_bytes);
+                }
+                for (int c = 0; c < C; c++) {
+                    const __m512 kv = widen8x16(key + 16 * c, FP8);
+                    for (int r = 0; r < G; r++)
+                        acc[r * KB + i] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (size_t)r * D + 16 * c), kv,
+                                                          acc[r * KB + i]);
+                }
+            }
+            float s[16];
+            _mm512_storeu_ps(s, sum16(acc));
+            for (int r = 0; r < G; r++)
+                for (int i = 0; i < k; i++)
+                    scores[r][i0 + i] = FP8 ? s[r * KB + i] : s[r * KB + i] * w->k_scales[j0 + i0 + i];
+        }
+        float correction[8];
+        for (int r = 0; r < G; r++) correction[r] = softmax_step(scores[r], m, &max[r], &sum[r]);
+        if (!FP8)
+            for (int r = 0; r < G; r++)
+                for (int i = 0; i < m; i++) scores[r][i] *= w->v_scales[j0 + i];
+        for (int c0 = 0; c0 < C; c0 += CB) {
+            const int cs = C - c0 < CB ? C - c0 : CB;
+            __m512 sums[16];
+            for (int r = 0; r < G; r++)
+                for (int c = 0; c < cs; c++)
+                    sums[r * CB + c] = _mm512_mul_ps(_mm512_loadu_ps(w->acc + (size_t)r * D + 16 * (c0 + c)),
+                                                     _mm512_set1_ps(correction[r]));
+            for (int j = 0; j < m; j++) {
+                const uint8_t *row = (const uint8_t *)values[j0 + j];
+                __m512 p[8];
+                for (int r = 0; r < G; r++) p[r] = _mm512_set1_ps(scores[r][j]);
+                for (int c = 0; c < cs; c++) {
+                    const __m512 v = widen8x16(row + 16 * (c0 + c), FP8);
+                    for (int r = 0; r < G; r++) sums[r * CB + c] = _mm512_fmadd_ps(p[r], v, sums[r * CB + c]);
+                }
+            }
+            for (int r = 0; r < G; r++)
+                for (int c = 0; c < cs; c++) _mm512_storeu_ps(w->acc + (size_t)r * D + 16 * (c0 + c), sums[r * CB + c]);
+        }
+    }
+}
+
+#define CHUNK_Q8_C(G, F)                                                                                 \
+    switch (C) {                                                                                         \
+    case 1: chunk_q8(w, qf, G, 1, F, n, avail, max, sum); break;                                         \
+    case 2: chunk_q8(w, qf, G, 2, F, n, avail, max, sum); break;                                         \
+    case 4: chunk_q8(w, qf, G, 4, F, n, avail, max, sum); break;                                         \
+    case 8: chunk_q8(w, qf, G, 8, F, n, avail, max, sum); break;                                         \
+    case 16: chunk_q8(w, qf, G, 16, F, n, avail, max, sum); break;                                       \
+    default: chunk_q8(w, qf, G, C, F, n, avail, max, sum);                                               \
+    }
+#define CHUNK_Q8_G(F)                                                                                    \
+    switch (group) {                                                                                     \
+    case 1: CHUNK_Q8_C(1, F); break;                                                                     \
+    case 2: CHUNK_Q8_C(2, F); break;                                                                     \
+    case 4: CHUNK_Q8_C(4, F); break;                                                                     \
+    case 8: CHUNK_Q8_C(8, F); break;                                                                     \
+    }
+/* C: head_dim / 16; group 1, 2, 4 or 8. */
+static void chunk_q8_of(Scratch *w, const float *qf, int group, int C, int fp8, int n, int avail, float *max,
+                        float *sum) {
+    if (fp8) CHUNK_Q8_G(1) else CHUNK_Q8_G(0)
+}
+#endif
+
 /* Where dimension d sits in a row of acc: in place, or even/odd by 32-dimension chunk on the bf16 path. */
 static inline int acc_index(int d, int bf16_path, int head_dim) {
     return bf16_path && head_dim % 32 == 0 ? (d & ~31) + (d & 1) * 16 + (d & 31) / 2 : d;
@@ -414,12 +532,23 @@ static void softmax_update(const Args *a, const Scratch *w, int r, int n, float 
 static void attend(const Args *a, Scratch *w, int b, int kvh) {
     const int D = a->head_dim, group = a->num_heads / a->num_kv_heads, ctx = a->context_lens[b];
     const int32_t *table = a->block_tables + (int64_t)b * a->max_blocks;
-    const size_t elem = a->is_bf16 ? 2 : 4, row_bytes = elem * (size_t)D;
+    const size_t q_row_bytes = (a->is_bf16 ? 2 : 4) * (size_t)D, row_bytes = elem_bytes(a->elem) * (size_t)D;
     const char *k_head = (const char *)a->k_cache + (size_t)kvh * a->num_slots * row_bytes;
     const char *v_head = (const char *)a->v_cache + (size_t)kvh * a->num_slots * row_bytes;
+    const float *k_scales = a->kv_kind == KV_INT8 ? a->k_scale + (size_t)kvh * a->num_slots : NULL;
+    const float *v_scales = a->kv_kind == KV_INT8 ? a->v_scale + (size_t)kvh * a->num_slots : NULL;
+    /* fp8: the per-layer scales (and widen8x16's 2^8) go on the query and on the output, not on each row. */
+    const float k_factor = a->kv_kind == KV_FP8 ? a->k_scale[0] * 256.0f : 1.0f;
+    const float v_factor = a->kv_kind == KV_FP8 ? a->v_scale[0] * 256.0f : 1.0f;
     float max[64], sum[64];
+#ifdef Q8_PATH
+    const int q8_path = a->kv_kind != KV_SAME && D % 16 == 0 && D <= 256 &&
+                        (group == 1 || group == 2 || group == 4 || group == 8);
+#else
+    const int q8_path = 0;
+#endif
 #ifdef BF16_PATH
-    const int bf16_path = a->is_bf16 && (D % 32 == 0 || D == 16) && group * (D / 32) <= 64 &&
+    const int bf16_path = a->kv_kind == KV_SAME && a->is_bf16 && (D % 32 == 0 || D == 16) && group * (D / 32) <= 64 &&
                           (group == 1 || group == 2 || group == 4 || group == 8);
     const int half = D == 16; /* one 32-dimension chunk, zero-extended; acc in order */
     __m512i qb[8 * 8]; /* the group's query rows as they are, D / 32 vectors a row (one for D 16) */
@@ -428,7 +557,7 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
 #endif
 
     for (int r = 0; r < group; r++) {
-        const char *row = (const char *)a->q + ((size_t)b * a->num_heads + (size_t)kvh * group + r) * row_bytes;
+        const char *row = (const char *)a->q + ((size_t)b * a->num_heads + (size_t)kvh * group + r) * q_row_bytes;
 #ifdef BF16_PATH
         if (bf16_path && half)
             qb[r] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)row));
@@ -436,7 +565,7 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
             for (int c = 0; c < D / 32; c++) qb[r * (D / 32) + c] = _mm512_loadu_si512((const uint16_t *)row + 32 * c);
         else
 #endif
-            for (int d = 0; d < D; d++) w->q[(size_t)r * D + d] = load1(row, a->is_bf16, d) * a->scale;
+            for (int d = 0; d < D; d++) w->q[(size_t)r * D + d] = load1(row, a->is_bf16, d) * a->scale * k_factor;
         memset(w->acc + (size_t)r * D, 0, (size_t)D * 4);
         max[r] = -INFINITY;
         sum[r] = 0.0f;
@@ -468,8 +597,24 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
             for (int t = 0; t < run; t++, j++) {
                 w->keys[j] = k_head + (first + t) * row_bytes;
                 w->keys[VALUES_AT + j] = v_head + (first + t) * row_bytes;
+                if (k_scales && j < n) {
+                    w->k_scales[j] = k_scales[first + t];
+                    w->v_scales[j] = v_scales[first + t];
+                }
             }
         }
+        if (k_scales) /* the next chunk's scales, one line a block each, fetched while this chunk is read */
+            for (int pos = k0 + n; pos < ctx && pos < k0 + n + KEY_CHUNK; pos += a->block_size - pos % a->block_size) {
+                const size_t slot = (size_t)table[pos / a->block_size] * a->block_size + pos % a->block_size;
+                __builtin_prefetch(k_scales + slot, 0, 3);
+                __builtin_prefetch(v_scales + slot, 0, 3);
+            }
+#ifdef Q8_PATH
+        if (q8_path) {
+            chunk_q8_of(w, w->q, group, D / 16, a->kv_kind == KV_FP8, n, avail, max, sum);
+            continue;
+        }
+#endif
 #ifdef BF16_PATH
         if (bf16_path) {
             chunk_bf16_of(a, w, qb, group, half ? 0 : D / 32, NULL, NULL, n, avail, max, sum);
@@ -479,12 +624,18 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
         /* The next chunk's first keys, which the loop below cannot reach ahead to. */
         for (int j = n; j < avail; j++) prefetch_row(w->keys[j], row_bytes);
         FOR_GROUP(score_chunk_g, a, w, group, n);
+        if (k_scales) /* int8: each key's score times its row's scale, each value's weight times its own */
+            for (int r = 0; r < group; r++)
+                for (int j = 0; j < n; j++) w->scores[(size_t)r * KEY_CHUNK + j] *= w->k_scales[j];
         for (int r = 0; r < group; r++) softmax_update(a, w, r, n, &max[r], &sum[r]);
+        if (v_scales)
+            for (int r = 0; r < group; r++)
+                for (int j = 0; j < n; j++) w->scores[(size_t)r * KEY_CHUNK + j] *= w->v_scales[j];
         FOR_GROUP(accumulate_values_g, a, w, group, n);
     }
     for (int r = 0; r < group; r++) {
         const size_t row = ((size_t)b * a->num_heads + (size_t)kvh * group + r) * D;
-        const float inv = 1.0f / sum[r], *acc = w->acc + (size_t)r * D;
+        const float inv = v_factor / sum[r], *acc = w->acc + (size_t)r * D;
 #ifdef BF16_PATH
         if (bf16_path && half) {
             store_bf16((uint16_t *)a->out + row, round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(inv))));
@@ -524,6 +675,15 @@ static int check_block_tables(const int32_t *context_lens, const int32_t *block_
     return 0;
 }
 
+int paged_decode_attention_kv(const void *q, const void *k_cache, const void *v_cache, void *out,
+                              const int32_t *context_lens, const int32_t *block_tables, int64_t num_slots,
+                              int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                              int max_blocks, int is_bf16, float scale, int kv_kind, const float *k_scale,
+                              const float *v_scale);
+int write_kv_quant(const void *k, const void *v, int64_t k_stride, int64_t v_stride, void *k_cache, void *v_cache,
+                   const int64_t *slots, int64_t tokens, int num_kv_heads, int64_t num_slots, int head_dim,
+                   int elem_size, int kv_kind, float *k_scale, float *v_scale);
+
 /* q, out: (num_seqs, num_heads, head_dim); caches: (num_kv_heads, num_slots, head_dim), all
  * contiguous, float32 (is_bf16 = 0) or bfloat16; context_lens >= 1. Returns 0, or < 0 if the
  * shapes are unsupported (-1), scratch memory could not be had (-2), a block-table entry the
@@ -533,14 +693,27 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
                            const int32_t *context_lens, const int32_t *block_tables, int64_t num_slots,
                            int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
                            int max_blocks, int is_bf16, float scale) {
+    return paged_decode_attention_kv(q, k_cache, v_cache, out, context_lens, block_tables, num_slots, num_seqs,
+                                     num_heads, num_kv_heads, head_dim, block_size, max_blocks, is_bf16, scale,
+                                     KV_SAME, NULL, NULL);
+}
+
+/* paged_decode_attention over caches of kind kv_kind: KV_SAME (q's dtype, scales NULL), KV_FP8 (e4m3 bytes,
+ * k_scale and v_scale one float each) or KV_INT8 (int8, k_scale and v_scale (num_kv_heads, num_slots)). */
+int paged_decode_attention_kv(const void *q, const void *k_cache, const void *v_cache, void *out,
+                              const int32_t *context_lens, const int32_t *block_tables, int64_t num_slots,
+                              int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                              int max_blocks, int is_bf16, float scale, int kv_kind, const float *k_scale,
+                              const float *v_scale) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads || num_heads / num_kv_heads > 64 || head_dim < 1 ||
-        block_size < 1)
+        block_size < 1 || kv_kind < KV_SAME || kv_kind > KV_INT8 || (kv_kind != KV_SAME && (!k_scale || !v_scale)))
         return -1;
     const int table_status = check_block_tables(context_lens, block_tables, num_slots, num_seqs, block_size,
                                                 max_blocks);
     if (table_status) return table_status;
+    const int elem = kv_kind == KV_FP8 ? ELEM_FP8 : kv_kind == KV_INT8 ? ELEM_INT8 : is_bf16 ? ELEM_BF16 : ELEM_F32;
     const Args a = {q, k_cache, v_cache, out, context_lens, block_tables, num_slots, num_heads, num_kv_heads,
-                    head_dim, block_size, max_blocks, is_bf16, scale};
+                    head_dim, block_size, max_blocks, is_bf16, scale, kv_kind, elem, k_scale, v_scale};
     const int group = num_heads / num_kv_heads, num_items = num_seqs * num_kv_heads;
     int failed = 0;
 #pragma omp parallel
@@ -550,7 +723,9 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
         w.acc = malloc(sizeof(float) * group * head_dim);
         w.scores = malloc(sizeof(float) * group * KEY_CHUNK);
         w.keys = malloc(sizeof(char *) * 2 * VALUES_AT);
-        if (!w.q || !w.acc || !w.scores || !w.keys) {
+        w.k_scales = malloc(sizeof(float) * 2 * KEY_CHUNK);
+        w.v_scales = w.k_scales ? w.k_scales + KEY_CHUNK : NULL;
+        if (!w.q || !w.acc || !w.scores || !w.keys || !w.k_scales) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -558,7 +733,8 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
          * scratch skips its items, and the caller sees the failure. */
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < num_items; i++)
-            if (w.q && w.acc && w.scores && w.keys) attend(&a, &w, i / num_kv_heads, i % num_kv_heads);
+            if (w.q && w.acc && w.scores && w.keys && w.k_scales) attend(&a, &w, i / num_kv_heads, i % num_kv_heads);
+        free(w.k_scales);
         free(w.q);
         free(w.acc);
         free(w.scores);
@@ -574,14 +750,49 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
 int write_kv(const void *k, const void *v, int64_t k_stride, int64_t v_stride, void *k_cache, void *v_cache,
              const int64_t *slots, int64_t tokens, int num_kv_heads, int64_t num_slots, int head_dim,
              int elem_size) {
+    return write_kv_quant(k, v, k_stride, v_stride, k_cache, v_cache, slots, tokens, num_kv_heads, num_slots,
+                          head_dim, elem_size, KV_SAME, NULL, NULL);
+}
+
+/* write_kv into caches of kind kv_kind (paged_decode_attention_kv's): an 8-bit cache's rows quantized as they
+ * are written (kv8.h), from k and v in float32 (elem_size 4) or bf16 (2); an int8 cache's row scales written
+ * to k_scale and v_scale at [head, slot]; fp8 reads its per-layer k_scale[0] and v_scale[0]. Returns 0, -1
+ * (writing nothing) if a slot is out of range, or -2 for an unknown kind or a row longer than 1,024. */
+int write_kv_quant(const void *k, const void *v, int64_t k_stride, int64_t v_stride, void *k_cache, void *v_cache,
+                   const int64_t *slots, int64_t tokens, int num_kv_heads, int64_t num_slots, int head_dim,
+                   int elem_size, int kv_kind, float *k_scale, float *v_scale) {
     for (int64_t t = 0; t < tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
-    const size_t row = (size_t)head_dim * elem_size;
+    if (kv_kind == KV_SAME) {
+        const size_t row = (size_t)head_dim * elem_size;
+        for (int64_t t = 0; t < tokens; t++) {
+            for (int h = 0; h < num_kv_heads; h++) {
+                const size_t dst = ((size_t)h * num_slots + slots[t]) * row;
+                memcpy((char *)k_cache + dst, (const char *)k + (t * k_stride + (int64_t)h * head_dim) * elem_size,
+                       row);
+                memcpy((char *)v_cache + dst, (const char *)v + (t * v_stride + (int64_t)h * head_dim) * elem_size,
+                       row);
+            }
+        }
+        return 0;
+    }
+    if ((kv_kind != KV_FP8 && kv_kind != KV_INT8) || head_dim > 1024 || !k_scale || !v_scale) return -2;
+    /* A prompt's tokens are many: split over the threads (each row is written by one). */
+#pragma omp parallel for schedule(static) if (tokens * num_kv_heads >= 64)
     for (int64_t t = 0; t < tokens; t++) {
+        float x[1024];
         for (int h = 0; h < num_kv_heads; h++) {
-            const size_t dst = ((size_t)h * num_slots + slots[t]) * row;
-            memcpy((char *)k_cache + dst, (const char *)k + (t * k_stride + (int64_t)h * head_dim) * elem_size, row);
-            memcpy((char *)v_cache + dst, (const char *)v + (t * v_stride + (int64_t)h * head_dim) * elem_size, row);
+            const size_t dst = (size_t)h * num_slots + slots[t];
+            for (int which = 0; which < 2; which++) {
+                const void *src = which ? v : k;
+                const int64_t at = t * (which ? v_stride : k_stride) + (int64_t)h * head_dim;
+                for (int d = 0; d < head_dim; d++)
+                    x[d] = elem_size == 2 ? bf16_to_f32(((const uint16_t *)src)[at + d]) : ((const float *)src)[at + d];
+                float *scales = which ? v_scale : k_scale;
+                uint8_t *row = (uint8_t *)(which ? v_cache : k_cache) + dst * head_dim;
+                const float s = quantize_row(x, row, head_dim, kv_kind, kv_kind == KV_FP8 ? scales[0] : 0.0f);
+                if (kv_kind == KV_INT8) scales[dst] = s;
+            }
         }
     }
     return 0;

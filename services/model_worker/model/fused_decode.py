@@ -9,7 +9,8 @@ the hidden states are the same bit for bit. Where the weights are in VNNI order 
 any row count) and prompts have the C prefill attention kernel, prefill and mixed steps run there
 too: a fresh 128-token prompt then prefills in 0.94x the time. Anything it does not take
 (more decode rows than the matmul kernels take, plain or 8-bit weights with prompts in the step,
-another attention backend) runs the layers as before.
+prompts over an 8-bit KV cache, another attention backend) runs the layers as before. Decode steps take
+8-bit KV caches (fp8, int8) too: the same cache write and decode kernels, with the layer's scales.
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import logging
 
 import torch
 
-from services.model_worker.kernels import cpu_decoder
+from services.model_worker.kernels import cpu_attention, cpu_decoder
 from services.model_worker.model.layers.attention.cpu_paged import CpuPagedAttention
+from services.model_worker.model.layers.attention.kv_quant import is_8bit, scales_of
 from services.model_worker.model.layers.attention.metadata import AttentionMetadata
 from services.model_worker.model.layers.linear import SmallBatchLinearMethod
 from services.model_worker.model.layers.quant.eight_bit import SCALE, EightBitLinearMethod
@@ -109,10 +111,11 @@ class FusedDecode:
                 and 1 <= hidden.shape[0] <= self.max_rows and hidden.dtype == torch.bfloat16
                 and hidden.is_contiguous() and meta.context_lens.shape[0] == hidden.shape[0])
 
-    def takes_prompts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def takes_prompts(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_caches=None) -> bool:
         """A step with prompts in it (alone, or beside decoding sequences), on VNNI weights, the C attention
-        kernels for both, bf16 rows."""
-        return (self.prompts and meta.max_query_len > 1 and meta.prefill is not None
+        kernels for both, bf16 rows, and a bf16 cache (the prefill kernel reads no 8-bit rows)."""
+        eight_bit = kv_caches is not None and is_8bit(kv_caches[0][0])
+        return (self.prompts and not eight_bit and meta.max_query_len > 1 and meta.prefill is not None
                 and isinstance(meta.backend, CpuPagedAttention) and meta.backend.prefill_library is not None
                 and self.shape["head_dim"] % 32 == 0 and hidden.dtype == torch.bfloat16 and hidden.is_contiguous())
 
@@ -159,8 +162,8 @@ class FusedDecode:
                     prefill = address(backend.prefill_library, "prefill_attention")
             table = cpu_decoder.Kernels(
                 small, amx, address(self.norm_library, "rms_norm"),
-                address(self.norm_library, "rms_norm_rope"), address(attention_library, "write_kv"),
-                address(attention_library, "paged_decode_attention"), SmallBatchLinearMethod.MAX_ROWS,
+                address(self.norm_library, "rms_norm_rope"), address(attention_library, "write_kv_quant"),
+                address(attention_library, "paged_decode_attention_kv"), SmallBatchLinearMethod.MAX_ROWS,
                 SmallBatchLinearMethod.AMX_MIN_ROWS, amx_max_rows, q8, q8_amx, EightBitLinearMethod.GEMV_MAX_ROWS,
                 EightBitLinearMethod.NO_AMX_MAX_ROWS, max_rows, prefill, linear_silu)
             self._kernels = (backend, table)
@@ -168,13 +171,21 @@ class FusedDecode:
 
     def _layer_array(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> tuple:
         """(ctypes Layer array, Shape), built once for these caches; the tensors it points into are kept alive."""
-        key = tuple((k.data_ptr(), v.data_ptr(), k.shape) for k, v in kv_caches) + (block_size,)
+        key = tuple((cache[0].data_ptr(), cache[1].data_ptr(), cache[0].shape, cache[0].dtype,
+                     *(s.data_ptr() for s in scales_of(cache).values())) for cache in kv_caches) + (block_size,)
         if self._layers is None or self._layers[0] != key:
             array, kept = (cpu_decoder.Layer * len(self.model.layers))(), []
-            for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches)):
+            for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
                 attn = layer.self_attn
-                if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.bfloat16):
-                    raise ValueError("the fused decode loop needs contiguous bf16 caches")
+                k_cache, v_cache = cache
+                kv_kind = cpu_attention.KV_KINDS.get(k_cache.dtype, 0)
+                kv_scales = (getattr(cache, "k_scale", None), getattr(cache, "v_scale", None))
+                if not (k_cache.is_contiguous() and v_cache.is_contiguous()
+                        and (k_cache.dtype == torch.bfloat16 or kv_kind) and v_cache.dtype == k_cache.dtype):
+                    raise ValueError("the fused decode loop needs contiguous bf16 or 8-bit caches")
+                if kv_kind and not all(s is not None and s.dtype == torch.float32 and s.is_contiguous()
+                                       for s in kv_scales):
+                    raise ValueError("an 8-bit cache needs its contiguous float32 scales")
                 linears = _layer_linears(layer)
                 qkv, o, gate_up, down = (m.vnni_weight if self.vnni is not None else m.weight for m in linears)
                 tensors = (layer.input_layernorm.weight, qkv, attn.qk_norm_weight(), o,
@@ -192,8 +203,10 @@ class FusedDecode:
                 else:
                     flags = [int(m.amx is not None or self.vnni is not None) for m in linears]
                     extra = [None] * 4 + [0]
+                scale_ptrs = [s.data_ptr() for s in kv_scales] if kv_kind else [None, None]
+                kept.extend(s for s in kv_scales if s is not None)
                 array[i] = cpu_decoder.Layer(*(t.data_ptr() for t in tensors), k_cache.data_ptr(), v_cache.data_ptr(),
-                                             *flags, *extra)
+                                             *flags, *extra, kv_kind, *scale_ptrs)
             num_slots = kv_caches[0][0].shape[1]
             shape = cpu_decoder.Shape(num_slots=num_slots, block_size=block_size, **self.shape)
             self._layers = (key, (array, shape), kept)

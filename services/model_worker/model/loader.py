@@ -31,6 +31,8 @@ MODELS: dict[str, type[Qwen3ForCausalLM]] = {
 
 # Tensors some exporters add that carry nothing the model needs.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# An fp8 KV cache's per-layer scales: read where the checkpoint has them, 1.0 where it does not.
+OPTIONAL_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale")
 
 
 class LoadError(ValueError):
@@ -155,6 +157,13 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
                         if name == "lm_head.weight" and config.tie_word_embeddings:
                             continue  # tied: the embedding is the head
                         target = _target(model, name)
+                        if target is not None and name.endswith(OPTIONAL_SUFFIXES):
+                            scale = f.get_tensor(name).float()
+                            if scale.numel() != 1:
+                                misshapen.append(f"{name}: {list(scale.shape)}, a KV cache scale is one value")
+                                continue
+                            getattr(target[0], target[1]).copy_(scale.reshape(1))
+                            continue
                         covers = covered(name)
                         if target is None or not expected.issuperset(covers):
                             unexpected.append(name)

@@ -9,6 +9,7 @@ from services.model_worker.config.model import Qwen3Config
 from services.model_worker.kernels import cpu_decoder
 from services.model_worker.distributed.parallel import TensorParallel
 from services.model_worker.model.layers.attention.dispatch import paged_attention
+from services.model_worker.model.layers.attention.kv_quant import scales_of
 from services.model_worker.model.layers.attention.metadata import AttentionMetadata
 from services.model_worker.model.layers.embedding import VocabParallelEmbedding
 from services.model_worker.model.layers.linear import (ColumnParallelLinear, LinearMethod, MergedColumnParallelLinear,
@@ -43,6 +44,15 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self._qk_weight: tuple[tuple, torch.Tensor] | None = None
+        # An fp8 KV cache's per-layer scales: the checkpoint's self_attn.k_scale / v_scale where it has them
+        # (the loader fills these), else 1.0. The cache keeps its own copies (executor/kv_cache.py).
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """1.0 for a checkpoint without KV cache scales (called after the model is materialised)."""
+        self.k_scale.fill_(1.0)
+        self.v_scale.fill_(1.0)
 
     def qk_norm_weight(self) -> torch.Tensor:
         """q_norm's weight for each q head, then k_norm's for each kv head: (H + Hkv, D).
@@ -59,7 +69,8 @@ class Qwen3Attention(nn.Module):
         return self._qk_weight[1]
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, **scales) -> torch.Tensor:
+        """scales: an 8-bit cache's k_scale and v_scale (kv_quant.LayerCache.scales); none for the model's dtype."""
         tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # The q and k heads are normalised and rotated as one tensor (T, H + Hkv, D): the norm is
@@ -68,7 +79,7 @@ class Qwen3Attention(nn.Module):
                              self.qk_norm_weight(), self.q_norm.eps, rope, self.q_norm.kernel)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, **scales)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -108,8 +119,8 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, rope, k_cache, v_cache, meta):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, k_cache, v_cache, meta)
+    def forward(self, hidden, rope, k_cache, v_cache, meta, **scales):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, k_cache, v_cache, meta, **scales)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -132,11 +143,11 @@ class Qwen3Model(nn.Module):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, hidden.dtype)
         fused = self.fused_decode
-        if fused is not None and (fused.takes(hidden, meta) or fused.takes_prompts(hidden, meta)):
+        if fused is not None and (fused.takes(hidden, meta) or fused.takes_prompts(hidden, meta, kv_caches)):
             self.fused_decode(hidden, rope, kv_caches, meta)  # the same layers, in place, in one call
             return self.norm(hidden)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            hidden = layer(hidden, rope, k_cache, v_cache, meta)
+        for layer, cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, rope, *cache, meta, **scales_of(cache))
         return self.norm(hidden)
 
 
