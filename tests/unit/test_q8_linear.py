@@ -111,11 +111,5 @@ def test_fused_decode_steps_equal_the_layer_by_layer_forward_bit_for_bit(tmp_pat
     monkeypatch.setattr(cpu_decoder, "decode_layers", lambda *args: (calls.append(args[4].shape[0]), real(*args))[1])
     engine = make_engine(True)
     fused = hidden_states(engine, prompts, 5)
-    w8a8_vnni_only = fmt == "int8" and int8_activations and not cpu_q8_linear.load().w8a8_amx
-    if w8a8_vnni_only and batch > EightBitLinearMethod.GEMV_MAX_ROWS:
-        # Without AMX-INT8 the int8 x int8 kernel is VNNI's, up to GEMV_MAX_ROWS; above, the layers take the
-        # widening kernel, which the fused loop's table has no place for: those steps go layer by layer.
-        assert calls == []
-    else:
-        assert calls and set(calls) == {batch}  # every decode step went through the fused loop
+    assert calls and set(calls) == {batch}  # every decode step went through the fused loop
     assert len(fused) == len(plain) and all(torch.equal(a, b) for a, b in zip(fused, plain))

@@ -280,10 +280,10 @@ def test_the_engine_flag_turns_the_int8_activations_off(tmp_path):
 
 
 @needs_vnni
-@pytest.mark.parametrize("batch", [2, 6])
+@pytest.mark.parametrize("batch", [2, 6, 12])
 def test_without_amx_int8_fused_decode_takes_vnni_steps_and_equals_the_layers(tmp_path, monkeypatch, batch):
-    """Where only VNNI is there, the fused loop takes steps of up to 4 rows (VNNI) and leaves larger ones (bf16
-    activations above 4 rows) to the layers; either way the hidden states are the layer-by-layer ones, bit for bit."""
+    """Where only VNNI is there, the fused loop takes decode steps of up to 16 rows, every matmul on the VNNI kernel
+    as the layers route it: the hidden states are the layer-by-layer ones, bit for bit."""
     from services.model_worker.kernels import cpu_decoder
     from tests.unit.test_fused_decode import hidden_states
 
@@ -302,7 +302,7 @@ def test_without_amx_int8_fused_decode_takes_vnni_steps_and_equals_the_layers(tm
     monkeypatch.setattr(cpu_decoder, "decode_layers", lambda *args: (calls.append(args[4].shape[0]), real(*args))[1])
     fused_engine = engine(True)
     linear = fused_engine.model.model.layers[0].mlp.down_proj
-    assert linear.w8a8_vnni and not linear.w8a8_amx and fused_engine.model.model.fused_decode.max_rows == 4
+    assert linear.w8a8_vnni and not linear.w8a8_amx and fused_engine.model.model.fused_decode.max_rows == 16
     fused = hidden_states(fused_engine, prompts, 4)
-    assert calls == ([batch] * 3 if batch <= 4 else [])
+    assert calls == [batch] * 3
     assert len(fused) == len(plain) and all(torch.equal(a, b) for a, b in zip(fused, plain))

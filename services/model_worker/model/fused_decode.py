@@ -51,15 +51,12 @@ class FusedDecode:
         linears = _linears(model)
         # 8-bit layers (EightBitLinearMethod on its C kernels) or bf16 ones (SmallBatchLinearMethod).
         self.q8 = linears[0].q8 if isinstance(linears[0].method, EightBitLinearMethod) else None
-        # int8 x int8 (w8a8_linear.c): on AMX-INT8 at every row count, or on VNNI up to GEMV_MAX_ROWS.
+        # int8 x int8 (w8a8_linear.c): on AMX-INT8 or on VNNI, at every row count.
         self.w8a8_amx = self.q8 is not None and linears[0].w8a8_amx
         self.w8a8_vnni = self.q8 is not None and linears[0].w8a8_vnni
         if self.q8 is not None:
             amx = all(m.q8_amx for m in linears)
             self.max_rows = EightBitLinearMethod.AMX_MAX_ROWS if amx else EightBitLinearMethod.NO_AMX_MAX_ROWS
-            if self.w8a8_vnni:
-                # VNNI takes up to GEMV_MAX_ROWS, the widening kernels above: decoder.c routes one kernel there.
-                self.max_rows = EightBitLinearMethod.GEMV_MAX_ROWS
             self.small_library = self.amx_library = None
         # Weights in VNNI order (VnniLinearMethod): vnni_linear takes every row count, in place of both kernels
         # (AMX tiles, or AVX512-BF16 register tiles on CPUs without AMX).
@@ -152,7 +149,7 @@ class FusedDecode:
             if self.w8a8_amx:  # the AMX-INT8 kernel at every row count, as EightBitLinearMethod routes it
                 q8 = q8_amx = address(self.q8.w8a8, "w8a8_linear_amx")
             elif self.w8a8_vnni:
-                q8 = address(self.q8.w8a8, "w8a8_linear")  # max_rows is GEMV_MAX_ROWS: never q8_amx
+                q8 = address(self.q8.w8a8, "w8a8_linear")  # every row count; without AMX, never q8_amx
             amx_max_rows = EightBitLinearMethod.AMX_MAX_ROWS if self.q8 is not None else SmallBatchLinearMethod.AMX_MAX_ROWS
             max_rows, prefill, linear_silu = self.max_rows, None, None
             if self.prompts:  # vnni_linear at every row count: takes() and takes_prompts() bound the steps
