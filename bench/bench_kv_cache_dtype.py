@@ -13,6 +13,13 @@ all engines), KL(bf16 cache || 8-bit cache) averaged over those positions.
 Last, one JSON line. At 1,024 tokens a decode step of 16 streams reads 1.9 GB of bf16 cache (0.94 GB in 8 bits)
 beside 1.2 GB of weights. Pin it for a steadier figure:
     taskset -c 0,1 python -m bench.bench_kv_cache_dtype --threads 2
+
+With --kernel, the decode-attention kernel alone instead: one layer's call (--streams sequences of --context
+tokens, 16 query heads over 8 KV heads of 128, bf16 query, each sequence's blocks one run of ids), each cache
+kind's rows in --kernel-layers layers (taken in turn, so the cache is read from memory, not the L3), the kinds
+taking turns each round; the median ms per call and the median of per-round ratios against the first kind.
+--rev also times another commit's kernel (bench_decode_attention's sources_at) on the same inputs.
+    taskset -c 0 python -m bench.bench_kv_cache_dtype --kernel --threads 1
 """
 from __future__ import annotations
 
@@ -104,6 +111,91 @@ def next_token_logits(engine: LLMEngine, prompts: list[list[int]], forced: list[
     return torch.cat(rows), fed
 
 
+def kernel_inputs(kind: str, streams: int, context: int, layers: int, seed: int) -> tuple[dict, list]:
+    """The shared step tensors and, per layer, a cache of `kind` ((k, v, k_scale, v_scale)) filled with random
+    rows through the kernel's own cache write."""
+    from services.model_worker.kernels import cpu_attention
+    from services.model_worker.model.layers.attention import kv_quant
+    kv_heads, heads, head_dim = 8, 16, 128
+    per_seq = -(-context // BLOCK_SIZE) + 1
+    slots = streams * per_seq * BLOCK_SIZE
+    gen = torch.Generator().manual_seed(seed)
+    tables = torch.arange(streams * per_seq, dtype=torch.int32).view(streams, per_seq)
+    pos = torch.arange(context)
+    step = {"q": torch.randn(streams, heads, head_dim, generator=gen).bfloat16(),
+            "context_lens": torch.full((streams,), context, dtype=torch.int32), "block_tables": tables,
+            "block_size": BLOCK_SIZE, "scale": head_dim ** -0.5}
+    dtype = kv_quant.cache_dtype(kind, torch.bfloat16)
+    library = cpu_attention.load()
+    caches = []
+    for _ in range(layers):
+        k_cache = torch.zeros(kv_heads, slots, head_dim, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        scale_shape = (kv_heads, slots) if dtype == torch.int8 else (1,)
+        k_scale, v_scale = torch.ones(scale_shape), torch.ones(scale_shape)
+        for b in range(streams):
+            slot_mapping = (tables[b].long()[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).contiguous()
+            k = torch.randn(context, kv_heads, head_dim, generator=gen).bfloat16()
+            v = torch.randn(context, kv_heads, head_dim, generator=gen).bfloat16()
+            cpu_attention.write_kv(library, k, v, k_cache, v_cache, slot_mapping,
+                                   *((k_scale, v_scale) if kind != "auto" else ()))
+        caches.append((k_cache, v_cache) + ((k_scale, v_scale) if kind != "auto" else ()))
+    return step, caches
+
+
+def kernel_main(args) -> None:
+    """--kernel: the decode-attention kernel alone, each cache kind (and --rev's kernel) in turns."""
+    import tempfile
+
+    from bench.bench_decode_attention import sources_at
+    from services.model_worker.kernels import cpu_attention
+    kinds = args.kinds.split(",")
+    print(f"CPU: {cpu_model()} ({cpu_kind()}), {args.threads} threads; {args.streams} x {args.context} tokens, "
+          f"16 heads over 8 KV heads of 128", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        libraries = {"": cpu_attention.load()}
+        if args.rev:
+            libraries[f"@{args.rev}"] = cpu_attention.load(sources_at(args.rev, pathlib.Path(tmp)))
+        inputs = {kind: kernel_inputs(kind, args.streams, args.context, args.kernel_layers, seed=1) for kind in kinds}
+        names = [kind + lib for kind in kinds for lib in libraries if not (lib and kind == "auto")]
+
+        def call(name: str, layer: int) -> torch.Tensor:
+            kind, _, rev = name.partition("@")
+            step, caches = inputs[kind]
+            k_cache, v_cache, *scales = caches[layer % len(caches)]
+            return cpu_attention.paged_decode_attention(libraries[f"@{rev}" if rev else ""], step["q"], k_cache,
+                                                        v_cache, step["context_lens"], step["block_tables"],
+                                                        step["block_size"], step["scale"], *scales)
+
+        for name in names:
+            call(name, 0)  # built and touched
+        for name in names:
+            if "@" in name:
+                diff = (call(name, 0).float() - call(name.partition("@")[0], 0).float()).abs().max().item()
+                print(f"{name} against this tree: max difference {diff:.3g}", flush=True)
+        runs = {name: [] for name in names}
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                times = []
+                for i in range(args.steps):
+                    start = time.perf_counter()
+                    call(name, i)
+                    times.append(time.perf_counter() - start)
+                runs[name].append(statistics.median(times) * 1e3)
+    results = {}
+    for name in names:
+        entry = {"median_ms": statistics.median(runs[name]), "min": min(runs[name]), "max": max(runs[name])}
+        if name != names[0]:
+            entry["ratio"] = statistics.median(t / b for t, b in zip(runs[name], runs[names[0]]))
+        results[name] = entry
+        ratio = f"  {name}/{names[0]} {entry['ratio']:.3f}x" if "ratio" in entry else ""
+        print(f"kernel {name:12s}: {entry['median_ms']:6.3f} ms (range {entry['min']:.3f}-{entry['max']:.3f})"
+              f"{ratio}", flush=True)
+    print(json.dumps({"bench": "kv_cache_dtype_kernel", "cpu": cpu_model(), "cpu_kind": cpu_kind(),
+                      "threads": args.threads, "streams": args.streams, "context": args.context,
+                      "rounds": args.rounds, "calls": args.steps, "rev": args.rev, "results": results}))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=DEFAULT_CHECKPOINT)
@@ -116,8 +208,15 @@ def main(argv=None) -> None:
     parser.add_argument("--kl-context", type=int, default=1024)
     parser.add_argument("--kl-steps", type=int, default=16)
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"of {', '.join(KINDS)}; the first is the base")
+    parser.add_argument("--kernel", action="store_true", help="time the decode-attention kernel alone "
+                        "(--steps calls a round)")
+    parser.add_argument("--kernel-layers", type=int, default=4, help="--kernel: layers of cache taken in turn")
+    parser.add_argument("--rev", default="", help="--kernel: also time this commit's kernel")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.kernel:
+        kernel_main(args)
+        return
     ensure_checkpoint(args.checkpoint_dir, "qwen3-0.6b")
     kinds = args.kinds.split(",")
     print(f"CPU: {cpu_model()} ({cpu_kind()}), {args.threads} threads", flush=True)

@@ -149,6 +149,50 @@ def test_c_decode_matches_float64_reference(kernel, kind, head_dim, group, block
     torch.testing.assert_close(torch_out.double(), expected, atol=2 * tolerance, rtol=2 * tolerance)
 
 
+def every_byte_caches(kind, kv_heads, slots, head_dim, seed):
+    """8-bit caches of random bytes, every value the format has (int8 -128 included; fp8 bar its NaN bytes),
+    with random scales (int8: one a row)."""
+    gen = torch.Generator().manual_seed(seed)
+    caches = []
+    for _ in range(2):
+        raw = torch.randint(-128, 128, (kv_heads, slots, head_dim), generator=gen, dtype=torch.int8)
+        if kind == "fp8":
+            raw = torch.where((raw == 0x7f) | (raw == -1), torch.zeros_like(raw), raw).view(torch.float8_e4m3fn)
+        caches.append(raw)
+    if kind == "fp8":
+        scales = [torch.tensor([0.01]), torch.tensor([0.02])]
+    else:
+        scales = [torch.rand(kv_heads, slots, generator=gen) * 0.05 + 1e-3 for _ in range(2)]
+    return caches + scales
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 16), (64, 2, 1), (128, 2, 7), (128, 8, 5),
+                                                       (256, 4, 16), (256, 1, 3), (96, 2, 16)])
+@pytest.mark.parametrize("layout", ["runs", "scattered"])
+def test_c_decode_every_byte_on_runs_and_scattered_blocks(kernel, kind, head_dim, group, block_size, layout):
+    """A bf16 query over every byte value: each sequence's blocks one run of ids (rows read by stride) or
+    shuffled, odd block sizes breaking the 16-key steps and 256-key chunks; head sizes 64, 128, 256 (and 96)."""
+    contexts, kv_heads = [1, 17, 255, 300, 700], 2
+    counts = [-(-c // block_size) + 1 for c in contexts]
+    gen = torch.Generator().manual_seed(head_dim * group + block_size)
+    ids = list(range(sum(counts)))
+    if layout == "scattered":
+        ids = torch.randperm(len(ids), generator=gen).tolist()
+    tables, at = [], 0
+    for n in counts:
+        tables.append(ids[at:at + n])
+        at += n
+    table = torch.tensor([t + [0] * (max(counts) - len(t)) for t in tables], dtype=torch.int32)
+    caches = every_byte_caches(kind, kv_heads, sum(counts) * block_size, head_dim, seed=block_size)
+    q = torch.randn(len(contexts), kv_heads * group, head_dim, generator=gen).bfloat16()
+    scale = head_dim ** -0.5
+    out = cpu_attention.paged_decode_attention(kernel, q, caches[0], caches[1], torch.tensor(contexts, dtype=torch.int32),
+                                               table, block_size, scale, caches[2], caches[3])
+    expected = reference_decode(q, caches, contexts, table, block_size, scale)
+    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
+
+
 def test_fp8_scales_fold_into_the_kernel(kernel):
     """A per-layer fp8 scale of 4 against 1 on rows stored 4x smaller: the same attention."""
     contexts, head_dim = [40, 70], 64

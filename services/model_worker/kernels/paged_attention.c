@@ -15,10 +15,14 @@
  * into float32 with a shift or a mask instead of a widening convert. The arithmetic stays float32.
  * It reads each key and its value in one pass, SUB keys a softmax step (chunk_bf16).
  *
- * 8-bit caches (fp8 e4m3 with a scale per layer, int8 with a scale per row: kv8.h, docs/kv-cache.md) take a
- * path of their own in the same one-pass shape (chunk_q8): each row widened to float32 in registers, scores
- * reduced sixteen at a time, fp8's scale folded into the query and the output, int8's into each key's score
- * and each value's weight. write_kv_quant quantizes rows as it writes them.
+ * 8-bit caches (fp8 e4m3 with a scale per layer, int8 with a scale per row: kv8.h, docs/kv-cache.md) take
+ * paths of their own in the same one-pass shape, rows read by stride where a chunk's blocks are one run. With
+ * a bf16 query: int8 by integer products (chunk_q8i, AVX512-VNNI: rows sign-extended to int16 against the
+ * query and the softmax weights rounded to int16), fp8 widened to bf16 by byte-table lookups and scored by
+ * vdpbf16ps (chunk_q8b, AVX512-BF16 + VBMI). Otherwise (a float32 query, other CPUs, other shapes) each row
+ * is widened to float32 in registers (chunk_q8). Scores are reduced sixteen at a time; fp8's scale goes on
+ * the scores and the output, int8's on each key's score and each value's weight. write_kv_quant quantizes
+ * rows as it writes them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -88,7 +92,11 @@ static inline __m512 exp16(__m512 x) {
 #endif
 
 #define PREFETCH 16 /* key rows ahead */
-#if PREFETCH > NEXT_ROWS || AHEAD > NEXT_ROWS
+/* The 8-bit paths' rows fetched ahead (chunk_q8b, chunk_q8i): their rows are half the bf16 path's bytes. */
+#ifndef Q8_AHEAD
+#define Q8_AHEAD 16
+#endif
+#if PREFETCH > NEXT_ROWS || AHEAD > NEXT_ROWS || Q8_AHEAD > NEXT_ROWS
 #error "NEXT_ROWS must cover PREFETCH and AHEAD"
 #endif
 
@@ -107,6 +115,7 @@ typedef struct {
      * v_scale: (num_kv_heads, num_slots), a scale per cached row); elem: the caches' ELEM_ kind. */
     int kv_kind, elem;
     const float *k_scale, *v_scale;
+    const uint8_t *tables; /* an 8-bit cache's byte tables (kv8_byte_tables), or NULL where there are none */
 } Args;
 
 typedef struct {
@@ -487,6 +496,8 @@ static void chunk_q8_of(Scratch *w, const float *qf, int group, int C, int fp8, 
 }
 #endif
 
+#include "kv8_attention.h"
+
 /* Where dimension d sits in a row of acc: in place, or even/odd by 32-dimension chunk on the bf16 path. */
 static inline int acc_index(int d, int bf16_path, int head_dim) {
     return bf16_path && head_dim % 32 == 0 ? (d & ~31) + (d & 1) * 16 + (d & 31) / 2 : d;
@@ -539,8 +550,25 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
     const float *v_scales = a->kv_kind == KV_INT8 ? a->v_scale + (size_t)kvh * a->num_slots : NULL;
     /* fp8: the per-layer scales (and widen8x16's 2^8) go on the query and on the output, not on each row. */
     const float k_factor = a->kv_kind == KV_FP8 ? a->k_scale[0] * 256.0f : 1.0f;
-    const float v_factor = a->kv_kind == KV_FP8 ? a->v_scale[0] * 256.0f : 1.0f;
+    float v_factor = a->kv_kind == KV_FP8 ? a->v_scale[0] * 256.0f : 1.0f;
     float max[64], sum[64];
+#ifdef Q8I_PATH
+    const int q8i_path = a->kv_kind == KV_INT8 && a->is_bf16 && D % 32 == 0 && D <= 256 &&
+                         (group == 1 || group == 2 || group == 4 || group == 8);
+    float qf[8]; /* q8i: each row's score factor */
+#else
+    const int q8i_path = 0;
+#endif
+#ifdef Q8B_PATH
+    const int q8b_path = !q8i_path && a->kv_kind != KV_SAME && a->is_bf16 && a->tables && D % 64 == 0 &&
+                         D <= 256 && (group == 1 || group == 2 || group == 4 || group == 8);
+    /* fp8 rows widened by the tables are exact: only the layer's scales remain to apply */
+    const int q8b_ordered = q8b_path && !Q8B_TABLE_VALUES(a->kv_kind == KV_FP8, group);
+    const float q8b_kf = a->scale * (a->kv_kind == KV_FP8 ? a->k_scale[0] : 1.0f);
+    if (q8b_path && !q8b_ordered) v_factor = a->v_scale[0];
+#else
+    const int q8b_path = 0, q8b_ordered = 0;
+#endif
 #ifdef Q8_PATH
     const int q8_path = a->kv_kind != KV_SAME && D % 16 == 0 && D <= 256 &&
                         (group == 1 || group == 2 || group == 4 || group == 8);
@@ -555,6 +583,9 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
 #else
     const int bf16_path = 0;
 #endif
+#if defined(Q8B_PATH)
+    __m512i *const qb8 = qb; /* q8b_query's layout: 2 D / 64 vectors a row */
+#endif
 
     for (int r = 0; r < group; r++) {
         const char *row = (const char *)a->q + ((size_t)b * a->num_heads + (size_t)kvh * group + r) * q_row_bytes;
@@ -563,6 +594,16 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
             qb[r] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)row));
         else if (bf16_path)
             for (int c = 0; c < D / 32; c++) qb[r * (D / 32) + c] = _mm512_loadu_si512((const uint16_t *)row + 32 * c);
+        else
+#endif
+#ifdef Q8I_PATH
+        if (q8i_path)
+            qf[r] = a->scale * q8i_query((const uint16_t *)row, D, (int16_t *)w->q + (size_t)r * D);
+        else
+#endif
+#ifdef Q8B_PATH
+        if (q8b_path)
+            q8b_query((const uint16_t *)row, D, qb8 + (size_t)r * (D / 32));
         else
 #endif
             for (int d = 0; d < D; d++) w->q[(size_t)r * D + d] = load1(row, a->is_bf16, d) * a->scale * k_factor;
@@ -574,18 +615,40 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
         const int n = ctx - k0 < KEY_CHUNK ? ctx - k0 : KEY_CHUNK;
         /* The chunk's rows and the next chunk's first NEXT_ROWS, for fetching ahead. */
         const int avail = ctx - k0 < n + NEXT_ROWS ? ctx - k0 : n + NEXT_ROWS;
-#ifdef BF16_PATH
+#if defined(BF16_PATH) || defined(Q8I_PATH) || defined(Q8B_PATH)
         /* Where the blocks the chunk (and the rows after it) spans are one run of ids, its rows are read
-         * by stride: the block manager allocates runs where it can. */
-        if (bf16_path) {
+         * by stride (and an int8 cache's scales in place): the block manager allocates runs where it can. */
+        if (bf16_path || q8i_path || q8b_path) {
             const int first_block = k0 / a->block_size, last_block = (k0 + avail - 1) / a->block_size;
             int run = 1;
             for (int i = first_block; i < last_block && run; i++) run = table[i + 1] == table[i] + 1;
             if (run) {
                 const size_t first = (size_t)table[first_block] * a->block_size + k0 % a->block_size;
+                const char *k_run = k_head + first * row_bytes, *v_run = v_head + first * row_bytes;
+                const float *ks = k_scales ? k_scales + first : NULL, *vs = v_scales ? v_scales + first : NULL;
+                if (ks) /* the next chunk's scales */
+                    for (int i = 0; i < KEY_CHUNK; i += 16) {
+                        __builtin_prefetch(ks + n + i, 0, 3);
+                        __builtin_prefetch(vs + n + i, 0, 3);
+                    }
+#ifdef Q8I_PATH
+                if (q8i_path) {
+                    chunk_q8i_of(w, k_run, v_run, ks, vs, (const int16_t *)w->q, qf, group, D / 32, n, avail, max, sum);
+                    continue;
+                }
+#endif
+#ifdef Q8B_PATH
+                if (q8b_path) {
+                    chunk_q8b_of(w, k_run, v_run, ks, vs, qb8, a->tables, group, D / 64, a->kv_kind == KV_FP8, q8b_kf,
+                                 n, avail, max, sum);
+                    continue;
+                }
+#endif
+#ifdef BF16_PATH
                 chunk_bf16_of(a, w, qb, group, half ? 0 : D / 32, k_head + first * row_bytes,
                               v_head + first * row_bytes, n, avail, max, sum);
                 continue;
+#endif
             }
         }
 #endif
@@ -609,6 +672,20 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
                 __builtin_prefetch(k_scales + slot, 0, 3);
                 __builtin_prefetch(v_scales + slot, 0, 3);
             }
+#ifdef Q8I_PATH
+        if (q8i_path) {
+            chunk_q8i_of(w, NULL, NULL, w->k_scales, w->v_scales, (const int16_t *)w->q, qf, group, D / 32, n, avail, max,
+                         sum);
+            continue;
+        }
+#endif
+#ifdef Q8B_PATH
+        if (q8b_path) {
+            chunk_q8b_of(w, NULL, NULL, w->k_scales, w->v_scales, qb8, a->tables, group, D / 64, a->kv_kind == KV_FP8,
+                         q8b_kf, n, avail, max, sum);
+            continue;
+        }
+#endif
 #ifdef Q8_PATH
         if (q8_path) {
             chunk_q8_of(w, w->q, group, D / 16, a->kv_kind == KV_FP8, n, avail, max, sum);
@@ -648,6 +725,16 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
                 const __m512i pairs = _mm512_or_si512(_mm512_srli_epi32(round_bf16x16(even), 16), round_bf16x16(odd));
                 _mm512_storeu_si512((uint16_t *)a->out + row + 32 * c, pairs);
             }
+            continue;
+        }
+#endif
+#if defined(Q8I_PATH) || defined(Q8B_PATH)
+        if (q8i_path || q8b_path) { /* bf16 rows of a multiple of 32: back in order, rounded 16 at a time */
+            float ordered[256] __attribute__((aligned(64)));
+            for (int d = 0; d < D; d++) ordered[d] = acc[q8i_path ? q8i_acc_index(d) : q8b_ordered ? d : q8b_acc_index(d)];
+            for (int d = 0; d < D; d += 16)
+                store_bf16((uint16_t *)a->out + row + d,
+                           round_bf16x16(_mm512_mul_ps(_mm512_load_ps(ordered + d), _mm512_set1_ps(inv))));
             continue;
         }
 #endif
@@ -712,8 +799,22 @@ int paged_decode_attention_kv(const void *q, const void *k_cache, const void *v_
                                                 max_blocks);
     if (table_status) return table_status;
     const int elem = kv_kind == KV_FP8 ? ELEM_FP8 : kv_kind == KV_INT8 ? ELEM_INT8 : is_bf16 ? ELEM_BF16 : ELEM_F32;
+#ifdef Q8B_PATH
+    /* Built once per kind (every layer of every step would otherwise rebuild them); a racing first build
+     * writes the same bytes. */
+    static uint8_t tables[2][TABLE_BYTES] __attribute__((aligned(64)));
+    static int built[2];
+    const int t = kv_kind == KV_FP8;
+    if (kv_kind != KV_SAME && !__atomic_load_n(&built[t], __ATOMIC_ACQUIRE)) {
+        kv8_byte_tables(tables[t], t);
+        __atomic_store_n(&built[t], 1, __ATOMIC_RELEASE);
+    }
+    const uint8_t *table_ptr = kv_kind != KV_SAME ? tables[t] : NULL;
+#else
+    const uint8_t *table_ptr = NULL;
+#endif
     const Args a = {q, k_cache, v_cache, out, context_lens, block_tables, num_slots, num_heads, num_kv_heads,
-                    head_dim, block_size, max_blocks, is_bf16, scale, kv_kind, elem, k_scale, v_scale};
+                    head_dim, block_size, max_blocks, is_bf16, scale, kv_kind, elem, k_scale, v_scale, table_ptr};
     const int group = num_heads / num_kv_heads, num_items = num_seqs * num_kv_heads;
     int failed = 0;
 #pragma omp parallel
