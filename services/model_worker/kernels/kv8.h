@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "widen8.h" /* widen8x16: 16 cache bytes as float32 */
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -108,20 +110,6 @@ static inline float quantize_row(const float *x, uint8_t *q, int n, int kind, fl
     for (; i < n; i++) q[i] = (uint8_t)(int8_t)nearbyintf(x[i] / d);
     return s;
 }
-
-#ifdef __AVX512F__
-/* 16 cache values as float32: int8 exactly; fp8 e4m3 as 2^-8 times its value (q8_linear.c's widen16: the
- * sign-extended byte shifted into a float16's place, the copy of the sign in the exponent's top bit masked). */
-static inline __attribute__((always_inline)) __m512 widen8x16(const uint8_t *p, const int fp8) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)p);
-    if (fp8) {
-        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
-                                           _mm256_set1_epi16((short)0xBF80));
-        return _mm512_cvtph_ps(h);
-    }
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-}
-#endif
 
 /* One cache value as widen8x16 gives it (fp8: 2^-8 times its value). */
 static inline float widen8(const uint8_t *p, int i, int fp8) {

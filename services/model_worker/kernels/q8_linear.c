@@ -29,28 +29,14 @@
 
 #include "amx_tiles.h"
 #include "bf16.h"
+#include "widen8.h" /* widen8x16: 16 weight bytes as float32 */
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 #define AI static inline __attribute__((always_inline))
 
-/* 16 weights as float32: int8 exactly; fp8 e4m3 as 2^-8 times its value. An e4m3 byte s.eeee.mmm
- * sign-extended to 16 bits and shifted left 7 puts eeee.mmm where a float16 keeps the low four
- * exponent bits and top three mantissa bits, and s in the sign; the mask clears the copy of s
- * that lands in the exponent's top bit. float16's exponent bias is 8 more than e4m3's, for normal
- * and subnormal numbers alike. (e4m3fn's NaN bytes become finite numbers: no checkpoint has them.) */
-AI __m512 widen16(const uint8_t *p, const int fp8) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)p);
-    if (fp8) {
-        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
-                                           _mm256_set1_epi16((short)0xBF80));
-        return _mm512_cvtph_ps(h);
-    }
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-}
-
-/* The scale that turns a widened weight into its value: fp8 carries the 2^8 of widen16. */
+/* The scale that turns a widened weight into its value: fp8 carries the 2^8 of widen8x16. */
 AI float scale_at(const float *scales, int64_t row, int64_t blocks, int64_t b, const int fp8) {
     return fp8 ? scales[row * blocks + b] * 256.0f : scales[row * blocks + b];
 }
@@ -79,7 +65,7 @@ AI void rows_block(const float *xf, const uint8_t *w, const float *scales, uint1
             for (int r = 0; r < R; r++) {
                 const uint8_t *p = w + (n0 + r) * k + j;
                 if (prefetch && (j & 63) == 0) _mm_prefetch((const char *)(p + R * k), _MM_HINT_T0);
-                __m512 wv = widen16(p, fp8);
+                __m512 wv = widen8x16(p, fp8);
                 if (fp8) wv = _mm512_mul_ps(wv, s[r]);
 #pragma GCC unroll 4
                 for (int i = 0; i < MB; i++) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
@@ -149,13 +135,13 @@ AI void dequantize_rows(const uint8_t *w, const float *scales, uint16_t *dst, in
             /* 32 at a time, rounded by the hardware (to nearest even, as round_bf16x16): the dequantizing
              * is most of what the AMX path adds to reading the bytes. */
             for (; j + 32 <= k1; j += 32) {
-                const __m512 lo = _mm512_mul_ps(widen16(w + r * k + j, fp8), s);
-                const __m512 hi = _mm512_mul_ps(widen16(w + r * k + j + 16, fp8), s);
+                const __m512 lo = _mm512_mul_ps(widen8x16(w + r * k + j, fp8), s);
+                const __m512 hi = _mm512_mul_ps(widen8x16(w + r * k + j + 16, fp8), s);
                 _mm512_storeu_si512(dst + r * k + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
             }
 #endif
             for (; j < k1; j += 16) {
-                const __m512i rounded = round_bf16x16(_mm512_mul_ps(widen16(w + r * k + j, fp8), s));
+                const __m512i rounded = round_bf16x16(_mm512_mul_ps(widen8x16(w + r * k + j, fp8), s));
                 _mm256_storeu_si256((__m256i *)(dst + r * k + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
             }
         }
