@@ -2,17 +2,12 @@
 import pytest
 import torch
 
-from services.model_worker.kernels import build, cpu_q8_linear
+from services.model_worker.kernels import cpu_q8_linear
 from services.model_worker.model.layers.quant.quantize import dequantize
+from tests.unit import test_q8_linear
 
-needs_avx512 = pytest.mark.skipif("avx512f" not in build.cpu_features(), reason="the CPU has no AVX-512")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    kernels = cpu_q8_linear.load()
-    assert kernels is not None, "the kernels must build on a CPU with AVX-512 (gcc is on the test machine)"
-    return kernels
+needs_avx512 = test_q8_linear.needs_avx512
+kernels = test_q8_linear.kernels  # the module's fixture, shared
 
 
 def gemv(kernels, x, q, scales, block_k):
