@@ -6,7 +6,7 @@ import asyncio
 import grpc
 import pytest
 
-from gateway.fleet.downstream import MultiplexedCalls, WorkerStream
+from gateway.fleet.worker_stream import MultiplexedCalls, WorkerStream
 from gateway.fleet.worker_mux import WorkerMux
 from tests.unit.test_worker_retry import Failed, FakeFleet
 from vllm_v0.worker.v1 import worker_pb2

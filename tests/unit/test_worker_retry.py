@@ -4,7 +4,7 @@ import asyncio
 import grpc
 import pytest
 
-from gateway.fleet.downstream import WorkerStream
+from gateway.fleet.worker_stream import WorkerStream
 from rpcserver.errors import Unavailable
 from vllm_v0.worker.v1 import worker_pb2
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1evllm_v0/worker/v1/worker.proto\x12\x11vllm_v0.worker.v1\"\xd2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\xd7\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.vllm_v0.worker.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x15\n\x08logprobs\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x45\n\nlogit_bias\x18\t \x03(\x0b\x32\x31.vllm_v0.worker.v1.GenerateRequest.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\rH\x02\x88\x01\x01\x12>\n\x11structured_output\x18\x08 \x01(\x0b\x32#.vllm_v0.worker.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xf3\x02\n\x10GenerateResponse\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x35\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1f.vllm_v0.worker.v1.TokenLogprob\x12\x36\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1f.vllm_v0.worker.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x39\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32 .vllm_v0.worker.v1.PromptLogprob\x12\x1a\n\rspec_accepted\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x1e\n\x16prompt_logprobs_offset\x18\x08 \x01(\r\x12\x1c\n\x14prompt_logprobs_only\x18\t \x01(\x08\x42\n\n\x08_logprobB\x10\n\x0e_spec_accepted\"f\n\x13GenerateManyRequest\x12\x33\n\x05start\x18\x01 \x01(\x0b\x32\".vllm_v0.worker.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x61\x63tion\"\x81\x01\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x04step\x18\x02 \x01(\x0b\x32#.vllm_v0.worker.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"I\n\x14GenerateManyResponse\x12\x31\n\x07outputs\x18\x01 \x03(\x0b\x32 .vllm_v0.worker.v1.RequestOutput\"\x10\n\x0eGetInfoRequest\"\xbf\x05\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x14\n\x07running\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07waiting\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x1b\n\x0ekv_blocks_used\x18\t \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x0ekv_blocks_free\x18\n \x01(\rH\x03\x88\x01\x01\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\"\n\x15prefix_cache_hit_rate\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12 \n\x13tokens_after_cancel\x18\r \x01(\x04H\x05\x88\x01\x01\x12\x14\n\x0cmax_logprobs\x18\x0e \x01(\r\x12\x1a\n\x12speculative_method\x18\x0f \x01(\t\x12(\n\x1bspeculative_proposed_tokens\x18\x10 \x01(\x04H\x06\x88\x01\x01\x12(\n\x1bspeculative_accepted_tokens\x18\x11 \x01(\x04H\x07\x88\x01\x01\x12(\n\x1bspeculative_acceptance_rate\x18\x12 \x01(\x02H\x08\x88\x01\x01\x42\n\n\x08_runningB\n\n\x08_waitingB\x11\n\x0f_kv_blocks_usedB\x11\n\x0f_kv_blocks_freeB\x18\n\x16_prefix_cache_hit_rateB\x16\n\x14_tokens_after_cancelB\x1e\n\x1c_speculative_proposed_tokensB\x1e\n\x1c_speculative_accepted_tokensB\x1e\n\x1c_speculative_acceptance_rate\"\x12\n\x10WatchLoadRequest\"\xdb\x01\n\nLoadUpdate\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x06 \x01(\x02\x12\x1b\n\x13stored_block_hashes\x18\x07 \x03(\x0c\x12\x1c\n\x14\x65victed_block_hashes\x18\x08 \x03(\x0c\x12\x12\n\nblock_size\x18\t \x01(\r\"_\n\rPromptLogprob\x12\x14\n\x07logprob\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12,\n\x03top\x18\x02 \x03(\x0b\x32\x1f.vllm_v0.worker.v1.TokenLogprobB\n\n\x08_logprob\"\x83\x02\n\x10StructuredOutput\x12!\n\x14start_after_token_id\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12=\n\x06\x63hoice\x18\x04 \x01(\x0b\x32+.vllm_v0.worker.v1.StructuredOutput.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kindB\x17\n\x15_start_after_token_id*^\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xf5\x02\n\x12ModelWorkerService\x12U\n\x08Generate\x12\".vllm_v0.worker.v1.GenerateRequest\x1a#.vllm_v0.worker.v1.GenerateResponse0\x01\x12\x63\n\x0cGenerateMany\x12&.vllm_v0.worker.v1.GenerateManyRequest\x1a\'.vllm_v0.worker.v1.GenerateManyResponse(\x01\x30\x01\x12P\n\x07GetInfo\x12!.vllm_v0.worker.v1.GetInfoRequest\x1a\".vllm_v0.worker.v1.GetInfoResponse\x12Q\n\tWatchLoad\x12#.vllm_v0.worker.v1.WatchLoadRequest\x1a\x1d.vllm_v0.worker.v1.LoadUpdate0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1evllm_v0/worker/v1/worker.proto\x12\x11vllm_v0.worker.v1\"\xd2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\xf1\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.vllm_v0.worker.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x15\n\x08logprobs\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x45\n\nlogit_bias\x18\t \x03(\x0b\x32\x31.vllm_v0.worker.v1.GenerateRequest.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\rH\x02\x88\x01\x01\x12>\n\x11structured_output\x18\x08 \x01(\x0b\x32#.vllm_v0.worker.v1.StructuredOutput\x12\x18\n\x10output_token_ids\x18\x0b \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xf3\x02\n\x10GenerateResponse\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x35\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1f.vllm_v0.worker.v1.TokenLogprob\x12\x36\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1f.vllm_v0.worker.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x39\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32 .vllm_v0.worker.v1.PromptLogprob\x12\x1a\n\rspec_accepted\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x1e\n\x16prompt_logprobs_offset\x18\x08 \x01(\r\x12\x1c\n\x14prompt_logprobs_only\x18\t \x01(\x08\x42\n\n\x08_logprobB\x10\n\x0e_spec_accepted\"f\n\x13GenerateManyRequest\x12\x33\n\x05start\x18\x01 \x01(\x0b\x32\".vllm_v0.worker.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x61\x63tion\"\x81\x01\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x04step\x18\x02 \x01(\x0b\x32#.vllm_v0.worker.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"I\n\x14GenerateManyResponse\x12\x31\n\x07outputs\x18\x01 \x03(\x0b\x32 .vllm_v0.worker.v1.RequestOutput\"\x10\n\x0eGetInfoRequest\"\xbf\x05\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x14\n\x07running\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07waiting\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x1b\n\x0ekv_blocks_used\x18\t \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x0ekv_blocks_free\x18\n \x01(\rH\x03\x88\x01\x01\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\"\n\x15prefix_cache_hit_rate\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12 \n\x13tokens_after_cancel\x18\r \x01(\x04H\x05\x88\x01\x01\x12\x14\n\x0cmax_logprobs\x18\x0e \x01(\r\x12\x1a\n\x12speculative_method\x18\x0f \x01(\t\x12(\n\x1bspeculative_proposed_tokens\x18\x10 \x01(\x04H\x06\x88\x01\x01\x12(\n\x1bspeculative_accepted_tokens\x18\x11 \x01(\x04H\x07\x88\x01\x01\x12(\n\x1bspeculative_acceptance_rate\x18\x12 \x01(\x02H\x08\x88\x01\x01\x42\n\n\x08_runningB\n\n\x08_waitingB\x11\n\x0f_kv_blocks_usedB\x11\n\x0f_kv_blocks_freeB\x18\n\x16_prefix_cache_hit_rateB\x16\n\x14_tokens_after_cancelB\x1e\n\x1c_speculative_proposed_tokensB\x1e\n\x1c_speculative_accepted_tokensB\x1e\n\x1c_speculative_acceptance_rate\"\x12\n\x10WatchLoadRequest\"\xdb\x01\n\nLoadUpdate\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x06 \x01(\x02\x12\x1b\n\x13stored_block_hashes\x18\x07 \x03(\x0c\x12\x1c\n\x14\x65victed_block_hashes\x18\x08 \x03(\x0c\x12\x12\n\nblock_size\x18\t \x01(\r\"_\n\rPromptLogprob\x12\x14\n\x07logprob\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12,\n\x03top\x18\x02 \x03(\x0b\x32\x1f.vllm_v0.worker.v1.TokenLogprobB\n\n\x08_logprob\"\x83\x02\n\x10StructuredOutput\x12!\n\x14start_after_token_id\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12=\n\x06\x63hoice\x18\x04 \x01(\x0b\x32+.vllm_v0.worker.v1.StructuredOutput.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kindB\x17\n\x15_start_after_token_id*^\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xf5\x02\n\x12ModelWorkerService\x12U\n\x08Generate\x12\".vllm_v0.worker.v1.GenerateRequest\x1a#.vllm_v0.worker.v1.GenerateResponse0\x01\x12\x63\n\x0cGenerateMany\x12&.vllm_v0.worker.v1.GenerateManyRequest\x1a\'.vllm_v0.worker.v1.GenerateManyResponse(\x01\x30\x01\x12P\n\x07GetInfo\x12!.vllm_v0.worker.v1.GetInfoRequest\x1a\".vllm_v0.worker.v1.GetInfoResponse\x12Q\n\tWatchLoad\x12#.vllm_v0.worker.v1.WatchLoadRequest\x1a\x1d.vllm_v0.worker.v1.LoadUpdate0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,38 +33,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2929
-  _globals['_FINISHREASON']._serialized_end=3023
+  _globals['_FINISHREASON']._serialized_start=2955
+  _globals['_FINISHREASON']._serialized_end=3049
   _globals['_SAMPLINGPARAMS']._serialized_start=54
   _globals['_SAMPLINGPARAMS']._serialized_end=392
   _globals['_GENERATEREQUEST']._serialized_start=395
-  _globals['_GENERATEREQUEST']._serialized_end=866
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=770
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=818
-  _globals['_TOKENLOGPROB']._serialized_start=868
-  _globals['_TOKENLOGPROB']._serialized_end=917
-  _globals['_GENERATERESPONSE']._serialized_start=920
-  _globals['_GENERATERESPONSE']._serialized_end=1291
-  _globals['_GENERATEMANYREQUEST']._serialized_start=1293
-  _globals['_GENERATEMANYREQUEST']._serialized_end=1395
-  _globals['_REQUESTOUTPUT']._serialized_start=1398
-  _globals['_REQUESTOUTPUT']._serialized_end=1527
-  _globals['_GENERATEMANYRESPONSE']._serialized_start=1529
-  _globals['_GENERATEMANYRESPONSE']._serialized_end=1602
-  _globals['_GETINFOREQUEST']._serialized_start=1604
-  _globals['_GETINFOREQUEST']._serialized_end=1620
-  _globals['_GETINFORESPONSE']._serialized_start=1623
-  _globals['_GETINFORESPONSE']._serialized_end=2326
-  _globals['_WATCHLOADREQUEST']._serialized_start=2328
-  _globals['_WATCHLOADREQUEST']._serialized_end=2346
-  _globals['_LOADUPDATE']._serialized_start=2349
-  _globals['_LOADUPDATE']._serialized_end=2568
-  _globals['_PROMPTLOGPROB']._serialized_start=2570
-  _globals['_PROMPTLOGPROB']._serialized_end=2665
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=2668
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=2927
-  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_start=2868
-  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_end=2894
-  _globals['_MODELWORKERSERVICE']._serialized_start=3026
-  _globals['_MODELWORKERSERVICE']._serialized_end=3399
+  _globals['_GENERATEREQUEST']._serialized_end=892
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=796
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=844
+  _globals['_TOKENLOGPROB']._serialized_start=894
+  _globals['_TOKENLOGPROB']._serialized_end=943
+  _globals['_GENERATERESPONSE']._serialized_start=946
+  _globals['_GENERATERESPONSE']._serialized_end=1317
+  _globals['_GENERATEMANYREQUEST']._serialized_start=1319
+  _globals['_GENERATEMANYREQUEST']._serialized_end=1421
+  _globals['_REQUESTOUTPUT']._serialized_start=1424
+  _globals['_REQUESTOUTPUT']._serialized_end=1553
+  _globals['_GENERATEMANYRESPONSE']._serialized_start=1555
+  _globals['_GENERATEMANYRESPONSE']._serialized_end=1628
+  _globals['_GETINFOREQUEST']._serialized_start=1630
+  _globals['_GETINFOREQUEST']._serialized_end=1646
+  _globals['_GETINFORESPONSE']._serialized_start=1649
+  _globals['_GETINFORESPONSE']._serialized_end=2352
+  _globals['_WATCHLOADREQUEST']._serialized_start=2354
+  _globals['_WATCHLOADREQUEST']._serialized_end=2372
+  _globals['_LOADUPDATE']._serialized_start=2375
+  _globals['_LOADUPDATE']._serialized_end=2594
+  _globals['_PROMPTLOGPROB']._serialized_start=2596
+  _globals['_PROMPTLOGPROB']._serialized_end=2691
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=2694
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=2953
+  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_start=2894
+  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_end=2920
+  _globals['_MODELWORKERSERVICE']._serialized_start=3052
+  _globals['_MODELWORKERSERVICE']._serialized_end=3425
 # @@protoc_insertion_point(module_scope)
