@@ -13,6 +13,7 @@ from gateway.core.generation import GenerationCore
 from gateway.fleet.downstream import WORKER_STREAMS, Downstreams, DownstreamTLS
 from gateway.fleet.fleet_metrics import FleetCollector
 from gateway.fleet.router import POLICIES, Router, RouterConfig
+from gateway.fleet.worker_stream import ResumePolicy
 from gateway.fleet.workers import parse_targets
 from gateway.grpc_api.servicer import GatewayServicer
 from gateway.http_api.http_app import create_app
@@ -67,6 +68,11 @@ def parse_args(argv=None) -> argparse.Namespace:
              "error event) (0: no limit). gRPC callers set their own deadline")
     add_flag(parser, "--health-interval", 1.0, "seconds between checks of the downstream services (and DNS "
              "lookups of dns:/// worker addresses)")
+    add_flag(parser, "--max-resumes", 3, "times one request's stream is carried on after what it runs on fails "
+             "(its worker, the worker's engine core, the tokenizer's text stream): on another worker, or on the "
+             "same one once it serves again, after the tokens already sent (0: never; a failure ends the stream)")
+    add_flag(parser, "--resume-wait", 30.0, "longest a broken stream waits for a worker or tokenizer to serve it "
+             "again, within the request's own deadline; past it the stream ends UNAVAILABLE")
     add_flag(parser, "--log-prompts", False, "add each request's prompt text to its log line (off: prompts are "
              "user data)")
     add_auth_flags(parser)
@@ -78,7 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 ("--max-stop-strings", 0, None), ("--max-stop-string-chars", 1, None),
                                 ("--max-logprobs", 0, None), ("--max-prompt-chars", 1, None),
                                 ("--health-interval", 0.01, None), ("--http-port", 0, 65535),
-                                ("--stream-interval", 1, None),
+                                ("--stream-interval", 1, None), ("--max-resumes", 0, None),
+                                ("--resume-wait", 0, None),
                                 ("--http-request-timeout", 0, None)))
     return args
 
@@ -145,7 +152,8 @@ async def serve(args: argparse.Namespace) -> None:
     downstreams = Downstreams(args.tokenizer_addr, args.worker_addr,
                               DownstreamTLS(args.downstream_tls_ca, args.downstream_tls_cert, args.downstream_tls_key),
                               args.health_interval, Router(RouterConfig(args.routing)), args.worker_stream,
-                              downstream_api_key(args), args.max_message_bytes)
+                              downstream_api_key(args), args.max_message_bytes,
+                              ResumePolicy(args.max_resumes, args.resume_wait))
     REGISTRY.register(FleetCollector(downstreams.fleet))
     core = GenerationCore(downstreams, limits_overrides(args), args.stream_interval)
     add_servicer(server.server, service,

@@ -9,7 +9,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.fleet.bearer import bearer_interceptors
 from gateway.fleet.router import Router
-from gateway.fleet.worker_stream import WORKER_STREAMS, MultiplexedCalls, OpenCall, WorkerStream, generate_call
+from gateway.fleet.worker_stream import (WORKER_STREAMS, MultiplexedCalls, OpenCall, ResumePolicy, WorkerStream,
+                                         generate_call)
 from gateway.fleet.workers import Fleet, parse_targets
 from gateway.text.detokenize import Detokenizer
 from rpcserver.pieces import GRPC_MESSAGE_BYTES
@@ -59,10 +60,12 @@ class Downstreams:
 
     def __init__(self, tokenizer_addr: str, worker_targets: list[str] | str, tls: DownstreamTLS,
                  health_interval: float = 1.0, router: Router | None = None, worker_stream: str = "multiplexed",
-                 api_key: str | None = None, max_message_bytes: int = GRPC_MESSAGE_BYTES):
+                 api_key: str | None = None, max_message_bytes: int = GRPC_MESSAGE_BYTES,
+                 resume: ResumePolicy = ResumePolicy()):
         if worker_stream not in WORKER_STREAMS:
             raise ValueError(f"worker_stream must be one of {', '.join(WORKER_STREAMS)}, got {worker_stream!r}")
         self.tls = tls
+        self.resume = resume
         # One shared call per worker costs a message per engine step rather than one per request per step.
         self._open_call: OpenCall = (MultiplexedCalls(max_message_bytes) if worker_stream == "multiplexed"
                                      else generate_call)
@@ -87,7 +90,7 @@ class Downstreams:
 
     def open_worker_stream(self, work: worker_pb2.GenerateRequest, timeout: float | None) -> WorkerStream:
         """The worker's token stream for this request: async-iterable, with cancel()."""
-        return WorkerStream(self.fleet, work, timeout, self._open_call)
+        return WorkerStream(self.fleet, work, timeout, self._open_call, self.resume)
 
     def worker_statuses(self) -> list[gateway_pb2.WorkerStatus]:
         return [gateway_pb2.WorkerStatus(

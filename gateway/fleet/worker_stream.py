@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -17,6 +18,14 @@ from rpcserver.pieces import GRPC_MESSAGE_BYTES
 from vllm_v0.worker.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ResumePolicy:
+    """How far a stream goes to outlive what it runs on."""
+
+    max_resumes: int = 3  # times one request is carried on after a failure; 0: never
+    wait_s: float = 30.0  # longest wait for something to serve it again, within the request's deadline
 
 
 # Starts a request on a worker: a StepStream (its steps in batches) with cancel(), failing as a Generate call does.
@@ -50,8 +59,9 @@ class WorkerStream:
     """
 
     def __init__(self, fleet: Fleet, work: worker_pb2.GenerateRequest, timeout: float | None,
-                 open_call: OpenCall = generate_call):
+                 open_call: OpenCall = generate_call, resume: ResumePolicy = ResumePolicy()):
         self.fleet = fleet
+        self.resume = resume
         self.work = work
         self.open_call = open_call
         self.deadline = time.monotonic() + timeout if timeout is not None else None
