@@ -20,6 +20,11 @@ log = logging.getLogger(__name__)
 OpenCall = Callable[[AsyncIterator[worker_pb2.GenerateManyRequest]], grpc.aio.StreamStreamCall]
 
 
+class CallBroken(SharedCallError):
+    """A request's end because the shared call itself ended (the worker died or its connection dropped), not
+    because the worker failed that request."""
+
+
 class MuxRequest(StepStream):
     """One request on a shared call: its steps in batches or one by one, and `cancel()`, as a Generate call."""
 
@@ -154,7 +159,7 @@ class MuxCall:
             self._outgoing.put_nowait(None)  # ends the sender, should the call still be reading it
         for request in list(self._requests.values()):
             self._end(request)
-            request.buffer.end(SharedCallError(code, details))
+            request.buffer.end(CallBroken(code, details))
 
 
 class WorkerMux:

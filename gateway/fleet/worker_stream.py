@@ -9,10 +9,10 @@ from typing import Any
 
 import grpc
 
-from gateway.fleet.fleet_metrics import RETRIED, ROUTED
+from gateway.fleet.fleet_metrics import RESUMED, RETRIED, ROUTED
 from gateway.fleet.step_stream import CallSteps
-from gateway.fleet.worker_mux import MuxRequest, WorkerMux
-from gateway.fleet.workers import Fleet, Worker
+from gateway.fleet.worker_mux import CallBroken, MuxRequest, WorkerMux
+from gateway.fleet.workers import RECHECK_S, Fleet, Worker
 from rpcserver.errors import Unavailable
 from rpcserver.pieces import GRPC_MESSAGE_BYTES
 from vllm_v0.worker.v1 import worker_pb2
@@ -53,9 +53,26 @@ class MultiplexedCalls:
         return known[1].open(work, timeout)
 
 
+# Why a stream left the worker it was on: the label of the resume counter, and the words of its log line.
+CAUSES = {
+    "worker": "the call to it broke (it died, or its connection dropped)",
+    "unavailable": "it ended the request UNAVAILABLE (its engine core is down, or it is draining)",
+    "not_serving": "it stopped serving and sent nothing more",
+    "ended": "it ended the stream without a finish reason",
+}
+
+class Moved(Exception):
+    """Ends the reading of a stream that the fleet moves off a worker that stopped serving."""
+
+
 class WorkerStream:
-    """One request on a worker the router picks, retried once on another when it fails UNAVAILABLE
-    before its first token (the worker died or is draining); after the first token an error is the caller's.
+    """One request on a worker the router picks, carried on elsewhere when that worker fails it.
+
+    A stream that breaks UNAVAILABLE, ends without a finish reason, or is stranded on a worker that
+    stopped serving goes on, up to `resume.max_resumes` times, on another serving worker (or on the same
+    one once it serves again), within `resume.wait_s` and the request's deadline. The worker gets the ids
+    the stream already yielded as `output_token_ids` and continues after them, so the reader sees one
+    stream: no token twice, none missing. Any other error is the request's own and ends it.
     """
 
     def __init__(self, fleet: Fleet, work: worker_pb2.GenerateRequest, timeout: float | None,
@@ -65,9 +82,17 @@ class WorkerStream:
         self.work = work
         self.open_call = open_call
         self.deadline = time.monotonic() + timeout if timeout is not None else None
+        self.generated: list[int] = []  # every token id yielded so far, on whichever workers
+        self.resumes = 0
+        self.last_step = time.monotonic()  # when the current worker last sent a step (or was given the request)
         self._call = None
         self._worker: Worker | None = None
         self._cancelled = False
+
+    @property
+    def worker(self) -> Worker | None:
+        """The worker the stream is on now; None between workers."""
+        return self._worker
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -75,9 +100,18 @@ class WorkerStream:
             self._call.cancel()
         self._release()
 
+    def move(self) -> None:
+        """Leave the current worker now (it stopped serving) and go on on another."""
+        call = self._call
+        if call is None or self._worker is None or self._cancelled:
+            return
+        call.buffer.end(Moved())  # first: a cancel may end the buffer without an error
+        call.cancel()
+
     def _release(self) -> None:
         if self._worker is not None:
             self._worker.in_flight -= 1
+            self._worker.streams.discard(self)
             self._worker = None
 
     def __aiter__(self):
@@ -90,32 +124,81 @@ class WorkerStream:
 
     async def batches(self):
         """The steps in batches: each holds every step that came since the previous one was taken."""
-        tried: list[str] = []
+        failed: dict[str, int] = {}  # address -> its health checks done when it failed this request
         while not self._cancelled:
-            worker = self.fleet.pick(list(self.work.prompt_token_ids), exclude=tuple(tried))
-            if worker is None:
-                raise Unavailable("no model worker is serving" + (" besides one that failed" if tried else "")
-                                  + "; retry shortly")
-            tried.append(worker.address)
+            worker = await self._next_worker(failed)
             worker.in_flight += 1
+            worker.streams.add(self)
             self._worker = worker
             ROUTED.labels(worker.address).inc()
             timeout = max(0.0, self.deadline - time.monotonic()) if self.deadline is not None else None
-            self._call = self.open_call(worker, self.work, timeout)
-            first = True
+            self.last_step = time.monotonic()
+            self._call = self.open_call(worker, self._attempt(), timeout)
+            finished = False
             try:
                 async for batch in self._call.batches():
-                    first = False
+                    self.last_step = time.monotonic()
+                    self.generated.extend(step.token_id for step in batch)
+                    finished = bool(batch[-1].finish_reason)
                     yield batch
-                return
+                if finished or self._cancelled:
+                    return
+                cause, error = "ended", Unavailable("the model worker ended the stream without a finish reason")
+            except Moved:
+                cause, error = "not_serving", Unavailable(f"the model worker {worker.address} stopped serving")
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
                 worker.wake()  # it may be gone: take it out of the rotation now, not at the next check
-                if not first or len(tried) > 1 or self._cancelled:
-                    raise
-                RETRIED.labels(worker.address).inc()
-                log.warning("request %s: worker %s is unavailable before the first token (%s); retrying on another",
-                            self.work.request_id, worker.address, e.details())
+                cause, error = ("worker" if isinstance(e, CallBroken) else "unavailable"), e
             finally:
                 self._release()
+            if self._cancelled:
+                return
+            failed[worker.address] = worker.checks
+            if self.resumes >= self.resume.max_resumes:
+                if self.resume.max_resumes:
+                    log.warning("request %s: worker %s failed it: %s, after %d resumes; giving up",
+                                self.work.request_id, worker.address, CAUSES[cause], self.resumes)
+                raise error
+            self.resumes += 1
+            RESUMED.labels(cause).inc()
+            if not self.generated:
+                RETRIED.labels(worker.address).inc()
+            log.warning("request %s: worker %s failed it after %d tokens: %s; resuming (%d of at most %d)",
+                        self.work.request_id, worker.address, len(self.generated), CAUSES[cause], self.resumes,
+                        self.resume.max_resumes)
+
+    def _attempt(self) -> worker_pb2.GenerateRequest:
+        """The request as the next worker gets it: after the ids already generated, under an id of its own."""
+        if not self.resumes:
+            return self.work
+        work = worker_pb2.GenerateRequest()
+        work.CopyFrom(self.work)
+        # A worker may still hold the attempt it failed (its cancel on the way): the new one must not clash.
+        work.request_id = f"{self.work.request_id}.{self.resumes}"
+        if self.generated:
+            work.output_token_ids.extend(self.generated)
+            work.ClearField("prompt_logprobs")  # they went out with the first token
+        return work
+
+    async def _next_worker(self, failed: dict[str, int]) -> Worker:
+        """A serving worker for the request, leaving out those that failed it until a health check has seen
+        them since; after a failure, waits for one to serve, within the resume wait and the deadline."""
+        ids = [*self.work.prompt_token_ids, *self.generated]  # cached blocks of both count for routing
+        give_up = time.monotonic() + self.resume.wait_s
+        if self.deadline is not None:
+            give_up = min(give_up, self.deadline)
+        while True:
+            exclude = tuple(address for address, checks in failed.items()
+                            if (w := self.fleet.workers.get(address)) is None or w.checks <= checks)
+            worker = self.fleet.pick(ids, exclude=exclude)
+            if worker is not None:
+                return worker
+            if not failed:
+                raise Unavailable("no model worker is serving; retry shortly")
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise Unavailable(f"no model worker could go on with the request after its worker failed (waited "
+                                  f"{self.resume.wait_s:g} s, within the request's deadline); retry shortly")
+            await self.fleet.wait_for_change(min(left, RECHECK_S))

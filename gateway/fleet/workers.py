@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Callable
 
 import grpc
@@ -17,6 +18,12 @@ log = logging.getLogger(__name__)
 
 SERVING, NOT_SERVING, UNREACHABLE = "serving", "not_serving", "unreachable"
 DNS_PREFIX = "dns:///"
+# While a stream waits for a worker to serve it again, the workers not serving are checked this often, rather
+# than every --health-interval: the wait ends as soon as one is back.
+RECHECK_S = 0.2
+# A stream on a worker that stopped serving is moved once it has had no step for this long, if another worker
+# serves: a worker whose engine core died sends nothing until its new core is up, while a draining one goes on.
+STRANDED_S = 0.5
 
 
 def parse_targets(values: list[str] | str) -> list[str]:
@@ -60,9 +67,13 @@ class Worker:
         self.blocks: set[bytes] = set()       # block hashes its prefix cache holds, as it reported them
         self.block_size = 0
         self.in_flight = 0  # streams this gateway has open on it
+        self.streams: set = set()  # those streams (WorkerStream), so they can be moved when it stops serving
+        self.checks = 0  # health checks done: a stream it failed tries it again only after a later one
+        self.on_checked: Callable[[], None] = lambda: None
         self._wake = asyncio.Event()
         self._watch: asyncio.Task | None = None
         self._follow: asyncio.Task | None = None
+        self._status: asyncio.Task | None = None
 
     @property
     def serving(self) -> bool:
@@ -70,6 +81,7 @@ class Worker:
 
     def start(self) -> None:
         self._watch = asyncio.create_task(self._watch_health(), name=f"watch {self.address}")
+        self._status = asyncio.create_task(self._watch_status(), name=f"status {self.address}")
 
     def wake(self) -> None:
         """Check health now rather than at the next interval (a call to it failed, its load stream ended)."""
@@ -80,10 +92,10 @@ class Worker:
         return WorkerView(self.address, max(self.load.running + self.load.waiting, self.in_flight), self.blocks)
 
     async def close(self) -> None:
-        for task in (self._watch, self._follow):
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in (self._watch, self._follow) if t is not None), return_exceptions=True)
+        tasks = [t for t in (self._watch, self._follow, self._status) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.channel.close()
 
     async def _check(self) -> str:
@@ -100,13 +112,18 @@ class Worker:
                 return NOT_SERVING
         return SERVING
 
+    def _set_state(self, state: str) -> None:
+        if state != self.state:
+            (log.info if state == SERVING else log.warning)("worker %s: %s -> %s", self.address, self.state, state)
+            self.state = state
+            self.on_change()
+
     async def _watch_health(self) -> None:
         while True:
             state = await self._check()
-            if state != self.state:
-                (log.info if state == SERVING else log.warning)("worker %s: %s -> %s", self.address, self.state, state)
-                self.state = state
-                self.on_change()
+            self.checks += 1
+            self._set_state(state)
+            self.on_checked()
             if state == SERVING and (self._follow is None or self._follow.done()):
                 self._follow = asyncio.create_task(self._follow_load(), name=f"load {self.address}")
             try:
@@ -114,6 +131,25 @@ class Worker:
             except TimeoutError:
                 pass
             self._wake.clear()
+
+    async def _watch_status(self) -> None:
+        """Health's Watch stream: a worker whose engine core died says NOT_SERVING at once, and its streams
+        can move on within milliseconds rather than at the next check. Coming back is left to the checks,
+        which fetch its facts first."""
+        while True:
+            try:
+                async for reply in self._health.Watch(health_pb2.HealthCheckRequest()):
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        if self.state != SERVING:
+                            self.wake()
+                    elif self.state == SERVING:
+                        self._set_state(NOT_SERVING)
+                        self.wake()
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return  # a server without Watch: the checks alone it is
+                self.wake()
+            await asyncio.sleep(self.interval)
 
     async def _follow_load(self) -> None:
         try:
@@ -153,11 +189,49 @@ class Fleet:
         # Targets whose last lookup failed: said once, not every interval (a Kubernetes headless Service
         # has no address at all until its first worker is ready, which can take many minutes).
         self._unresolved: set[str] = set()
+        self._waiters: list[asyncio.Future] = []  # wait_for_change's, woken by any state change or check
+        self._mover: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self._resolve()
         if any(t.startswith(DNS_PREFIX) for t in self.targets):
             self._resolver = asyncio.create_task(self._resolve_every_interval(), name="resolve workers")
+        self._mover = asyncio.create_task(self._move_stranded(), name="move stranded streams")
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """Until a worker changes state or completes a health check, at most `timeout` seconds; the workers
+        not serving are checked at once, so one that is back is seen now rather than at its next interval."""
+        for worker in self.workers.values():
+            if not worker.serving:
+                worker.wake()
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    def _notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _move_stranded(self) -> None:
+        """Move the streams stuck on a worker that stopped serving to the others, while any serves."""
+        while True:
+            await asyncio.sleep(RECHECK_S)
+            stranded = [w for w in self.workers.values() if w.streams and not w.serving]
+            if not stranded or not self.serving():
+                continue
+            now = time.monotonic()
+            for worker in stranded:
+                for stream in list(worker.streams):
+                    if now - stream.last_step >= STRANDED_S:
+                        stream.move()
 
     def serving(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.serving]
@@ -176,8 +250,9 @@ class Fleet:
         return self.workers[view.address] if view is not None else None
 
     async def close(self) -> None:
-        if self._resolver is not None:
-            self._resolver.cancel()
+        for task in (self._resolver, self._mover):
+            if task is not None:
+                task.cancel()
         for task in self._retiring:
             task.cancel()  # closes the worker at once rather than after its streams
         await asyncio.gather(*(w.close() for w in self.workers.values()))
@@ -186,6 +261,7 @@ class Fleet:
 
     def _changed(self) -> None:
         self.changed.set()
+        self._notify()
 
     async def _resolve(self) -> None:
         wanted: list[str] = []
@@ -211,6 +287,7 @@ class Fleet:
         for address in wanted:
             if address not in self.workers:
                 worker = Worker(address, self.open_channel(address), self.interval, self._changed)
+                worker.on_checked = self._notify
                 self.workers[address] = worker
                 worker.start()
                 self._changed()

@@ -216,7 +216,8 @@ class MuxWorker:
     """A fleet worker whose stub opens fake GenerateMany calls, answered by `answer(call)` once it has a start."""
 
     def __init__(self, address, answer):
-        self.address, self.in_flight, self.woken = address, 0, 0
+        self.address, self.in_flight, self.woken, self.checks = address, 0, 0, 0
+        self.serving, self.streams = True, set()
         self.opener = Opener()
         self.answer = answer
         worker = self
@@ -261,12 +262,37 @@ def test_unavailable_before_the_first_token_is_retried_on_another_worker(how):
     assert first.in_flight == second.in_flight == 0
 
 
-def test_after_the_first_token_an_unavailable_worker_is_the_callers_error():
+@pytest.mark.parametrize("how", ["call", "request"])
+def test_after_tokens_an_unavailable_worker_hands_the_stream_on_after_them(how):
     def dies(call, wire_id):
         call.reply((wire_id, 7, MORE))
-        call.fail(grpc.StatusCode.UNAVAILABLE)
+        if how == "call":
+            call.fail(grpc.StatusCode.UNAVAILABLE)  # the worker died: the shared call broke
+        else:
+            call.reply((wire_id, grpc.StatusCode.UNAVAILABLE, "the engine core died"))
 
-    first, second = MuxWorker("a", dies), MuxWorker("b", lambda call, wire_id: None)
-    with pytest.raises(grpc.aio.AioRpcError) as failed:
-        stream_tokens(FakeFleet(first, second))
-    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and second.opener.calls == []
+    def goes_on(call, wire_id):
+        call.reply((wire_id, 8, MORE), (wire_id, 9, LAST))
+
+    first, second = MuxWorker("a", dies), MuxWorker("b", goes_on)
+    assert stream_tokens(FakeFleet(first, second)) == [7, 8, 9]
+    resumed = next(iter(second.opener.calls[0].starts.values()))
+    assert list(resumed.output_token_ids) == [7] and list(resumed.prompt_token_ids) == [1, 2, 3]
+    assert first.in_flight == second.in_flight == 0
+
+
+def test_a_moved_stream_is_cancelled_on_the_worker_it_leaves():
+    async def run():
+        first = MuxWorker("a", lambda call, wire_id: call.reply((wire_id, 7, MORE)))  # then nothing: stranded
+        second = MuxWorker("b", lambda call, wire_id: call.reply((wire_id, 8, LAST)))
+        stream = WorkerStream(FakeFleet(first, second), work("r"), 5.0, MultiplexedCalls())
+        got = []
+        async for step in stream:
+            got.append(step.token_id)
+            if step.token_id == 7:
+                stream.move()
+        call = first.opener.calls[0]
+        await settle(call.half_closed.is_set)
+        assert call.cancels == [call.starts["r"].request_id]
+        return got
+    assert asyncio.run(run()) == [7, 8]
