@@ -9,9 +9,10 @@ from gateway.fleet.workers import SERVING, Fleet
 ROUTED = Counter("vllm_v0_gateway_worker_requests", "worker streams opened, by worker", ["worker"])
 RETRIED = Counter("vllm_v0_gateway_worker_retries", "requests retried on another worker after this one failed "
                   "UNAVAILABLE before the first token", ["worker"])
-# cause: engine_core (the worker said its engine core died), worker (the call to the worker broke: it died or
-# its connection dropped), not_serving (moved off a worker that stopped serving), tokenizer (a text stream
-# re-primed on a new DecodeBatches call), encode (an Encode retried on another tokenizer).
+# cause: worker (the call to the worker broke: it died or its connection dropped), unavailable (the worker ended
+# the request UNAVAILABLE: its engine core is down, or it drains), not_serving (moved off a worker that stopped
+# serving), ended (the worker ended the stream without a finish reason), tokenizer (a text stream re-primed on a
+# new DecodeBatches call), encode (an Encode retried on another tokenizer).
 RESUMED = Counter("vllm_v0_gateway_resumes", "streams carried on after what they were on failed, by cause", ["cause"])
 
 _GAUGES = (

@@ -21,8 +21,9 @@ DNS_PREFIX = "dns:///"
 # While a stream waits for a worker to serve it again, the workers not serving are checked this often, rather
 # than every --health-interval: the wait ends as soon as one is back.
 RECHECK_S = 0.2
-# A stream on a worker that stopped serving is moved once it has had no step for this long, if another worker
-# serves: a worker whose engine core died sends nothing until its new core is up, while a draining one goes on.
+# A stream on a worker that stopped serving and reports nothing running (its engine core died: it sends nothing
+# until its new core is up) is moved once it has had no step for this long, if another worker serves. A draining
+# worker, which finishes its streams, reports them running.
 STRANDED_S = 0.5
 
 
@@ -224,7 +225,9 @@ class Fleet:
         """Move the streams stuck on a worker that stopped serving to the others, while any serves."""
         while True:
             await asyncio.sleep(RECHECK_S)
-            stranded = [w for w in self.workers.values() if w.streams and not w.serving]
+            # A draining worker still reports the sequences it runs; one whose engine core died reports none.
+            stranded = [w for w in self.workers.values()
+                        if w.streams and not w.serving and not (w.load.running or w.load.waiting)]
             if not stranded or not self.serving():
                 continue
             now = time.monotonic()

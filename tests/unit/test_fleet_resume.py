@@ -47,6 +47,10 @@ def test_streams_stuck_on_a_worker_that_stopped_serving_move_while_another_serve
         down, up = fleet.workers.values()
         stuck, busy = Stream(time.monotonic() - 2 * STRANDED_S), Stream(time.monotonic() + 60)
         down.streams.update({stuck, busy})  # `busy` still gets steps: a draining worker finishing its streams
+        down.load.running = 1  # ...and a draining worker reports what it runs: nothing moves
+        await asyncio.sleep(3 * STRANDED_S)
+        assert stuck.moved == 0
+        down.load.running = 0  # its engine core died: the worker reports nothing running
         try:
             await until(lambda: stuck.moved)
             await asyncio.sleep(3 * STRANDED_S)
