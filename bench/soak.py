@@ -237,15 +237,21 @@ def check_loopback(addr: str) -> None:
         raise SystemExit(f"--addr {addr}: this soak test only talks to a gateway on this machine (loopback)")
 
 
-def start_stack(log_dir: str):
-    """Build the tiny demo checkpoint and start the three services on free loopback ports."""
+def build_demo_checkpoint(work_dir: str) -> str:
+    """Write the tiny demo checkpoint (random weights, the real vocabulary) under `work_dir`; its path."""
     import subprocess
 
-    from tests.integration.stack import make_stack
-
-    checkpoint = f"{log_dir}/demo-model"
+    checkpoint = f"{work_dir}/demo-model"
     subprocess.run([sys.executable, "-m", "demo.checkpoint", "--out", checkpoint, "--preset", "tiny"], check=True,
                    stdout=subprocess.DEVNULL, timeout=600)
+    return checkpoint
+
+
+def start_stack(log_dir: str):
+    """Build the tiny demo checkpoint and start the three services on free loopback ports."""
+    from tests.integration.stack import make_stack
+
+    checkpoint = build_demo_checkpoint(log_dir)
     stack = make_stack(checkpoint, log_dir, worker_flags=["--max-waiting", "1024"])
     try:
         stack.start(timeout=300)
