@@ -30,7 +30,10 @@ log = logging.getLogger("gateway")
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.split(":", 1)[1])
     add_server_flags(parser, default_port=50051)
-    add_flag(parser, "--tokenizer-addr", "localhost:50052", "address of the tokenizer service")
+    parser.add_argument("--tokenizer-addr", action="append", default=[], help="tokenizer service addresses, "
+                        "comma-separated and repeatable; a call to one that is unavailable goes to another, and "
+                        "dns:///host:port stands for every address the name resolves to, re-resolved every "
+                        "--health-interval (default: localhost:50052) [env VLLM_V0_TOKENIZER_ADDR]")
     parser.add_argument("--worker-addr", action="append", default=[], help="model worker addresses, comma-separated "
                         "and repeatable; dns:///host:port stands for every address the name resolves to, re-resolved "
                         "every --health-interval (default: localhost:50053) [env VLLM_V0_WORKER_ADDR]")
@@ -77,6 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
              "user data)")
     add_auth_flags(parser)
     args = parser.parse_args(argv)
+    args.tokenizer_addr = parse_targets(args.tokenizer_addr or [env_default("--tokenizer-addr", "localhost:50052")])
     args.worker_addr = parse_targets(args.worker_addr or [env_default("--worker-addr", "localhost:50053")])
     # The context-dependent bounds (--max-prompt-tokens below the worker's context, --max-logprobs
     # at most the worker's) are applied once the worker has answered GetInfo.

@@ -5,10 +5,11 @@ import logging
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.fleet.bearer import bearer_interceptors
+from gateway.fleet.fleet_metrics import RESUMED
 from gateway.fleet.router import Router
+from gateway.fleet.tokenizers import TokenizerPool
 from gateway.fleet.worker_stream import (WORKER_STREAMS, MultiplexedCalls, OpenCall, ResumePolicy, WorkerStream,
                                          generate_call)
 from gateway.fleet.workers import Fleet, parse_targets
@@ -16,7 +17,7 @@ from gateway.text.detokenize import Detokenizer
 from rpcserver.pieces import GRPC_MESSAGE_BYTES
 from rpcserver.shared import read_file
 from vllm_v0.gateway.v1 import gateway_pb2
-from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from vllm_v0.tokenizer.v1 import tokenizer_pb2
 from vllm_v0.worker.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,10 @@ def open_channel(address: str, tls: DownstreamTLS, api_key: str | None = None) -
 
 
 class Downstreams:
-    """The tokenizer's stub, the fleet of workers, and facts fetched once they answer (context size, eos tokens)."""
+    """The tokenizers (a pool with the stub's surface), the fleet of workers, and facts fetched once they answer
+    (context size, eos tokens)."""
 
-    def __init__(self, tokenizer_addr: str, worker_targets: list[str] | str, tls: DownstreamTLS,
+    def __init__(self, tokenizer_targets: list[str] | str, worker_targets: list[str] | str, tls: DownstreamTLS,
                  health_interval: float = 1.0, router: Router | None = None, worker_stream: str = "multiplexed",
                  api_key: str | None = None, max_message_bytes: int = GRPC_MESSAGE_BYTES,
                  resume: ResumePolicy = ResumePolicy()):
@@ -69,17 +71,20 @@ class Downstreams:
         # One shared call per worker costs a message per engine step rather than one per request per step.
         self._open_call: OpenCall = (MultiplexedCalls(max_message_bytes) if worker_stream == "multiplexed"
                                      else generate_call)
-        self.addresses = {"tokenizer": tokenizer_addr, "worker": ",".join(parse_targets(worker_targets))}
-        self._tokenizer_channel = open_channel(tokenizer_addr, tls, api_key)
-        self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(self._tokenizer_channel)
-        self._tokenizer_health = health_pb2_grpc.HealthStub(self._tokenizer_channel)
+        self.addresses = {"tokenizer": ",".join(parse_targets(tokenizer_targets)),
+                          "worker": ",".join(parse_targets(worker_targets))}
+        self.tokenizer = TokenizerPool(parse_targets(tokenizer_targets),
+                                       lambda address: open_channel(address, tls, api_key), health_interval, resume)
         # One DecodeBatches call for every request's text; its messages kept within the limit, taken as ours.
-        self.detokenizer = Detokenizer(self.tokenizer, max_message_bytes)
+        # When it breaks, a new one on a serving tokenizer carries every stream on.
+        self.detokenizer = Detokenizer(self.tokenizer, max_message_bytes, resume, self.tokenizer.open_decode_batches,
+                                       RESUMED.labels("tokenizer").inc)
         self.fleet = Fleet(parse_targets(worker_targets), lambda address: open_channel(address, tls, api_key),
                            health_interval, router or Router())
         self.token_text: dict[int, str] = {}  # special token id -> text, for stop reasons
 
     async def start(self) -> None:
+        await self.tokenizer.start()
         await self.fleet.start()
 
     @property
@@ -99,13 +104,9 @@ class Downstreams:
             prefix_cache_hit_rate=w.load.prefix_cache_hit_rate, cached_blocks=len(w.blocks), in_flight=w.in_flight)
             for w in self.fleet.workers.values()]
 
-    async def healthy(self, timeout: float = 2.0) -> dict[str, bool]:
-        try:
-            reply = await self._tokenizer_health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-            tokenizer = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            tokenizer = False
-        return {"tokenizer": tokenizer, "worker": bool(self.fleet.serving())}
+    async def healthy(self) -> dict[str, bool]:
+        """Whether any tokenizer and any worker serve, as their last health checks said."""
+        return {"tokenizer": bool(self.tokenizer.serving()), "worker": bool(self.fleet.serving())}
 
     async def refresh_info(self, timeout: float = 5.0) -> None:
         info = await self.tokenizer.GetInfo(tokenizer_pb2.GetInfoRequest(), timeout=timeout)
@@ -114,4 +115,4 @@ class Downstreams:
     async def close(self) -> None:
         await self.fleet.close()
         await self.detokenizer.close()
-        await self._tokenizer_channel.close()
+        await self.tokenizer.close()

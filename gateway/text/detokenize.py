@@ -2,22 +2,23 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
+from collections.abc import Awaitable, Callable
 
 import grpc
 
+from gateway.text.batch_call import BatchCall
+from gateway.text.stream_history import StreamHistory
 from rpcserver.errors import Unavailable
-from rpcserver.pieces import GRPC_MESSAGE_BYTES, PIECE_HEADROOM, element_bytes, piece_budget, runs
-from rpcserver.status import SharedCallError, status_from_number
+from rpcserver.pieces import GRPC_MESSAGE_BYTES, PIECE_HEADROOM, piece_budget
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 
 log = logging.getLogger(__name__)
 
 
-# The most bytes a DecodeBatchItem takes besides its ids (5 bytes each at most): its framing, stream id and flags.
-ITEM_BYTES = 32
+# Opens a DecodeBatches call once one serves, waiting at most the seconds given: (the call, where it goes).
+Reopen = Callable[[float], Awaitable[tuple[object, str]]]
 
 
 class Detokenizer:
@@ -25,28 +26,71 @@ class Detokenizer:
 
     gRPC costs a fixed amount of CPU per message on each side, so the streams' new ids travel
     together: one message, each time the call's writer is free, for every stream that added ids since.
-    A call that fails is dropped with its streams; the next `open` starts a new one.
 
     One message over the tokenizer's limit would end the call and every stream's text with it, so
     none goes out larger than the piece budget of `max_message_bytes` (the gateway's own limit,
     which the tokenizer is expected to share): a long prompt's ids and logprob pieces are spread
     over several items and messages, and its replies come back in parts, joined here.
+
+    A call that breaks (the tokenizer died or restarted) is replaced by one new call, which `reopen` opens on a
+    serving tokenizer; each stream of the old call goes on over it, re-primed with the ids it had sent (see
+    StreamHistory), at most `resume.max_resumes` times. Without `resume` a broken call ends its streams.
     """
 
-    def __init__(self, tokenizer_stub, max_message_bytes: int = GRPC_MESSAGE_BYTES):
+    def __init__(self, tokenizer_stub, max_message_bytes: int = GRPC_MESSAGE_BYTES, resume=None,
+                 reopen: Reopen | None = None, on_reprime: Callable[[], None] = lambda: None):
         self.stub = tokenizer_stub
         self.budget = piece_budget(max_message_bytes)
+        self.resume = resume  # a ResumePolicy: its max_resumes and wait_s
+        self.reopen_call = reopen or self._reopen_same_stub
+        self.on_reprime = on_reprime  # called for each stream primed on a new call
         self.batch: BatchCall | None = None
         self.stream_ids = itertools.count(1)
+        self.closed = False
+        self._reopening: asyncio.Task | None = None
 
     def open(self, skip_special_tokens: bool) -> TextStream:
-        """A stream for one generation; call from the event loop that will use it."""
+        """A stream for one generation; call from the event loop that will use it.
+
+        While the call is broken a stream starts on it, and its first add moves it onto the new one."""
         loop = asyncio.get_running_loop()
-        if self.batch is None or self.batch.failure is not None or self.batch.loop is not loop:
+        if self.batch is None or self.batch.loop is not loop or (self.batch.failure is not None and not self.resume):
             self.batch = BatchCall(self.stub.DecodeBatches(), loop, self.budget)
-        return TextStream(self.batch, next(self.stream_ids), skip_special_tokens)
+        return TextStream(self, self.batch, next(self.stream_ids), skip_special_tokens)
+
+    async def reopen(self) -> BatchCall:
+        """The live call, or a new one for every stream of the broken one: opened once, however many wait."""
+        loop = asyncio.get_running_loop()
+        if self.batch is not None and self.batch.failure is None and self.batch.loop is loop:
+            return self.batch
+        task = self._reopening
+        if task is None or task.done() or task.get_loop() is not loop:
+            reason = self.batch.failure if self.batch is not None else "none was open"
+            task = self._reopening = loop.create_task(self._open_again(reason))
+            task.add_done_callback(lambda done: done.cancelled() or done.exception())  # read, even if none waits
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this add itself was cancelled
+                raise
+            raise Unavailable("the gateway is shutting down") from None  # close() ended the wait
+
+    async def _open_again(self, reason: str) -> BatchCall:
+        call, address = await self.reopen_call(self.resume.wait_s if self.resume else 0.0)
+        if self.closed:
+            call.cancel()
+            raise Unavailable("the gateway is shutting down")
+        self.batch = BatchCall(call, asyncio.get_running_loop(), self.budget)
+        log.warning("DecodeBatches: a new call on tokenizer %s carries the text streams on (%s)", address, reason)
+        return self.batch
+
+    async def _reopen_same_stub(self, wait_s: float):
+        return self.stub.DecodeBatches(), "the tokenizer service"
 
     async def close(self) -> None:
+        self.closed = True
+        if self._reopening is not None:
+            self._reopening.cancel()
         batch, self.batch = self.batch, None
         if batch is not None:
             batch.fail("the gateway is shutting down")
@@ -57,12 +101,16 @@ class Detokenizer:
 class TextStream:
     """One generation's text: `add` sends new ids and returns their text, as DecodeStream did per call."""
 
-    def __init__(self, batch: BatchCall, stream_id: int, skip_special_tokens: bool):
-        self.batch = batch
+    def __init__(self, detokenizer: Detokenizer, batch: BatchCall, stream_id: int, skip_special_tokens: bool):
+        self.detokenizer = detokenizer
+        self.batch = batch  # the call its state is on
         self.stream_id = stream_id
         self.skip_special_tokens = skip_special_tokens
-        self.opened = False  # an item of this stream has gone out: the service may hold its state
+        self.opened = False  # an item of this stream has gone out on `batch`: the service may hold its state
         self.finished = False  # its final item has gone out: the service forgets it by itself
+        self.refused = False  # the service refused an item of it: that error is the request's own
+        self.resumes = 0  # times it went on over a new call
+        self.history = StreamHistory()
 
     async def add(self, token_ids: list[int], final: bool = False,
                   piece_ids: list[int] = ()) -> tuple[str, list[bytes]]:
@@ -98,156 +146,70 @@ class TextStream:
         return [self._item(**{name: ids[i:i + per_item]}) for i in range(0, len(ids), per_item)]
 
     async def _submit(self, items: list[tokenizer_pb2.DecodeBatchItem], final: bool) -> list[tuple[str, list[bytes]]]:
-        """Each item's (text, pieces); `final` goes on the last, the stream's skip_special_tokens on its first."""
+        """Each item's (text, pieces), the text as delivered; `final` goes on the last item, the stream's
+        skip_special_tokens on the first on each call. A call that breaks meanwhile is replaced, and the items
+        go again over the new one after the stream's prime."""
         items[-1].final = final
-        if not self.opened:
-            items[0].skip_special_tokens = self.skip_special_tokens
-        replies = [self.batch.submit(item) for item in items]
-        self.opened = True
-        self.finished = final
-        if len(replies) == 1:
-            return [await replies[0]]
-        # Every part is awaited, so none is left with an exception nobody reads.
-        parts = await asyncio.gather(*replies, return_exceptions=True)
-        for part in parts:
-            if isinstance(part, BaseException):
-                raise part
-        return parts
+        while True:
+            batch = self.batch
+            if batch.failure is not None:
+                await self._move(batch)
+                continue
+            prime = [self._item(token_ids=ids) for ids in self.history.prime(self._per_item())] \
+                if not self.opened and self.history.ids else []
+            out = [*prime, *items]
+            if not self.opened:
+                out[0].skip_special_tokens = self.skip_special_tokens
+            replies = [batch.submit(item) for item in out]
+            self.opened = True
+            self.finished = final
+            try:
+                parts = await _answers(replies)
+            except Unavailable:
+                if batch.failure is None:
+                    raise
+                continue  # the call broke: the next turn moves the stream
+            except grpc.aio.AioRpcError:
+                self.refused = True  # the service refused an item: this request's error, never resumed
+                raise
+            if prime:
+                self.history.primed([text for text, _ in parts[:len(prime)]])
+                self.detokenizer.on_reprime()
+                parts = parts[len(prime):]
+            if not final:  # a finished stream is never primed again
+                self.history.decoded([item.token_ids for item in items], [text for text, _ in parts])
+            texts = self.history.deliver([text for text, _ in parts])
+            if final:
+                self.history.clear()
+            return [(text, pieces) for text, (_, pieces) in zip(texts, parts)]
+
+    async def _move(self, broken: BatchCall) -> None:
+        """Carry the stream onto the live call after `broken` ended; Unavailable past the policy's bounds."""
+        detokenizer = self.detokenizer
+        if detokenizer.closed:
+            raise Unavailable(broken.failure)
+        if self.opened or self.history.ids:  # a stream that sent nothing there moves freely
+            resume = detokenizer.resume
+            if self.refused or resume is None or self.resumes >= resume.max_resumes:
+                raise Unavailable(broken.failure)
+            self.resumes += 1
+        self.batch = await detokenizer.reopen()
+        self.opened = self.finished = False
 
     def cancel(self) -> None:
         """Let the service forget an unfinished stream; a no-op once it is finished or its call is gone."""
         if self.opened and not self.finished and self.batch.failure is None:
             self.batch.submit(tokenizer_pb2.DecodeBatchItem(stream_id=self.stream_id, close=True))
         self.finished = True
+        self.history.clear()
 
 
-class BatchCall:
-    """One DecodeBatches call: items go out together, one message (several when they pass `budget` bytes)
-    for every item added since the last one was written, and results answer the items in order, a result
-    cut into parts joined first.
-
-    The writer takes what is waiting each time it is free: items added in one loop iteration go
-    together, and while a write is in progress (many streams, a busy loop) the next message gathers
-    every item added meanwhile, however many iterations that takes. No item waits for a timer.
-    The call has no deadline of its own: each request's deadline bounds its generation upstream.
-    """
-
-    def __init__(self, call, loop: asyncio.AbstractEventLoop, budget: int = piece_budget(GRPC_MESSAGE_BYTES)):
-        self.call = call
-        self.loop = loop
-        self.budget = budget  # the most bytes a message sent may take
-        self.failure: str | None = None  # why the call is over, once it is
-        self.items: list[tokenizer_pb2.DecodeBatchItem] = []  # the next message
-        self.bound = 0  # at least the bytes the next message takes
-        # (stream id, future) per item of the next message that is not a close; then of each one sent, unanswered.
-        self.replies: list[tuple[int, asyncio.Future]] = []
-        self.in_flight: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
-        self.parts: list[tokenizer_pb2.DecodeBatchResult] = []  # the leading parts of a result cut short
-        self.idle: asyncio.Future | None = None  # the writer waits on it while it has nothing to send
-        self.tasks = [loop.create_task(self._write()), loop.create_task(self._read())]
-
-    @property
-    def pending(self) -> bool:
-        """Whether items are waiting to go out."""
-        return bool(self.items)
-
-    def submit(self, item: tokenizer_pb2.DecodeBatchItem) -> asyncio.Future | None:
-        """Queue an item for the next message; its future gets (text, pieces). A close gets no reply."""
-        if self.failure is not None:
-            raise Unavailable(self.failure)
-        reply = None
-        if not item.close:
-            reply = self.loop.create_future()
-            self.replies.append((item.stream_id, reply))
-        self.items.append(item)
-        self.bound += ITEM_BYTES + 5 * (len(item.token_ids) + len(item.piece_ids))
-        if self.idle is not None and not self.idle.done():
-            self.idle.set_result(None)
-        return reply
-
-    def _take(self) -> list[tokenizer_pb2.DecodeBatchRequest]:
-        """The waiting items as messages within the budget; their replies are in flight from here."""
-        items = self.items
-        if self.bound <= self.budget:  # the usual message, a few ids per stream: no item's size is needed
-            messages = [tokenizer_pb2.DecodeBatchRequest(items=items)]
-        else:
-            messages = [tokenizer_pb2.DecodeBatchRequest(items=items[run.start:run.stop])
-                        for run in runs([element_bytes(item.ByteSize()) for item in items], self.budget)]
-        self.in_flight.extend(self.replies)
-        self.items, self.replies, self.bound = [], [], 0
-        return messages
-
-    async def _write(self) -> None:
-        try:
-            while True:
-                if not self.items:
-                    self.idle = self.loop.create_future()
-                    await self.idle
-                    continue
-                for message in self._take():
-                    await self.call.write(message)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            # The call ended between two messages (the service died or restarted): its status says why.
-            await self._fail_with_status()
-        except Exception as e:  # noqa: BLE001 - whatever it was, no add may wait forever
-            log.exception("DecodeBatches writer failed")
-            self.fail(f"the gateway's DecodeBatches call failed ({type(e).__name__}: {e}); retry")
-
-    async def _read(self) -> None:
-        try:
-            while True:
-                response = await self.call.read()
-                if response is grpc.aio.EOF:
-                    await self._fail_with_status()
-                    return
-                self._answer(response)
-        except grpc.aio.AioRpcError as e:
-            self.fail(f"the tokenizer service ended the DecodeBatches call ({e.code().name}: {e.details()}); retry")
-        except Exception as e:  # noqa: BLE001
-            log.exception("DecodeBatches reader failed")
-            self.fail(f"the gateway's DecodeBatches call failed ({type(e).__name__}: {e}); retry")
-
-    def _answer(self, response: tokenizer_pb2.DecodeBatchResponse) -> None:
-        # Results, not replies, match items: a request's results may span several replies.
-        for result in response.results:
-            if not self.in_flight:
-                raise RuntimeError("the tokenizer service sent a DecodeBatches result for no item")
-            stream_id, reply = self.in_flight[0]
-            if result.stream_id != stream_id:
-                raise RuntimeError(f"the tokenizer service answered stream {result.stream_id} for {stream_id}")
-            if result.more:
-                self.parts.append(result)
-                continue
-            self.in_flight.popleft()
-            if reply.done():  # its add was cancelled: the text goes nowhere
-                self.parts = []
-                continue
-            if result.error_code:  # this stream's item was refused; the call and the other streams go on
-                reply.set_exception(SharedCallError(status_from_number(result.error_code), result.error_message))
-            elif not self.parts:  # the usual result, whole
-                reply.set_result((result.text, list(result.pieces)))
-            else:
-                parts = [*self.parts, result]
-                reply.set_result(("".join(part.text for part in parts), [p for part in parts for p in part.pieces]))
-            self.parts = []
-
-    async def _fail_with_status(self) -> None:
-        code, details = await self.call.code(), await self.call.details()
-        self.fail(f"the tokenizer service ended the DecodeBatches call ({code.name}: {details}); retry")
-
-    def fail(self, reason: str) -> None:
-        """End the call: every waiting add and every later add on its streams raises Unavailable(reason)."""
-        if self.failure is not None:
-            return
-        self.failure = reason
-        waiting = [reply for _, reply in [*self.replies, *self.in_flight]]
-        self.items, self.replies, self.parts, self.bound = [], [], [], 0
-        self.in_flight.clear()
-        for reply in waiting:
-            if not reply.done():
-                reply.set_exception(Unavailable(reason))
-        self.call.cancel()
-        current = asyncio.current_task()
-        for task in self.tasks:
-            if task is not current:
-                task.cancel()
+async def _answers(replies: list[asyncio.Future]) -> list[tuple[str, list[bytes]]]:
+    """Each reply's (text, pieces); the first failure raised once every reply is in, so none is left unread."""
+    if len(replies) == 1:
+        return [await replies[0]]
+    parts = await asyncio.gather(*replies, return_exceptions=True)
+    for part in parts:
+        if isinstance(part, BaseException):
+            raise part
+    return parts
