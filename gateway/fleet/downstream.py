@@ -30,9 +30,10 @@ CHANNEL_OPTIONS = [
     # hung (not crashed) service is noticed in seconds too.
     ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
-    # Reconnect quickly after a downstream restart instead of backing off for minutes.
+    # Reconnect quickly after a downstream restart instead of backing off for minutes: a stream waiting for
+    # its worker or tokenizer to come back (--resume-wait) goes on at most half a second after it does.
     ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
+    ("grpc.max_reconnect_backoff_ms", 500),
     ("grpc.max_receive_message_length", 64 << 20),
 ]
 
