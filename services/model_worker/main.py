@@ -97,8 +97,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--stats-interval", 10.0, "seconds between log lines on load, KV cache and throughput "
              "while busy (0: none)")
     add_flag(parser, "--step-timeout", 120.0, "seconds the engine core may go without finishing a step while "
-             "requests are open; past it the core is taken as hung: its stacks are logged, its streams get "
-             "UNAVAILABLE, and it is restarted (0: never)")
+             "requests are open; past it the core is taken as hung: its stacks are logged, and it is restarted, its "
+             "streams carried on there (--max-resumes) (0: never)")
+    add_flag(parser, "--max-resumes", 3, "times one request's stream is carried on after the engine core dies "
+             "under it: the new core goes on after the tokens already sent, so the caller sees one stream (0: "
+             "the core's death ends every open stream with UNAVAILABLE, the way a worker's does)")
+    add_flag(parser, "--resume-wait", 60.0, "longest a stream whose engine core died waits for the new core; past "
+             "it the stream ends UNAVAILABLE")
     add_flag(parser, "--grammar-compile-timeout", 10.0, "seconds a structured-output grammar may take to compile "
              "(beside the engine's steps) before its request fails with RESOURCE_EXHAUSTED")
     add_flag(parser, "--speculative-method", "", "speculative decoding: ngram (prompt lookup: propose what followed "
@@ -115,7 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
              "decode without proposals (the step is compute-bound there)")
     add_auth_flags(parser)  # for deployments without mTLS; the gateway sends its --downstream-api-key
     args = parser.parse_args(argv)
-    check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--stats-interval", 0, None), ("--step-timeout", 0, None)))
+    check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--stats-interval", 0, None), ("--step-timeout", 0, None),
+                                ("--max-resumes", 0, None), ("--resume-wait", 0, None)))
     if args.max_model_len < 0:
         parser.error(f"--max-model-len must be >= 0 (0: the model's own limit), got {args.max_model_len}")
     if args.max_num_batched_tokens == 0:  # by device, never below the sequences a step may hold
@@ -164,7 +170,8 @@ async def serve_started(args: argparse.Namespace, server: GrpcServer, servicer: 
     # The model loads and steps in a separate engine-core process; this one only serves gRPC.
     client = EngineClient(checkpoint, engine_config(args), log_level=args.log_level,
                           stats_interval_s=args.stats_interval, on_serving=server.set_serving, on_step=observe_step,
-                          engine_cpus=args.engine_cpus, step_timeout_s=args.step_timeout)
+                          engine_cpus=args.engine_cpus, step_timeout_s=args.step_timeout,
+                          max_resumes=args.max_resumes, resume_wait_s=args.resume_wait)
     REGISTRY.register(EngineCollector(client))
     servicer.engine = client
     try:

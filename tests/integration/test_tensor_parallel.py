@@ -31,7 +31,8 @@ def stack(checkpoint, tmp_path_factory):
 def doomed_stack(checkpoint, tmp_path_factory):
     """A stack of its own, whose worker the test brings down."""
     logs = tmp_path_factory.mktemp("tp-doomed-logs")
-    stack = make_stack(str(checkpoint), str(logs), worker_flags=TP_FLAGS)
+    # Its only worker never comes back: the gateway's streams wait 2 s for one, not the default 30.
+    stack = make_stack(str(checkpoint), str(logs), worker_flags=TP_FLAGS, gateway_flags=["--resume-wait", "2"])
     stack.start()
     yield stack
     stack.stop()
@@ -68,6 +69,7 @@ def test_a_killed_rank_fails_the_streams_and_the_worker_exits(doomed_stack):
         with ThreadPoolExecutor(len(calls)) as pool:
             results = list(pool.map(drain, calls))
     assert [code for code, _ in results] == [grpc.StatusCode.UNAVAILABLE] * len(calls)
+    assert all("no model worker could go on" in call.details() for call in calls)
     assert wait_until(lambda: doomed_stack.worker.process.poll() is not None, timeout=15)
     assert doomed_stack.worker.process.returncode != 0
     assert not is_running(core)

@@ -140,6 +140,7 @@ def test_bad_requests_are_invalid_argument_and_the_core_serves_on(checkpoint):
 
 
 def test_killed_core_fails_open_streams_then_restarts_and_serves(checkpoint, caplog):
+    """With --max-resumes 0 a dead core's streams fail (tests/unit/test_resume_core_death.py carries them on)."""
     serving_changes = []
 
     async def on_serving(serving: bool) -> None:
@@ -171,7 +172,7 @@ def test_killed_core_fails_open_streams_then_restarts_and_serves(checkpoint, cap
         return await collect(client, "again", [3, 1, 4, 1, 5], greedy(8)), exported_restarts(client)
 
     with caplog.at_level(logging.ERROR, logger="services.model_worker.core.client"):
-        tokens, restarts = run_client(checkpoint, scenario, on_serving=on_serving)
+        tokens, restarts = run_client(checkpoint, scenario, on_serving=on_serving, max_resumes=0)
     assert tokens == make_engine(checkpoint).generate([[3, 1, 4, 1, 5]], greedy(8))[0]
     assert restarts == 1  # what the worker's /metrics says: one dead core, restarted
     assert any("was killed by SIGKILL" in r.getMessage() and "3 open streams" in r.getMessage()
@@ -191,7 +192,7 @@ def test_an_error_outside_a_step_ends_the_core_loudly_like_a_death(checkpoint, c
         async for _ in stream:
             pass
 
-    assert run_client(checkpoint, scenario, restart_delay_s=(60.0, 60.0)) is False
+    assert run_client(checkpoint, scenario, restart_delay_s=(60.0, 60.0), max_resumes=0) is False
     err = capfd.readouterr().err
     assert "the engine core failed outside a step" in err and "unknown command 'no such command'" in err
 
@@ -288,6 +289,6 @@ def test_a_hung_core_is_killed_after_the_step_timeout_and_restarted(checkpoint, 
 
     with caplog.at_level(logging.ERROR, logger="services.model_worker.core.client"):
         tokens = run_client(checkpoint, scenario, on_serving=on_serving, restart_delay_s=(0.05, 0.1),
-                            step_timeout_s=1.0)
+                            step_timeout_s=1.0, max_resumes=0)
     assert tokens == make_engine(checkpoint).generate([[3, 1, 4]], greedy(6))[0]
     assert any("its threads' stacks follow, then it is killed" in r.getMessage() for r in caplog.records)

@@ -179,14 +179,14 @@ def test_a_deeply_nested_schema_fails_alone_and_the_core_serves_on(checkpoint, r
 
 def test_any_exception_while_a_request_is_added_fails_that_request_alone(checkpoint, reference, monkeypatch):
     engine = make_engine(checkpoint)
-    real_add = engine.add_request
+    real_new_sequence = engine.new_sequence
 
-    def add_request(request_id, prompt, params):
+    def new_sequence(request_id, *args):
         if request_id == "boom":
             raise RuntimeError("an add that went wrong")
-        return real_add(request_id, prompt, params)
+        return real_new_sequence(request_id, *args)
 
-    monkeypatch.setattr(engine, "add_request", add_request)
+    monkeypatch.setattr(engine, "new_sequence", new_sequence)
     core = CoreOnThread(engine)
     try:
         unknown_field = add("bad params", greedy(4))
@@ -210,10 +210,10 @@ def hold_compiles(engine) -> tuple[threading.Event, threading.Event]:
     real_matcher = engine.grammar.matcher
     compiling, release = threading.Event(), threading.Event()
 
-    def slow_matcher(constraint):
+    def slow_matcher(constraint, *replay):
         compiling.set()
         release.wait(WAIT_S)
-        return real_matcher(constraint)
+        return real_matcher(constraint, *replay)
 
     engine.grammar.matcher = slow_matcher
     return compiling, release
@@ -246,7 +246,7 @@ def test_a_compile_past_its_time_limit_fails_its_request_alone(checkpoint, refer
     engine = make_engine(checkpoint, grammar_compile_timeout_s=0.5)
     release = threading.Event()
 
-    def stuck_matcher(constraint):
+    def stuck_matcher(constraint, *replay):
         engine.grammar.tokenizer  # noqa: B018 - loaded first, as the real compile does: the limit runs from here
         release.wait(WAIT_S)
         raise AssertionError("a compile past its time limit must not be waited for")

@@ -1,4 +1,5 @@
-"""The worker's side of the engine core: streams each request's tokens to asyncio callers, restarts a dead core."""
+"""The worker's side of the engine core: streams each request's tokens to asyncio callers, restarts a dead core
+and carries its streams on to the new one."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
 
 from rpcserver.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.model_worker.config.engine import EngineConfig
@@ -15,9 +15,12 @@ from services.model_worker.config.model import GenerationDefaults, Qwen3Config
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.core import protocol
 from services.model_worker.core.kv_events import LoadFeed
+from services.model_worker.core.open_streams import OpenStream, OpenStreams, Sink
 from services.model_worker.core.process import CoreProcess, CoreStartError, describe_exit
+from services.model_worker.core.resumes import Resumes
 from services.model_worker.distributed.parallel import check_divisible
 from services.model_worker.engine.llm_engine import StepOutput
+from services.model_worker.executor.random_draws import fresh_seed
 
 log = logging.getLogger(__name__)
 
@@ -29,30 +32,24 @@ EMPTY_STATS = {"running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_free"
                "preemptions": 0, "prefix_queries": 0, "prefix_hits": 0, "adds_applied": 0, "steps": 0}
 
 
-class Sink(Protocol):
-    """Where a request's outputs go: each StepOutput, then its end (the one with finish_reason, or an exception).
-
-    Called on the event loop while a step's frame is dispatched, so it must not block; an
-    asyncio.Queue is one, and a multiplexed call gathers all its requests' outputs in another.
-    """
-
-    def put_nowait(self, item: StepOutput | BaseException) -> None: ...
-
-
 class EngineClient:
     """Runs the model in an engine-core process and fans its per-step outputs out to per-request sinks.
 
     Lives on the worker's event loop and never computes: requests go to the core as add and abort
-    commands, and each step comes back as one frame. If the core dies, every open stream fails with
-    Unavailable, `on_serving(False)` is called, and a new core is started after a back-off
-    (`on_serving(True)` once it is ready).
+    commands, and each step comes back as one frame. If the core dies, `on_serving(False)` is called and
+    a new core is started after a back-off (`on_serving(True)` once it is ready). Its open streams wait
+    for that core, at most `resume_wait_s`, and go on there after the token ids they have had, so each
+    sink sees one stream, every token once: the new core computes them with the prompt as one prefill
+    and draws what the old one would have (greedy, seeded, and unseeded sampled requests alike, whose
+    seed the worker chose at submit). A request is carried on at most `max_resumes` times; past that,
+    or with 0, or under tensor parallelism (whose ranks are not restarted), its stream fails Unavailable.
     """
 
     def __init__(self, checkpoint: str | os.PathLike, config: EngineConfig, *, log_level: str = "info",
                  stats_interval_s: float = 10.0, on_serving: Callable[[bool], Awaitable[None]] | None = None,
                  on_step: Callable[[float, int], None] | None = None,
                  restart_delay_s: tuple[float, float] = (1.0, 30.0), engine_cpus: frozenset[int] | None = None,
-                 step_timeout_s: float = 120.0):
+                 step_timeout_s: float = 120.0, max_resumes: int = 3, resume_wait_s: float = 60.0):
         self.checkpoint = checkpoint
         self.engine_cpus = engine_cpus  # the CPUs every core process runs on; None: the worker's own
         self.config = config
@@ -74,7 +71,7 @@ class EngineClient:
         # Tokens computed for requests whose caller had already gone: the price of aborting only
         # at step boundaries, which should stay at a step or two per cancelled stream.
         self.tokens_after_cancel = 0
-        # Cores found dead (exited, killed, or hung) and restarted: each one ended every stream it held.
+        # Cores found dead (exited, killed, or hung) and restarted.
         self.restarts = 0
         self.process: CoreProcess | None = None  # the latest core started, ready or not
         self._core: CoreProcess | None = None    # the core serving requests; None while loading or restarting
@@ -82,9 +79,10 @@ class EngineClient:
         # Requests cross the socket under ids unique for this client's life, so a late output of a
         # cancelled stream never reaches a new stream that reuses its request id.
         self._ids = itertools.count()
-        self._streams: dict[str, tuple[str, Sink]] = {}  # core id -> (request id, outputs); open requests only
-        self._request_ids: set[str] = set()
+        self._streams = OpenStreams()
+        self.resume = Resumes(self._streams, max_resumes, resume_wait_s)
         self._adds_sent = 0  # to this core; with its adds_applied, the adds still on their way
+        self._dead_why: str | None = None  # what the core said in its last frame as it ended after a failed step
         self._supervisor: asyncio.Task | None = None
         # Set when the core is gone for good (tensor parallelism): the worker should exit, non-zero.
         self.failed = asyncio.Event()
@@ -117,7 +115,8 @@ class EngineClient:
         if process is not None and process.popen.poll() is None:
             returncode = await (process.stop(timeout) if process is core else process.kill())
             log.info("engine core (pid %d) %s", process.pid, describe_exit(returncode))
-        self._fail_streams(self._down_reason)
+        self.resume.cancel()
+        self._streams.fail(self._streams.take_all(), self._down_reason)
         self.load_feed.close()
 
     async def drain(self) -> None:
@@ -131,14 +130,14 @@ class EngineClient:
         params.validate(self.model_config.vocab_size)
         return params
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[StepOutput]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                       output_ids: list[int] = ()) -> AsyncIterator[StepOutput]:
         """Yield one StepOutput per step for this request; the last has finish_reason set.
 
         Leaving the iteration early (the caller cancelled) aborts the sequence.
         """
         out: asyncio.Queue = asyncio.Queue()
-        core_id = self.submit(request_id, prompt_ids, params, out)
+        core_id = self.submit(request_id, prompt_ids, params, out, output_ids=output_ids)
         try:
             while True:
                 item = await out.get()
@@ -150,9 +149,11 @@ class EngineClient:
         finally:
             self.abort(core_id)
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> str:
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink, *,
+               output_ids: list[int] = ()) -> str:
         """Queue a request on the core; its outputs and its end go to `sink`. Returns the id abort() takes.
 
+        output_ids: the ids a broken stream of this request already generated; it goes on after them.
         Raises Unavailable (no core, or draining), InvalidArgument (a request id already generating)
         or ResourceExhausted (the waiting queue is full) at once, before anything reaches the core.
         """
@@ -161,33 +162,37 @@ class EngineClient:
             raise Unavailable(self._down_reason)
         if self._draining:
             raise Unavailable("the worker is shutting down; retry on another worker")
-        if request_id in self._request_ids:
+        if self._streams.has_request(request_id):
             raise InvalidArgument(f"request id {request_id!r} is already generating; use a unique id")
         limit = self.config.limits.max_waiting
         # Refuse at once rather than after a trip through the core: count the adds it has not applied yet.
         if self.stats["waiting"] + self._adds_sent - self.stats["adds_applied"] >= limit:
             raise ResourceExhausted(f"the worker's queue is full ({limit} requests waiting); retry later")
-        core_id = str(next(self._ids))
-        if not self._streams:
+        # An unseeded sampled request gets its seed here rather than in the core, so that carried on to a new
+        # core it draws what it would have.
+        seed = fresh_seed() if params.seed is None and not params.is_greedy else None
+        stream = OpenStream(str(next(self._ids)), request_id, sink, list(prompt_ids), params, seed, list(output_ids))
+        self._streams.add(stream)
+        self._send_add(core, stream, stream.handle, resume=False)
+        return stream.handle
+
+    def _send_add(self, core: CoreProcess, stream: OpenStream, core_id: str, resume: bool) -> None:
+        if not self._streams.on_core:
             self._busy_since = time.monotonic()
-        self._streams[core_id] = (request_id, sink)
-        self._request_ids.add(request_id)
+        self._streams.place(stream, core_id)
         self._adds_sent += 1
-        core.send({"type": "add", "id": core_id, "prompt": list(prompt_ids), "params": protocol.params_to_dict(params)})
-        return core_id
+        core.send(stream.add_command(core_id, resume))
 
-    def abort(self, core_id: str) -> None:
-        """Drop a request that has not ended (a no-op once it has): the core frees it at its next step boundary."""
-        if self._end(core_id) and self._core is not None:
-            self._core.send({"type": "abort", "id": core_id})
-
-    def _end(self, core_id: str) -> bool:
-        """Forget an open request; False if it had already ended."""
-        stream = self._streams.pop(core_id, None)
+    def abort(self, handle: str) -> None:
+        """Drop a request that has not ended (a no-op once it has): the core frees it at its next step boundary;
+        one waiting for a new core is simply forgotten."""
+        stream = self._streams.get(handle)
         if stream is None:
-            return False
-        self._request_ids.discard(stream[0])
-        return True
+            return
+        core_id = stream.core_id
+        self._streams.end(stream)
+        if core_id is not None and self._core is not None:
+            self._core.send({"type": "abort", "id": core_id})
 
     # -- the core's life -----------------------------------------------------------------------------
 
@@ -208,6 +213,8 @@ class EngineClient:
         self.load_feed.reset(self.stats)
         self._core = core
         log.info("engine core ready (pid %d)", core.pid)
+        # The streams the last core left go on here, under new ids, before any new request.
+        self.resume.carry_on(core.pid, lambda stream: self._send_add(core, stream, str(next(self._ids)), resume=True))
         await self._notify(True)
 
     async def _supervise(self, core: CoreProcess) -> None:
@@ -259,7 +266,7 @@ class EngineClient:
                 await asyncio.wait({read}, timeout=self._watch_interval())
                 if not read.done():
                     silent = time.monotonic() - max(last_frame, self._busy_since)
-                    if self._streams and self.step_timeout_s and silent >= self.step_timeout_s:
+                    if self._streams.on_core and self.step_timeout_s and silent >= self.step_timeout_s:
                         return await self._kill_hung(core, silent)
                     continue
                 message = read.result()
@@ -280,7 +287,7 @@ class EngineClient:
         return min(1.0, self.step_timeout_s / 4) if self.step_timeout_s else 1.0
 
     async def _kill_hung(self, core: CoreProcess, silent: float) -> str:
-        why = f"made no step for {silent:.0f} s with {len(self._streams)} requests open (--step-timeout)"
+        why = f"made no step for {silent:.0f} s with {len(self._streams.on_core)} requests open (--step-timeout)"
         log.error("the engine core (pid %d) %s; its threads' stacks follow, then it is killed", core.pid, why)
         core.dump_stacks()
         await asyncio.sleep(_STACK_DUMP_S)
@@ -291,21 +298,29 @@ class EngineClient:
         if message["type"] != "update":
             raise protocol.ProtocolError(f"unexpected {message['type']!r} frame")
         outputs = [protocol.output_from_list(raw) for raw in message["outputs"]]
+        on_core = self._streams.on_core
         for output in outputs:
-            stream = self._streams.get(output.request_id)
+            stream = on_core.get(output.request_id)
             if stream is None:
                 self.tokens_after_cancel += 1
                 continue
+            stream.output_ids.append(output.token_id)
+            stream.delivered += 1
             if output.finish_reason is not None:
-                self._end(output.request_id)
-            output.request_id = stream[0]
-            stream[1].put_nowait(output)
-        for raw in message["errors"]:
-            core_id, error = protocol.error_from_list(raw)
-            stream = self._streams.get(core_id)
-            if stream is not None:
-                self._end(core_id)
-                stream[1].put_nowait(error)
+                self._streams.end(stream)
+            output.request_id = stream.request_id
+            stream.sink.put_nowait(output)
+        if "dead" in message:
+            # The core ends after a failed step: its errors are UNAVAILABLE for every open request, which
+            # _went_down carries on to the next core, or fails, once the socket closes.
+            self._dead_why = message["dead"]
+        else:
+            for raw in message["errors"]:
+                core_id, error = protocol.error_from_list(raw)
+                stream = on_core.get(core_id)
+                if stream is not None:
+                    self._streams.end(stream)
+                    stream.sink.put_nowait(error)
         self.stats = message["stats"]
         self.load_feed.update(self.stats, [bytes.fromhex(h) for h in message.get("kv_stored", ())],
                               [bytes.fromhex(h) for h in message.get("kv_evicted", ())])
@@ -313,7 +328,8 @@ class EngineClient:
             self.on_step(message["step_seconds"], len(outputs))
 
     async def _went_down(self, core: CoreProcess, hung: str | None = None) -> str:
-        """Stop serving, fail every open stream, and return why (hung: why it was killed as hung)."""
+        """Stop serving, park every open stream to wait for the next core (or fail it), and return why
+        (hung: why it was killed as hung)."""
         self._core = None
         self._down_reason = "the engine core is down; the worker is restarting it, retry shortly"
         core.close_socket()
@@ -321,24 +337,21 @@ class EngineClient:
         if returncode is None:  # its socket closed but it runs on: it cannot serve, so end it
             returncode = await core.kill()
         why = f"the engine core (pid {core.pid}) {hung or describe_exit(returncode)}"
+        if self._dead_why is not None:
+            why, self._dead_why = f"{why} ({self._dead_why})", None
         self._down_reason = f"{why}; the worker is restarting it, retry shortly"
         self.stats = dict(EMPTY_STATS)
         self.load_feed.reset(self.stats)
-        failed = self._fail_streams(f"{why} while generating; retry the request")
-        if failed:
-            log.error("%s: failed %d open streams", why, failed)
+        streams = self._streams.off_core()
+        if not self.resume.max_resumes or self.config.tensor_parallel_size > 1:
+            self._streams.fail(streams, f"{why} while generating; retry the request")
+            if streams:
+                log.error("%s: failed %d open streams", why, len(streams))
+        else:
+            self.resume.park(streams, core.pid, why)
         await self._notify(False)
         return why
-
-    def _fail_streams(self, message: str) -> int:
-        streams = list(self._streams.values())
-        self._streams.clear()
-        self._request_ids.clear()
-        for _, out in streams:
-            out.put_nowait(Unavailable(message))
-        return len(streams)
 
     async def _notify(self, serving: bool) -> None:
         if self.on_serving is not None and not self._closing:
             await self.on_serving(serving)
-

@@ -121,7 +121,8 @@ class EngineCore:
             request_id = command["id"]
             self.adds_applied += 1
             try:
-                self._add(request_id, command["prompt"], protocol.params_from_dict(command["params"]))
+                self._add(request_id, command["prompt"], protocol.params_from_dict(command["params"]),
+                          command.get("output") or [], command.get("seed"), bool(command.get("resume")))
             except Exception as e:  # noqa: BLE001 - whatever a request brings fails that request alone
                 self._fail(request_id, e)
             else:
@@ -133,13 +134,16 @@ class EngineCore:
         else:
             raise protocol.ProtocolError(f"unknown command {kind!r}")
 
-    def _add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, output: list[int],
+             seed: int | None, resume: bool) -> None:
         if request_id in self.compiles:
             raise InvalidArgument(f"request id {request_id!r} is already in use")
+        seq = self.engine.new_sequence(request_id, prompt, params, output, seed)
+        seq.resumed = resume
         if params.structured_output is None:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.admit(seq)
         else:
-            self.compiles.submit(self.engine.new_sequence(request_id, prompt, params))
+            self.compiles.submit(seq)  # its outputs, if any, are replayed where its grammar compiles
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar has compiled join the batch; those whose compile failed or timed out end."""
@@ -179,7 +183,9 @@ class EngineCore:
             error = Unavailable(f"the engine failed: {type(e).__name__}: {e}; the worker is restarting it, retry")
             self.errors.extend(protocol.error_to_list(request_id, error) for request_id in sorted(self.live))
             self.live.clear()
-            self._send_update([], None)  # each open request hears why before the socket closes
+            # Each open request hears why before the socket closes; "dead" says the errors are the core's end,
+            # which a worker that carries its streams on to the next core reads instead of them.
+            self._send_update([], None, dead=f"{type(e).__name__}: {e}")
             raise EngineDeadError(f"{type(e).__name__}: {e}") from e
         seconds = time.perf_counter() - start
         self.steps += 1
@@ -191,11 +197,14 @@ class EngineCore:
             log.debug("step %d: %d tokens in %.1f ms", self.steps, len(outputs), seconds * 1e3)
         self.stats_log.step_done(len(outputs))
 
-    def _send_update(self, outputs: list[StepOutput], seconds: float | None) -> None:
+    def _send_update(self, outputs: list[StepOutput], seconds: float | None, dead: str | None = None) -> None:
         stored, evicted = self.engine.block_manager.take_events()
-        self.send({"type": "update", "outputs": [protocol.output_to_list(o) for o in outputs], "errors": self.errors,
+        message = {"type": "update", "outputs": [protocol.output_to_list(o) for o in outputs], "errors": self.errors,
                    "step_seconds": seconds, "stats": self.stats(), "kv_stored": [h.hex() for h in stored],
-                   "kv_evicted": [h.hex() for h in evicted]})
+                   "kv_evicted": [h.hex() for h in evicted]}
+        if dead is not None:
+            message["dead"] = dead
+        self.send(message)
         self.errors = []
 
 

@@ -34,7 +34,9 @@ class GrammarCompiles:
         return request_id in self._pending
 
     def submit(self, seq: Sequence) -> None:
-        future = self.grammar.compile_pool.submit(self.grammar.matcher, seq.params.structured_output)
+        # A resumed request's matcher replays its outputs on the compile thread too.
+        future = self.grammar.compile_pool.submit(self.grammar.matcher, seq.params.structured_output,
+                                                  list(seq.output_ids))
         self._pending[seq.request_id] = (seq, future, time.monotonic())
         future.add_done_callback(lambda _: self.wake())
 

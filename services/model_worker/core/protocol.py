@@ -1,11 +1,15 @@
 """What crosses the socket between the worker and its engine core: length-prefixed JSON frames, never pickle.
 
-Worker to core: {"type": "add", "id", "prompt", "params"}, {"type": "abort", "id"}, {"type": "shutdown"}; params
-is SamplingParams as a dict, its structured_output a {"kind", "value"} object or null.
+Worker to core: {"type": "add", "id", "prompt", "params", "output", "seed", "resume"}, {"type": "abort", "id"},
+{"type": "shutdown"}; params is SamplingParams as a dict, its structured_output a {"kind", "value"} object or null.
+An add's last three are optional: "output" holds the ids a broken stream of the request already generated (absent
+or empty: a new request), "seed" seeds the draws of a request whose params have none, and "resume": true marks the
+worker carrying its own stream on after a core restart, which no queue limit refuses.
 Core to worker: {"type": "ready", "info"} once the model is loaded, or {"type": "failed", "message"} if it
 cannot load; then {"type": "update", "outputs", "errors", "step_seconds", "stats", "kv_stored", "kv_evicted"} after every
 step, and after applying commands that left nothing to step; kv_stored and kv_evicted are the hex block hashes
-the prefix cache gained and lost since the last update.
+the prefix cache gained and lost since the last update. The core's last update before it ends after a failed step
+also holds "dead": why, and an UNAVAILABLE error for every open request.
 """
 from __future__ import annotations
 

@@ -120,24 +120,30 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    output_ids: list[int] = (), seed: int | None = None) -> Sequence:
         """Checks, compiles the grammar (if any) here and now, and queues the sequence; the engine core
         compiles on a thread of its own instead (new_sequence, then admit)."""
-        seq = self.new_sequence(request_id, prompt_ids, params)
+        seq = self.new_sequence(request_id, prompt_ids, params, output_ids, seed)
         if params.structured_output is not None:
-            seq.grammar = self.grammar.matcher(params.structured_output)
+            seq.grammar = self.grammar.matcher(params.structured_output, seq.output_ids)
         return self.admit(seq)
 
-    def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """The request as a sequence, its grammar not compiled; InvalidArgument naming what is wrong with it."""
+    def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     output_ids: list[int] = (), seed: int | None = None) -> Sequence:
+        """The request as a sequence, its grammar not compiled; InvalidArgument naming what is wrong with it.
+
+        output_ids: the tokens a broken stream of this request already generated; the sequence computes them
+        with the prompt as one prefill and goes on after them (worker.proto's GenerateRequest.output_token_ids).
+        seed: the seed of its draws when params has none."""
         if request_id in self._seqs:
             raise InvalidArgument(f"request id {request_id!r} is already in use")
         if not prompt_ids:
             raise InvalidArgument("prompt_token_ids is empty: give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
+        vocab = self.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
-            raise InvalidArgument(f"prompt_token_ids holds ids outside the vocabulary [0, {self.config.vocab_size}): "
-                                  f"{bad[:5]}")
+            raise InvalidArgument(f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise InvalidArgument(f"the prompt has {len(prompt_ids)} tokens; this worker's context is "
@@ -146,10 +152,34 @@ class LLMEngine:
         if max_tokens > room:
             raise InvalidArgument(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                                   f"context of {self.max_model_len} tokens; lower max_tokens to at most {room}")
-        return Sequence(request_id, prompt_ids, params, max_tokens, self.eos_ids)
+        seq = Sequence(request_id, prompt_ids, params, max_tokens, self.eos_ids, output_ids, seed)
+        if seq.output_ids:
+            self._check_outputs(seq, room)
+        return seq
+
+    def _check_outputs(self, seq: Sequence, room: int) -> None:
+        """InvalidArgument unless the given outputs are ids a stream of this request could have generated and
+        gone on after (the grammar replays them where it is compiled)."""
+        outputs, vocab = seq.output_ids, self.config.vocab_size
+        bad = [t for t in outputs if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(f"output_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if seq.params.prompt_logprobs is not None:
+            raise InvalidArgument("prompt_logprobs cannot be asked for with output_token_ids: they went out with "
+                                  "the first token of the stream being resumed")
+        if len(outputs) >= seq.max_tokens:
+            limit = (f"max_tokens ({seq.max_tokens})" if seq.params.max_tokens is not None else
+                     f"the room the context of {self.max_model_len} tokens leaves after the prompt ({room})")
+            raise InvalidArgument(f"output_token_ids holds {len(outputs)} ids, which reaches {limit}: the request "
+                                  "had ended; nothing is left to generate")
+        stop = next((i for i, t in enumerate(outputs) if t in seq.stop_ids), None)
+        if stop is not None:
+            raise InvalidArgument(f"output_token_ids[{stop}] = {outputs[stop]} is a stop id (an eos id unless "
+                                  "ignore_eos, or one of stop_token_ids): the request would have ended there")
 
     def admit(self, seq: Sequence) -> Sequence:
-        """Queues a checked sequence (its grammar compiled, if it has one) for the next steps."""
+        """Queues a checked sequence (its grammar compiled and its outputs replayed, if it has one) for the next
+        steps."""
         if seq.request_id in self._seqs:
             raise InvalidArgument(f"request id {seq.request_id!r} is already in use")
         self.scheduler.add(seq)

@@ -134,7 +134,9 @@ class Scheduler:
         self.num_computed_tokens = 0  # prompt and output tokens run through the model, for throughput logs
 
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.limits.max_waiting:
+        # A stream the worker carries on after its engine core restarted was admitted once: all of them come
+        # back at once, and none is refused.
+        if len(self.waiting) >= self.limits.max_waiting and not seq.resumed:
             raise ResourceExhausted(
                 f"the worker's queue is full ({self.limits.max_waiting} requests waiting); retry later")
         self.waiting.append(seq)

@@ -28,12 +28,14 @@ class FinishReason(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                 eos_ids: frozenset[int]):
+                 eos_ids: frozenset[int], output_ids: list[int] = (), seed: int | None = None):
+        """output_ids: tokens it generated before (a resumed request), computed with the prompt as one prefill;
+        seed: its draws' seed when params has none (the worker's choice, so its own resumes draw the same)."""
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
-        self.output_ids: list[int] = []
+        self.output_ids: list[int] = list(output_ids)
         # Prompt then output, kept as one list: the runner and block manager slice it every step.
-        self.token_ids: list[int] = list(prompt_ids)
+        self.token_ids: list[int] = self.prompt_ids + self.output_ids
         self.params = params
         # Read for every row of every step: kept as plain attributes, not recomputed from the params each time.
         self.is_greedy = params.is_greedy
@@ -79,8 +81,11 @@ class Sequence:
         # for scheduling, their ids not yet read back to token_ids.
         self.num_pending = 0
         self.pending_row = 0  # that token's row in the in-flight step's sampled ids
-        # The seed of its random draws (executor/random_draws.py): the request's, else a fresh random one.
-        self.seed = params.seed if params.seed is not None else fresh_seed()
+        # The seed of its random draws (executor/random_draws.py): the request's, else the one given, else a
+        # fresh random one. Its draw counter starts after the outputs given, where an unbroken run's would be.
+        self.seed = params.seed if params.seed is not None else seed if seed is not None else fresh_seed()
+        # Re-added by the worker after its engine core restarted: admitted once already, so no queue limit refuses it.
+        self.resumed = False
         # The structured-output matcher (executor/grammar.py's GrammarState), set by the engine; None: free text.
         self.grammar = None
 

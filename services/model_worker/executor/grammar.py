@@ -177,9 +177,10 @@ class GrammarEngine:
             self._compile_pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="grammar-compile")
         return self._compile_pool
 
-    def matcher(self, constraint: StructuredOutput) -> GrammarState:
-        """A matcher at the grammar's start, its first mask filled on this thread; InvalidArgument naming what
-        is wrong with the constraint, whatever the parsers raised."""
+    def matcher(self, constraint: StructuredOutput, replay: list[int] = ()) -> GrammarState:
+        """A matcher at the grammar's start, or past `replay` (the outputs of a resumed request), its next mask
+        filled on this thread; InvalidArgument naming what is wrong with the constraint, whatever the parsers
+        raised, or the replayed id that would have ended the request."""
         import llguidance
 
         check_bounds(constraint)
@@ -198,7 +199,7 @@ class GrammarEngine:
         if matcher.is_error():
             raise InvalidArgument(f"structured_output {constraint.kind} is invalid: "
                                   f"{_first_line(matcher.get_error())}")
-        return GrammarState(matcher, self.vocab_size, self.pool, constraint.start_after)
+        return GrammarState(matcher, self.vocab_size, self.pool, constraint.start_after, replay)
 
     def close(self) -> None:
         if self._compile_pool is not None:
@@ -212,7 +213,8 @@ class GrammarState:
     """One sequence's matcher and its next mask, filled on the grammar thread after each accepted token
     (llguidance releases the GIL), so it is ready by the time the next step's logits are."""
 
-    def __init__(self, matcher, vocab_size: int, pool: ThreadPoolExecutor, start_after: int | None = None):
+    def __init__(self, matcher, vocab_size: int, pool: ThreadPoolExecutor, start_after: int | None = None,
+                 replay: list[int] = ()):
         self.matcher = matcher
         self.bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
         self._pool = pool
@@ -221,12 +223,31 @@ class GrammarState:
         self._stopped = False
         # Until this token is generated (the end of the reasoning) nothing is masked or matched.
         self.waiting_for = start_after
+        if replay:
+            self._replay(replay)
         if self.active:
             # The first mask is filled here, on the constructing thread (the engine core's compile thread), not
             # on the mask thread every step waits on: a new grammar's first fill, like its compile, delays no step.
             self._fill()
             self._pending = Future()
             self._pending.set_result(None)
+
+    def _replay(self, token_ids: list[int]) -> None:
+        """Advances past tokens generated before (a resumed request), as accept() would have one by one;
+        InvalidArgument at one the grammar refuses or after which it is complete: the request would have ended."""
+        start = 0
+        if not self.active:
+            if self.waiting_for not in token_ids:
+                return
+            start = token_ids.index(self.waiting_for) + 1
+            self.waiting_for = None
+        for i in range(start, len(token_ids)):
+            if not self.matcher.consume_token(token_ids[i]):
+                raise InvalidArgument(f"output_token_ids[{i}] = {token_ids[i]} is refused by the structured_output "
+                                      "grammar: no stream of this request could have generated it")
+            if self.matcher.is_stopped():
+                raise InvalidArgument(f"the structured_output grammar is complete at output_token_ids[{i}]: the "
+                                      "request would have ended there")
 
     @property
     def active(self) -> bool:

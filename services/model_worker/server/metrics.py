@@ -50,8 +50,20 @@ class EngineCollector:
                                   value=stats["preemptions"])
         # Read from the client, not the core's snapshot: it outlives every core it restarts.
         yield CounterMetricFamily("vllm_v0_worker_engine_core_restarts", "engine cores found dead (a failed step, "
-                                  "a crash, a hang) and restarted; each ended every stream it held",
-                                  value=self.client.restarts)
+                                  "a crash, a hang) and restarted", value=self.client.restarts)
+        resume = self.client.resume
+        resumed = CounterMetricFamily("vllm_v0_worker_resumes", "open streams carried on after what generated them "
+                                      "died (cause engine_core: the worker's engine core), after the tokens they "
+                                      "already had", labels=("cause",))
+        for cause in {"engine_core", *resume.resumed}:
+            resumed.add_metric((cause,), resume.resumed[cause])
+        yield resumed
+        abandoned = CounterMetricFamily("vllm_v0_worker_resumes_abandoned", "open streams that failed instead of "
+                                        "being carried on (reason limit: --max-resumes reached; wait: no engine "
+                                        "core ready within --resume-wait)", labels=("reason",))
+        for reason in ("limit", "wait"):
+            abandoned.add_metric((reason,), resume.abandoned[reason])
+        yield abandoned
         method = (self.client.info or {}).get("speculative_method")
         if method:
             proposed = CounterMetricFamily("vllm_v0_worker_spec_proposed_tokens", "speculative decoding: tokens "

@@ -165,7 +165,8 @@ class MultiplexedCall:
                 raise InvalidArgument(f"request id {request_id!r} is already open on this call; use a unique id")
             client = self._engine()
             sink = _RequestSink(self, request_id)
-            engine_id = client.submit(request_id, list(request.prompt_token_ids), self._make_params(request), sink)
+            engine_id = client.submit(request_id, list(request.prompt_token_ids), self._make_params(request), sink,
+                                      output_ids=list(request.output_token_ids))
         except ServiceError as e:
             self._fail(request_id, status_for(e), str(e))
             return

@@ -91,7 +91,8 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
         params = self._params(request)
         request_id = request.request_id or uuid.uuid4().hex
         first = True
-        async for out in self.engine.generate(request_id, list(request.prompt_token_ids), params):
+        async for out in self.engine.generate(request_id, list(request.prompt_token_ids), params,
+                                              output_ids=list(request.output_token_ids)):
             # Many prompt logprobs are built on a thread, so the loop serves the other calls meanwhile.
             for message in await built_step_messages(out, first, piece_budget(self.max_message_bytes)):
                 yield message
