@@ -75,6 +75,7 @@ class Worker:
         self._watch: asyncio.Task | None = None
         self._follow: asyncio.Task | None = None
         self._status: asyncio.Task | None = None
+        self._serving = asyncio.Event()  # set while state is SERVING: the Watch stream is open then
 
     @property
     def serving(self) -> bool:
@@ -117,6 +118,7 @@ class Worker:
         if state != self.state:
             (log.info if state == SERVING else log.warning)("worker %s: %s -> %s", self.address, self.state, state)
             self.state = state
+            (self._serving.set if state == SERVING else self._serving.clear)()
             self.on_change()
 
     async def _watch_health(self) -> None:
@@ -134,23 +136,26 @@ class Worker:
             self._wake.clear()
 
     async def _watch_status(self) -> None:
-        """Health's Watch stream: a worker whose engine core died says NOT_SERVING at once, and its streams
-        can move on within milliseconds rather than at the next check. Coming back is left to the checks,
-        which fetch its facts first."""
+        """Health's Watch stream while the worker serves: one whose engine core died says NOT_SERVING at once,
+        and its streams can move on within milliseconds rather than at the next check. The stream is closed
+        then (a draining worker must not wait for it to stop); coming back is left to the checks, which fetch
+        the worker's facts first, and a new stream opens once they see it serve."""
         while True:
+            await self._serving.wait()
+            call = self._health.Watch(health_pb2.HealthCheckRequest())
             try:
-                async for reply in self._health.Watch(health_pb2.HealthCheckRequest()):
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        if self.state != SERVING:
-                            self.wake()
-                    elif self.state == SERVING:
+                async for reply in call:
+                    if reply.status != health_pb2.HealthCheckResponse.SERVING:
                         self._set_state(NOT_SERVING)
                         self.wake()
+                        break
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                     return  # a server without Watch: the checks alone it is
                 self.wake()
-            await asyncio.sleep(self.interval)
+                await asyncio.sleep(self.interval)
+            finally:
+                call.cancel()
 
     async def _follow_load(self) -> None:
         try:

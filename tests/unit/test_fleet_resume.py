@@ -107,7 +107,11 @@ def test_a_worker_saying_not_serving_is_out_of_the_rotation_before_its_next_chec
             await status.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # its engine core died
             await until(lambda: worker.state == NOT_SERVING, timeout=2.0)
             await status.set("", health_pb2.HealthCheckResponse.SERVING)  # its new core is up
+            worker.wake()  # coming back is the checks' to see (a stream waiting for it wakes them every 0.2 s)
             await until(lambda: worker.serving, timeout=2.0)
+            await asyncio.sleep(0.1)  # a new Watch stream is open: it tells the next death at once too
+            await status.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await until(lambda: worker.state == NOT_SERVING, timeout=2.0)
         finally:
             await worker.close()
             await server.stop(None)
