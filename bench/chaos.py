@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from bench.chaos_kills import KINDS, RESTARTABLE, Kill, KillLog, Pause, by_kind, failures
-from bench.chaos_stack import ChaosStack, Process, gateway_takes_several_tokenizers
+from bench.chaos_stack import ChaosStack, Process
 from bench.cpu_kind import cpu_description
 from bench.soak import Tally, Variant, build_demo_checkpoint, classify, expected_outputs, make_variants, worker_pool
 from vllm_v0.gateway.v1 import gateway_pb2_grpc
@@ -266,16 +266,13 @@ async def chaos(stack: ChaosStack, config: ChaosConfig) -> dict:
 
 def run_chaos(checkpoint: str, log_dir: str, config: ChaosConfig) -> dict:
     """The whole benchmark on `checkpoint`, services logging to `log_dir`: the result, with "ok" and what failed."""
-    several = gateway_takes_several_tokenizers()
-    if not several:
-        print("the gateway takes one --tokenizer-addr: it is given tokenizer-0 alone", file=sys.stderr)
     stack = ChaosStack(checkpoint, log_dir, [*WORKER_FLAGS, *config.worker_flags],
-                       [*GATEWAY_FLAGS, *config.gateway_flags], several_tokenizers=several)
+                       [*GATEWAY_FLAGS, *config.gateway_flags])
     try:
         result = asyncio.run(chaos(stack, config))
     finally:
         swept, left = stack.stop()
-    result.update(cpu=cpu_description(), gateway_tokenizers=len(stack.known_tokenizers),
+    result.update(cpu=cpu_description(), gateway_tokenizers=len(stack.tokenizers),
                   swept_at_stop=swept, left_running=left, log_dir=log_dir)
     result["failures"] = failures(result)
     result["ok"] = not result["failures"]

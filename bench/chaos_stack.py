@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import os
 import signal
 import subprocess
@@ -96,19 +95,8 @@ def _running_in(pid: int, groups: set[int]) -> bool:
     return fields[0] != "Z" and int(fields[2]) in groups and _cmdline(pid)[:1] == [sys.executable]
 
 
-def gateway_takes_several_tokenizers() -> bool:
-    """Whether the gateway's --tokenizer-addr takes a comma-separated list, read from its help."""
-    from gateway.main import parse_args
-
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):
-        parse_args(["--help"])
-    entry = text.getvalue().split("--tokenizer-addr", 1)[-1].split("\n  -", 1)[0]
-    return "comma" in entry
-
-
 class ChaosStack:
-    def __init__(self, checkpoint: str, log_dir: str, worker_flags=(), gateway_flags=(), several_tokenizers=True):
+    def __init__(self, checkpoint: str, log_dir: str, worker_flags=(), gateway_flags=()):
         def process(name: str, role: str, args: list[str]) -> Process:
             return Process(name, role, args, free_port(), f"{log_dir}/{name}.log")
 
@@ -116,12 +104,9 @@ class ChaosStack:
                            for i in range(2)]
         self.workers = [process(f"worker-{i}", "worker", ["services.model_worker", "--model", checkpoint,
                                                            "--dtype", "float32", *worker_flags]) for i in range(2)]
-        # Without several tokenizer addresses the gateway knows one tokenizer; the other is still killed.
-        known = self.tokenizers if several_tokenizers else self.tokenizers[:1]
         self.gateway = process("gateway", "gateway", [
-            "gateway", "--tokenizer-addr", ",".join(t.address for t in known),
+            "gateway", "--tokenizer-addr", ",".join(t.address for t in self.tokenizers),
             "--worker-addr", ",".join(w.address for w in self.workers), *gateway_flags])
-        self.known_tokenizers = known
 
     @property
     def processes(self) -> list[Process]:
@@ -178,7 +163,7 @@ class ChaosStack:
 
     async def others_serving(self, kind: str, target: Process) -> bool:
         """Whether a process other than `target` serves the role a kill of `kind` takes out (a gateway has none)."""
-        peers = {"engine-core": self.workers, "worker": self.workers, "tokenizer": self.known_tokenizers,
+        peers = {"engine-core": self.workers, "worker": self.workers, "tokenizer": self.tokenizers,
                  "gateway": []}[kind]
         return any(await asyncio.gather(*(serving(p.address) for p in peers if p is not target)))
 
