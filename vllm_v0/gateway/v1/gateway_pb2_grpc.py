@@ -46,6 +46,16 @@ class GatewayServiceStub:
                 request_serializer=vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/vllm_v0.gateway.v1.GatewayService/Embed',
+                request_serializer=vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/vllm_v0.gateway.v1.GatewayService/Score',
+                request_serializer=vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -71,6 +81,28 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeds texts or token ids (an embedding checkpoint such as Qwen3-Embedding):
+        each input's vector, the final hidden state of its last token,
+        L2-normalised, cut to `dimensions` first when set.
+        Errors: INVALID_ARGUMENT (no inputs, an empty or over-long input,
+        dimensions out of range, an unknown adapter), RESOURCE_EXHAUSTED,
+        UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """Scores documents against a query with a reranker checkpoint such as
+        Qwen3-Reranker: each pair goes through the published prompt, and its
+        score is sigmoid(logit("yes") - logit("no")) at the last position.
+        Errors as for Embed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -83,6 +115,16 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.GetInfoRequest.FromString,
                     response_serializer=vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.EmbedRequest.FromString,
+                    response_serializer=vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.ScoreRequest.FromString,
+                    response_serializer=vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -141,6 +183,60 @@ class GatewayService:
             '/vllm_v0.gateway.v1.GatewayService/GetInfo',
             vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.GetInfoRequest.SerializeToString,
             vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_v0.gateway.v1.GatewayService/Embed',
+            vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.EmbedRequest.SerializeToString,
+            vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_v0.gateway.v1.GatewayService/Score',
+            vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.ScoreRequest.SerializeToString,
+            vllm__v0_dot_gateway_dot_v1_dot_gateway__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,26 @@ class ModelWorkerServiceStub:
                 request_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.WatchLoadRequest.SerializeToString,
                 response_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.LoadUpdate.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/vllm_v0.worker.v1.ModelWorkerService/Embed',
+                request_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/vllm_v0.worker.v1.ModelWorkerService/Score',
+                request_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.ScoreResponse.FromString,
+                _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/vllm_v0.worker.v1.ModelWorkerService/LoadAdapter',
+                request_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/vllm_v0.worker.v1.ModelWorkerService/UnloadAdapter',
+                request_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class ModelWorkerServiceServicer:
@@ -121,6 +141,50 @@ class ModelWorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Runs each input as a prompt without generating and returns its
+        embedding: the final hidden state of its last token (after the model's
+        final norm), L2-normalised, cut to `dimensions` first when set
+        (matryoshka: slice, then normalise again). The inputs go through the
+        scheduler, prefix cache and chunked prefill that generation uses, in the
+        same batches. Errors: INVALID_ARGUMENT (no inputs, an empty input, ids
+        outside the vocabulary, an input beyond the context, dimensions out of
+        range, an unknown adapter), RESOURCE_EXHAUSTED (waiting queue full),
+        UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """Runs each input as a prompt without generating and returns the logits of
+        `token_ids` at its last position (a reranker's "yes" and "no"). Same path
+        and errors as Embed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadAdapter(self, request, context):
+        """Loads a LoRA adapter from a PEFT folder (adapter_config.json and
+        adapter_model.safetensors) under a name requests give as `adapter`.
+        Errors: INVALID_ARGUMENT (a missing or malformed folder, a rank over
+        --max-lora-rank, target modules it cannot serve, a name in use),
+        RESOURCE_EXHAUSTED (--max-loras adapters resident and none idle to evict),
+        FAILED_PRECONDITION (LoRA is off: --enable-lora).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unloads an adapter; its running requests finish first. Errors:
+        NOT_FOUND (no such adapter).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelWorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +207,26 @@ def add_ModelWorkerServiceServicer_to_server(servicer, server):
                     servicer.WatchLoad,
                     request_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.WatchLoadRequest.FromString,
                     response_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.LoadUpdate.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.EmbedRequest.FromString,
+                    response_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.ScoreRequest.FromString,
+                    response_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.ScoreResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=vllm__v0_dot_worker_dot_v1_dot_worker__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -253,6 +337,114 @@ class ModelWorkerService:
             '/vllm_v0.worker.v1.ModelWorkerService/WatchLoad',
             vllm__v0_dot_worker_dot_v1_dot_worker__pb2.WatchLoadRequest.SerializeToString,
             vllm__v0_dot_worker_dot_v1_dot_worker__pb2.LoadUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_v0.worker.v1.ModelWorkerService/Embed',
+            vllm__v0_dot_worker_dot_v1_dot_worker__pb2.EmbedRequest.SerializeToString,
+            vllm__v0_dot_worker_dot_v1_dot_worker__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_v0.worker.v1.ModelWorkerService/Score',
+            vllm__v0_dot_worker_dot_v1_dot_worker__pb2.ScoreRequest.SerializeToString,
+            vllm__v0_dot_worker_dot_v1_dot_worker__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_v0.worker.v1.ModelWorkerService/LoadAdapter',
+            vllm__v0_dot_worker_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+            vllm__v0_dot_worker_dot_v1_dot_worker__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_v0.worker.v1.ModelWorkerService/UnloadAdapter',
+            vllm__v0_dot_worker_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+            vllm__v0_dot_worker_dot_v1_dot_worker__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
