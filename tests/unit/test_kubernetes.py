@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections import Counter
+from types import SimpleNamespace
 import shutil
 import subprocess
 
@@ -117,7 +119,8 @@ def test_the_gateway_finds_the_workers_through_the_headless_service(overlay, mon
     worker_args = parse_flags(main_container(objects, "worker"), objects, monkeypatch)
     assert worker_args.port == int(match.group(2)) and worker_args.host == "0.0.0.0"
 
-    host, port_number = gateway.tokenizer_addr.split(":")
+    (tokenizer_addr,) = gateway.tokenizer_addr
+    host, port_number = tokenizer_addr.split(":")
     service = find(objects, "Service", host)
     assert "clusterIP" not in service["spec"]  # one virtual IP in front of the tokenizer replicas
     assert selects(service["spec"]["selector"], find(objects, "Deployment", "tokenizer"))
@@ -318,6 +321,7 @@ def test_the_adapter_rule_adds_the_workers_running_and_waiting_gauges():
     class Stats:
         info = None  # no speculative decoding: its series are not exported
         restarts = 0
+        resume = SimpleNamespace(resumed=Counter(), abandoned=Counter())  # no stream carried on
         stats = dict(waiting=3, running=5, kv_blocks_used=0, kv_blocks_free=1, prefix_queries=0, prefix_hits=0,
                      prefix_cache_hit_rate=0.0, preemptions=0)
 
