@@ -1,6 +1,9 @@
 """Fixtures: a tiny random Qwen3 with the real Qwen3 vocabulary, the three services, and the reference."""
 from __future__ import annotations
 
+import os
+import pathlib
+
 import grpc
 import pytest
 import torch
@@ -12,6 +15,32 @@ from vllm_v0.gateway.v1 import gateway_pb2_grpc
 from vllm_v0.worker.v1 import worker_pb2_grpc
 
 QWEN3_EOS = (151645, 151643)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def built_kernels():
+    """Every C kernel compiled into the cache before the first service starts. A worker compiles the ones it
+    lacks at start, for tens of seconds on both CPUs: inside a test that watches event-loop stalls or
+    pauses, that compile would be what it measured."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from services.model_worker.kernels import build
+
+    sources = sorted(pathlib.Path(build.__file__).parent.glob("*.c"))
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        for source, error in zip(sources, pool.map(_try_build, sources)):
+            if error:  # the worker falls back to PyTorch there, as the tests of that kernel say
+                print(f"{source.name}: {error}")
+
+
+def _try_build(source) -> str:
+    from services.model_worker.kernels import build
+
+    try:
+        build.build(source)
+    except RuntimeError as e:
+        return str(e)
+    return ""
 
 
 @pytest.fixture(scope="session")
