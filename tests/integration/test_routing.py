@@ -143,6 +143,7 @@ def test_groups_stay_on_one_worker_and_a_dead_workers_streams_go_on_on_the_other
         again = []
         assert generate(gateway, f"Long story number {i}.", LONG, again) == grpc.StatusCode.OK
         assert tokens == [t for reply in again for t in reply.token_ids] and len(tokens) == LONG
+        assert firsts[i][-1].usage.completion_tokens == LONG  # each token counted once
     info = gateway_info(gateway)
     assert info[victim.address].state == "unreachable" and info[survivor.address].state == "serving"
 

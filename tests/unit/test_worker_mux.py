@@ -8,7 +8,7 @@ import pytest
 
 from gateway.fleet.worker_stream import MultiplexedCalls, WorkerStream
 from gateway.fleet.worker_mux import WorkerMux
-from tests.unit.test_worker_retry import Failed, FakeFleet
+from tests.unit.test_worker_retry import Failed, FakeFleet, resumes
 from vllm_v0.worker.v1 import worker_pb2
 
 WAIT_S = 5.0  # bounded waits on conditions, never a measure of speed
@@ -275,7 +275,10 @@ def test_after_tokens_an_unavailable_worker_hands_the_stream_on_after_them(how):
         call.reply((wire_id, 8, MORE), (wire_id, 9, LAST))
 
     first, second = MuxWorker("a", dies), MuxWorker("b", goes_on)
+    cause = "worker" if how == "call" else "unavailable"  # the call broke, or the worker failed the request
+    counted = resumes(cause)
     assert stream_tokens(FakeFleet(first, second)) == [7, 8, 9]
+    assert resumes(cause) == counted + 1
     resumed = next(iter(second.opener.calls[0].starts.values()))
     assert list(resumed.output_token_ids) == [7] and list(resumed.prompt_token_ids) == [1, 2, 3]
     assert first.in_flight == second.in_flight == 0

@@ -3,6 +3,7 @@ import asyncio
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from gateway.fleet.worker_stream import ResumePolicy, WorkerStream
 from rpcserver.errors import Unavailable
@@ -68,7 +69,7 @@ class FakeFleet:
         self.workers = {w.address: w for w in workers}
         self.on_wait, self.waits = on_wait, 0
 
-    def pick(self, prompt_ids, exclude=()):
+    def pick(self, prompt_ids, exclude=(), adapter=""):
         return next((w for w in self.workers.values() if w.address not in exclude and w.serving), None)
 
     async def wait_for_change(self, timeout):
@@ -78,6 +79,10 @@ class FakeFleet:
             self.on_wait = None
         else:
             await asyncio.sleep(timeout)
+
+
+def resumes(cause: str) -> float:
+    return REGISTRY.get_sample_value("vllm_v0_gateway_resumes_total", {"cause": cause}) or 0.0
 
 
 def request(**fields):
@@ -106,7 +111,9 @@ def test_after_tokens_the_stream_resumes_after_them_on_another_worker():
     first = FakeWorker("a", Call([7, 8], Failed()))
     second = FakeWorker("b", Call([9, 10, 11]))
     work = request(prompt_logprobs=2)
+    counted = resumes("unavailable")
     assert tokens(FakeFleet(first, second), work=work) == [7, 8, 9, 10, 11]  # once each, in order
+    assert resumes("unavailable") == counted + 1
     resumed = second.requests[0]
     assert list(resumed.output_token_ids) == [7, 8] and list(resumed.prompt_token_ids) == [1, 2]
     assert resumed.max_tokens == 10  # the whole request's: the worker counts the given ids toward it
