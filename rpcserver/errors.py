@@ -15,3 +15,11 @@ class ResourceExhausted(ServiceError):
 
 class Unavailable(ServiceError):
     """The service cannot serve right now, e.g. shutting down (gRPC UNAVAILABLE)."""
+
+
+class NotFound(ServiceError):
+    """What the request names does not exist (gRPC NOT_FOUND)."""
+
+
+class FailedPrecondition(ServiceError):
+    """The service is not in a state to do this, e.g. a feature it was started without (gRPC FAILED_PRECONDITION)."""

@@ -8,7 +8,8 @@ import logging
 
 import grpc
 
-from rpcserver.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from rpcserver.errors import (FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, ServiceError,
+                              Unavailable)
 from rpcserver.handlers import MalformedRequest
 
 log = logging.getLogger(__name__)
@@ -17,6 +18,8 @@ STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

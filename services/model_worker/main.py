@@ -43,6 +43,14 @@ def engine_cpus(text: str) -> frozenset[int] | None:
     return cpus
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules name=path."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path (a PEFT adapter folder), got {text!r}")
+    return name, path
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.model_worker", description=__doc__.split(":", 1)[1])
     add_server_flags(parser, default_port=50053)
@@ -118,6 +126,12 @@ def parse_args(argv=None) -> argparse.Namespace:
              "sequence's count adapts to how many of its recent proposals were accepted)")
     add_flag(parser, "--speculative-disable-batch-size", 8, "above this many running sequences, unseeded ones "
              "decode without proposals (the step is compute-bound there)")
+    add_flag(parser, "--enable-lora", False, "serve LoRA adapters (docs/lora.md): requests name one as `adapter`; "
+             "slots for --max-loras adapters of rank up to --max-lora-rank are allocated at start")
+    parser.add_argument("--lora-modules", action="append", default=[], type=lora_module, metavar="NAME=PATH",
+                        help="a PEFT adapter folder to load at start under NAME (repeatable; needs --enable-lora)")
+    add_flag(parser, "--max-loras", 4, "LoRA adapters resident at once; loading one more evicts an idle one")
+    add_flag(parser, "--max-lora-rank", 16, "the highest adapter rank (r) served; each slot is sized for it")
     add_auth_flags(parser)  # for deployments without mTLS; the gateway sends its --downstream-api-key
     args = parser.parse_args(argv)
     check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--stats-interval", 0, None), ("--step-timeout", 0, None),
@@ -144,6 +158,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         quantize_lm_head=args.quantize_lm_head, int8_activations=args.int8_activations,
         vnni_weights=None if args.vnni_weights else False,  # on: where the CPU and compiler allow
         grammar_compile_timeout_s=args.grammar_compile_timeout,
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        lora_modules=tuple(args.lora_modules),
         limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting,
                                args.scheduling_policy),
         speculative=SpeculativeConfig(

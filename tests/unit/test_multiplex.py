@@ -23,7 +23,7 @@ class FakeEngine:
         self.sinks: dict[str, object] = {}  # engine id -> sink, open requests
         self.aborted: list[str] = []
 
-    def submit(self, request_id, prompt_ids, params, sink, output_ids=()) -> str:
+    def submit(self, request_id, prompt_ids, params, sink, output_ids=(), adapter="") -> str:
         if request_id in self.refuse:
             raise self.refuse[request_id]
         engine_id = f"e-{request_id}"

@@ -113,7 +113,7 @@ def test_generate_builds_a_long_prompts_logprobs_on_a_thread(monkeypatch):
         def make_params(self, overrides):
             return overrides
 
-        async def generate(self, request_id, prompt_ids, params, output_ids=()):
+        async def generate(self, request_id, prompt_ids, params, output_ids=(), adapter=""):
             yield StepOutput(request_id, 5, None, [], FinishReason.LENGTH, POSITIONS, prompt_scores(POSITIONS))
 
     class Context:

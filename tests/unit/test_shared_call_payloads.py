@@ -51,7 +51,7 @@ class ScriptedEngine:
     def make_params(self, overrides: dict) -> dict:
         return overrides
 
-    def submit(self, request_id, prompt_ids, params, sink, output_ids=()) -> str:
+    def submit(self, request_id, prompt_ids, params, sink, output_ids=(), adapter="") -> str:
         name = request_id.rsplit("#", 1)[0]
         self.sinks[name] = sink
         if len(self.sinks) == len(self.first_steps):

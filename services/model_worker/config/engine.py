@@ -151,6 +151,12 @@ class EngineConfig:
     # None: on for CUDA only. A CPU runs each op where it is launched, so there nothing would overlap, and every
     # token would reach its client a step later.
     async_scheduling: bool | None = None
+    # LoRA adapters (docs/lora.md): slots for max_loras adapters of rank up to max_lora_rank in every target layer,
+    # allocated at start; lora_modules, (name, PEFT folder) pairs, are loaded at start.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
     limits: SchedulerLimits = None  # type: ignore[assignment]
     speculative: SpeculativeConfig = None  # type: ignore[assignment]
 
@@ -180,6 +186,25 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout_s}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        self.lora_modules = tuple((str(name), str(path)) for name, path in self.lora_modules)
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("lora_modules needs --enable_lora")
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora is not served with --tensor_parallel_size > 1 yet: adapters run on one rank")
+        names = [name for name, _ in self.lora_modules]
+        if any(not name for name in names) or len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names must be non-empty and unique, got {names}")
+        if len(names) > self.max_loras:
+            raise ValueError(f"lora_modules names {len(names)} adapters, over --max_loras ({self.max_loras})")
 
     def to_dict(self) -> dict:
         """As JSON-ready data: how the config crosses to the engine core and to tensor-parallel ranks."""

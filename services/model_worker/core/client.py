@@ -3,23 +3,27 @@ and carries its streams on to the new one."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from rpcserver.errors import InvalidArgument, ResourceExhausted, Unavailable
+from rpcserver.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.model_worker.config.engine import EngineConfig
 from services.model_worker.config.model import GenerationDefaults, Qwen3Config
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.core import protocol
 from services.model_worker.core.kv_events import LoadFeed
 from services.model_worker.core.open_streams import OpenStream, OpenStreams, Sink
+from services.model_worker.core.pooling_calls import PoolingCall, PoolingCalls
 from services.model_worker.core.process import CoreProcess, CoreStartError, describe_exit
 from services.model_worker.core.resumes import Resumes
 from services.model_worker.distributed.parallel import check_divisible
+from services.model_worker.engine.adapters import NOT_ENABLED
 from services.model_worker.engine.llm_engine import StepOutput
+from services.model_worker.engine.pooling import PoolingOutput, PoolingParams, check_input
 from services.model_worker.executor.random_draws import fresh_seed
 
 log = logging.getLogger(__name__)
@@ -80,6 +84,7 @@ class EngineClient:
         # cancelled stream never reaches a new stream that reuses its request id.
         self._ids = itertools.count()
         self._streams = OpenStreams()
+        self._pooling = PoolingCalls()
         self.resume = Resumes(self._streams, max_resumes, resume_wait_s)
         self._adds_sent = 0  # to this core; with its adds_applied, the adds still on their way
         self._dead_why: str | None = None  # what the core said in its last frame as it ended after a failed step
@@ -89,6 +94,10 @@ class EngineClient:
         self.failure = ""
         self._closing = False
         self._draining = False
+        # LoRA adapters the core serves, by name ({"name", "path", "rank"}), as its last frame said; and the load and
+        # unload commands waiting for its reply, by command id.
+        self.adapters: dict[str, dict] = {}
+        self._adapter_calls: dict[str, asyncio.Future] = {}
 
     @property
     def serving(self) -> bool:
@@ -117,6 +126,7 @@ class EngineClient:
             log.info("engine core (pid %d) %s", process.pid, describe_exit(returncode))
         self.resume.cancel()
         self._streams.fail(self._streams.take_all(), self._down_reason)
+        self._pooling.fail_all(self._down_reason)
         self.load_feed.close()
 
     async def drain(self) -> None:
@@ -131,13 +141,13 @@ class EngineClient:
         return params
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
-                       output_ids: list[int] = ()) -> AsyncIterator[StepOutput]:
+                       output_ids: list[int] = (), adapter: str = "") -> AsyncIterator[StepOutput]:
         """Yield one StepOutput per step for this request; the last has finish_reason set.
 
         Leaving the iteration early (the caller cancelled) aborts the sequence.
         """
         out: asyncio.Queue = asyncio.Queue()
-        core_id = self.submit(request_id, prompt_ids, params, out, output_ids=output_ids)
+        core_id = self.submit(request_id, prompt_ids, params, out, output_ids=output_ids, adapter=adapter)
         try:
             while True:
                 item = await out.get()
@@ -150,10 +160,11 @@ class EngineClient:
             self.abort(core_id)
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink, *,
-               output_ids: list[int] = ()) -> str:
+               output_ids: list[int] = (), adapter: str = "") -> str:
         """Queue a request on the core; its outputs and its end go to `sink`. Returns the id abort() takes.
 
         output_ids: the ids a broken stream of this request already generated; it goes on after them.
+        adapter: the LoRA adapter to generate with ("": the base model); unknown ones are InvalidArgument.
         Raises Unavailable (no core, or draining), InvalidArgument (a request id already generating)
         or ResourceExhausted (the waiting queue is full) at once, before anything reaches the core.
         """
@@ -164,20 +175,114 @@ class EngineClient:
             raise Unavailable("the worker is shutting down; retry on another worker")
         if self._streams.has_request(request_id):
             raise InvalidArgument(f"request id {request_id!r} is already generating; use a unique id")
+        if adapter:
+            self.check_adapter(adapter)
         limit = self.config.limits.max_waiting
         # Refuse at once rather than after a trip through the core: count the adds it has not applied yet.
-        if self.stats["waiting"] + self._adds_sent - self.stats["adds_applied"] >= limit:
+        if self._queued() >= limit:
             raise ResourceExhausted(f"the worker's queue is full ({limit} requests waiting); retry later")
         # An unseeded sampled request gets its seed here rather than in the core, so that carried on to a new
         # core it draws what it would have.
         seed = fresh_seed() if params.seed is None and not params.is_greedy else None
-        stream = OpenStream(str(next(self._ids)), request_id, sink, list(prompt_ids), params, seed, list(output_ids))
+        stream = OpenStream(str(next(self._ids)), request_id, sink, list(prompt_ids), params, seed, list(output_ids),
+                            adapter=adapter)
         self._streams.add(stream)
         self._send_add(core, stream, stream.handle, resume=False)
         return stream.handle
 
+    async def pool(self, request_id: str, prompts: list[list[int]], pooling: PoolingParams,
+                   adapter: str = "") -> list[PoolingOutput]:
+        """Each prompt's PoolingOutput, in order: all are queued on the core at once, so they share its steps.
+
+        Raises InvalidArgument (a bad input or parameter), ResourceExhausted (the queue is full: the call counts
+        as one request, whatever its inputs) or Unavailable (no core, draining, or the core died under them: the
+        call is short, so it fails rather than going on on the next core). Cancelling the call drops its inputs
+        from the core.
+        """
+        core = self._core
+        if core is None:
+            raise Unavailable(self._down_reason)
+        if self._draining:
+            raise Unavailable("the worker is shutting down; retry on another worker")
+        self._check_pooling(prompts, pooling, adapter)
+        limit = self.config.limits.max_waiting
+        if self._queued() >= limit:
+            raise ResourceExhausted(f"the worker's queue is full ({limit} requests waiting); retry later")
+        if not self._streams.on_core and not len(self._pooling):
+            self._busy_since = time.monotonic()
+        call = PoolingCall(len(prompts))
+        command = {"type": "pool", "pooling": pooling.to_dict()}
+        if adapter:
+            command["adapter"] = adapter
+        for prompt in prompts:
+            core_id = str(next(self._ids))
+            self._pooling.place(call, core_id)
+            self._adds_sent += 1
+            core.send({**command, "id": core_id, "prompt": list(prompt)})
+        try:
+            return await call.future
+        finally:
+            running = self._pooling.close(call)
+            if running and self._core is core:
+                log.debug("pooling call %s ended with %d inputs still running: aborted", request_id, len(running))
+                for core_id in running:
+                    core.send({"type": "abort", "id": core_id})
+
+    def _queued(self) -> int:
+        """Requests waiting on the core or on their way to it, as the queue limit counts them: an open pooling call
+        counts as one, however many inputs it has (its inputs are subtracted whether waiting or running, which
+        errs on the side of admitting)."""
+        queued = self.stats["waiting"] + self._adds_sent - self.stats["adds_applied"]
+        return max(queued - len(self._pooling), 0) + self._pooling.num_calls
+
+    def _check_pooling(self, prompts: list[list[int]], pooling: PoolingParams, adapter: str) -> None:
+        """InvalidArgument naming the first thing wrong with a pooling call, checked here without a trip to the core."""
+        if adapter:
+            self.check_adapter(adapter)
+        if not prompts:
+            raise InvalidArgument("inputs is empty: give at least one input")
+        vocab = self.model_config.vocab_size
+        for i, prompt in enumerate(prompts):
+            check_input(prompt, vocab, self.info["max_model_len"], f"inputs[{i}]")
+        pooling.validate(vocab, self.model_config.hidden_size)
+
+    def check_adapter(self, name: str) -> None:
+        """InvalidArgument unless LoRA is on and an adapter of that name is loaded (the core checks again)."""
+        if not self.config.enable_lora:
+            raise InvalidArgument(NOT_ENABLED)
+        if name not in self.adapters:
+            known = ", ".join(sorted(self.adapters)) or "none"
+            raise InvalidArgument(f"unknown adapter {name!r} (loaded: {known})")
+
+    async def load_adapter(self, name: str, path: str) -> dict:
+        """Load a PEFT folder on the core under `name`; the adapter's {"name", "path", "rank"}."""
+        return await self._adapter_call({"type": "load_adapter", "name": name, "path": path})
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload an adapter on the core; its running requests finish first."""
+        await self._adapter_call({"type": "unload_adapter", "name": name})
+
+    async def _adapter_call(self, command: dict):
+        if not self.config.enable_lora:
+            raise FailedPrecondition(NOT_ENABLED)
+        core = self._core
+        if core is None:
+            raise Unavailable(self._down_reason)
+        command_id = f"adapter-{next(self._ids)}"
+        reply = self._adapter_calls[command_id] = asyncio.get_running_loop().create_future()
+        core.send({**command, "id": command_id})
+        try:
+            return await reply
+        finally:
+            self._adapter_calls.pop(command_id, None)
+
+    def _adapters_changed(self, adapters: list[dict]) -> None:
+        """What the core serves now; a restarted core loads the same (the config it starts with names them)."""
+        self.adapters = {a["name"]: a for a in adapters}
+        self.config = dataclasses.replace(self.config, lora_modules=tuple((a["name"], a["path"]) for a in adapters))
+
     def _send_add(self, core: CoreProcess, stream: OpenStream, core_id: str, resume: bool) -> None:
-        if not self._streams.on_core:
+        if not self._streams.on_core and not len(self._pooling):
             self._busy_since = time.monotonic()
         self._streams.place(stream, core_id)
         self._adds_sent += 1
@@ -210,6 +315,7 @@ class EngineClient:
 
     async def _became_ready(self, core: CoreProcess, ready: dict) -> None:
         self.info, self.stats, self._adds_sent = ready["info"], ready["stats"], 0
+        self.adapters = {a["name"]: a for a in ready["info"].get("adapters", ())}
         self.load_feed.reset(self.stats)
         self._core = core
         log.info("engine core ready (pid %d)", core.pid)
@@ -266,7 +372,8 @@ class EngineClient:
                 await asyncio.wait({read}, timeout=self._watch_interval())
                 if not read.done():
                     silent = time.monotonic() - max(last_frame, self._busy_since)
-                    if self._streams.on_core and self.step_timeout_s and silent >= self.step_timeout_s:
+                    busy = self._streams.on_core or len(self._pooling)
+                    if busy and self.step_timeout_s and silent >= self.step_timeout_s:
                         return await self._kill_hung(core, silent)
                     continue
                 message = read.result()
@@ -310,6 +417,9 @@ class EngineClient:
                 self._streams.end(stream)
             output.request_id = stream.request_id
             stream.sink.put_nowait(output)
+        for raw in message.get("pooled", ()):
+            if not self._pooling.deliver(protocol.pooled_from_list(raw)):
+                log.debug("a pooling output for %s came after its call ended", raw[0])
         if "dead" in message:
             # The core ends after a failed step: its errors are UNAVAILABLE for every open request, which
             # _went_down carries on to the next core, or fails, once the socket closes.
@@ -321,6 +431,18 @@ class EngineClient:
                 if stream is not None:
                     self._streams.end(stream)
                     stream.sink.put_nowait(error)
+                else:
+                    self._pooling.fail(core_id, error)
+        if "adapters" in message:
+            self._adapters_changed(message["adapters"])
+        for command_id, kind, text, info in message.get("adapter_replies", ()):
+            reply = self._adapter_calls.get(command_id)
+            if reply is None or reply.done():
+                continue
+            if kind:
+                reply.set_exception(protocol.error_from_list(["", kind, text])[1])
+            else:
+                reply.set_result(info)
         self.stats = message["stats"]
         self.load_feed.update(self.stats, [bytes.fromhex(h) for h in message.get("kv_stored", ())],
                               [bytes.fromhex(h) for h in message.get("kv_evicted", ())])
@@ -342,6 +464,10 @@ class EngineClient:
         self._down_reason = f"{why}; the worker is restarting it, retry shortly"
         self.stats = dict(EMPTY_STATS)
         self.load_feed.reset(self.stats)
+        for reply in self._adapter_calls.values():
+            if not reply.done():
+                reply.set_exception(Unavailable(f"{why} before the adapter command was applied; retry"))
+        self._pooling.fail_all(f"{why}; retry the request")
         streams = self._streams.off_core()
         if not self.resume.max_resumes or self.config.tensor_parallel_size > 1:
             self._streams.fail(streams, f"{why} while generating; retry the request")

@@ -18,7 +18,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,6 +31,7 @@ from services.model_worker.core import protocol
 from services.model_worker.core.grammar_compiles import GrammarCompiles
 from services.model_worker.core.stats_log import StatsLog
 from services.model_worker.engine.llm_engine import LLMEngine, StepOutput
+from services.model_worker.engine.pooling import PoolingOutput
 from services.model_worker.host import cpu_affinity
 from services.model_worker.model.loader import LoadError
 
@@ -67,6 +68,7 @@ class EngineCore:
         self.adds_applied = 0  # lets the worker count adds still in flight, for its exact queue limit
         self.steps = 0
         self.errors: list[list] = []  # for the next update frame
+        self.adapter_replies: list[list] = []  # [command id, error kind ("": done), message, info], for the next frame
         self.compiles = GrammarCompiles(engine.grammar, engine.engine_config.grammar_compile_timeout_s, self._wake)
         self._commands: queue.SimpleQueue | None = None
 
@@ -122,11 +124,25 @@ class EngineCore:
             self.adds_applied += 1
             try:
                 self._add(request_id, command["prompt"], protocol.params_from_dict(command["params"]),
-                          command.get("output") or [], command.get("seed"), bool(command.get("resume")))
+                          command.get("output") or [], command.get("seed"), bool(command.get("resume")),
+                          command.get("adapter") or "")
             except Exception as e:  # noqa: BLE001 - whatever a request brings fails that request alone
                 self._fail(request_id, e)
             else:
                 self.live.add(request_id)
+        elif kind == "pool":
+            request_id = command["id"]
+            self.adds_applied += 1
+            try:
+                self.engine.add_pooling_request(request_id, command["prompt"],
+                                                protocol.pooling_from_dict(command["pooling"]),
+                                                command.get("adapter") or "")
+            except Exception as e:  # noqa: BLE001 - whatever a request brings fails that request alone
+                self._fail(request_id, e)
+            else:
+                self.live.add(request_id)
+        elif kind in ("load_adapter", "unload_adapter"):
+            self._adapter_command(command)
         elif kind == "abort":
             self.engine.abort(command["id"])
             self.compiles.discard(command["id"])
@@ -135,15 +151,31 @@ class EngineCore:
             raise protocol.ProtocolError(f"unknown command {kind!r}")
 
     def _add(self, request_id: str, prompt: list[int], params: SamplingParams, output: list[int],
-             seed: int | None, resume: bool) -> None:
+             seed: int | None, resume: bool, adapter: str = "") -> None:
         if request_id in self.compiles:
             raise InvalidArgument(f"request id {request_id!r} is already in use")
-        seq = self.engine.new_sequence(request_id, prompt, params, output, seed)
+        seq = self.engine.new_sequence(request_id, prompt, params, output, seed, adapter)
         seq.resumed = resume
         if params.structured_output is None:
             self.engine.admit(seq)
         else:
             self.compiles.submit(seq)  # its outputs, if any, are replayed where its grammar compiles
+
+    def _adapter_command(self, command: dict) -> None:
+        """Load or unload a LoRA adapter between steps; the reply (and the adapters now loaded) go in the next frame."""
+        try:
+            if command["type"] == "load_adapter":
+                info = self.engine.load_adapter(command["name"], command["path"])
+            else:
+                self.engine.unload_adapter(command["name"])
+                info = None
+        except Exception as e:  # noqa: BLE001 - a bad adapter fails its command alone
+            if not isinstance(e, ServiceError):
+                log.exception("adapter command %s failed", command["type"])
+                e = InvalidArgument(f"{command['type']} failed: {type(e).__name__}: {e}")
+            self.adapter_replies.append([command["id"], protocol.error_to_list("", e)[1], str(e), None])
+        else:
+            self.adapter_replies.append([command["id"], "", "", info])
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar has compiled join the batch; those whose compile failed or timed out end."""
@@ -192,16 +224,25 @@ class EngineCore:
         for output in outputs:
             if output.finish_reason is not None:
                 self.live.discard(output.request_id)
-        self._send_update(outputs, seconds)
+        pooled = self.engine.take_pooled() if self.engine.pooled else ()
+        for output in pooled:
+            self.live.discard(output.request_id)
+        self._send_update(outputs, seconds, pooled=pooled)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %d tokens in %.1f ms", self.steps, len(outputs), seconds * 1e3)
         self.stats_log.step_done(len(outputs))
 
-    def _send_update(self, outputs: list[StepOutput], seconds: float | None, dead: str | None = None) -> None:
+    def _send_update(self, outputs: list[StepOutput], seconds: float | None, dead: str | None = None,
+                     pooled: Sequence[PoolingOutput] = ()) -> None:
         stored, evicted = self.engine.block_manager.take_events()
         message = {"type": "update", "outputs": [protocol.output_to_list(o) for o in outputs], "errors": self.errors,
                    "step_seconds": seconds, "stats": self.stats(), "kv_stored": [h.hex() for h in stored],
                    "kv_evicted": [h.hex() for h in evicted]}
+        if pooled:
+            message["pooled"] = [protocol.pooled_to_list(o) for o in pooled]
+        if self.adapter_replies:
+            message["adapter_replies"], self.adapter_replies = self.adapter_replies, []
+            message["adapters"] = self.engine.adapters.infos()
         if dead is not None:
             message["dead"] = dead
         self.send(message)
@@ -233,6 +274,7 @@ def ready_info(engine: LLMEngine) -> dict:
             "is_demo_checkpoint": engine.is_demo_checkpoint,
             "tensor_parallel_size": engine.engine_config.tensor_parallel_size,
             "speculative_method": engine.engine_config.speculative.method or "",
+            "lora_enabled": engine.adapters.enabled, "adapters": engine.adapters.infos(),
             "cpus": cpu_affinity.current(), "threads": torch.get_num_threads()}
 
 

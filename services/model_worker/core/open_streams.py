@@ -33,6 +33,7 @@ class OpenStream:
     core_id: str | None = None  # its id on the serving core; None while it waits for a new core
     delivered: int = 0  # tokens handed to its sink
     resumes: int = 0  # times carried on to a new core
+    adapter: str = ""  # its LoRA adapter's name, kept when it is carried on ("": the base model)
 
     def add_command(self, core_id: str, resume: bool) -> dict:
         """The add frame that starts it on a core, after the ids it has had. Once it has had a token its
@@ -47,6 +48,8 @@ class OpenStream:
             command["seed"] = self.seed
         if resume:
             command["resume"] = True
+        if self.adapter:
+            command["adapter"] = self.adapter
         return command
 
 

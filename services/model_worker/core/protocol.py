@@ -1,28 +1,38 @@
 """What crosses the socket between the worker and its engine core: length-prefixed JSON frames, never pickle.
 
-Worker to core: {"type": "add", "id", "prompt", "params", "output", "seed", "resume"}, {"type": "abort", "id"},
-{"type": "shutdown"}; params is SamplingParams as a dict, its structured_output a {"kind", "value"} object or null.
+Worker to core: {"type": "add", "id", "prompt", "params", "output", "seed", "resume"}, {"type": "pool", "id",
+"prompt", "pooling", "adapter"}, {"type": "abort", "id"}, {"type": "shutdown"}; params is SamplingParams as a
+dict, its structured_output a {"kind", "value"} object or null; pooling is PoolingParams as a dict (a prompt-only
+request; its "adapter" is optional, as an add's).
 An add's last three are optional: "output" holds the ids a broken stream of the request already generated (absent
 or empty: a new request), "seed" seeds the draws of a request whose params have none, and "resume": true marks the
-worker carrying its own stream on after a core restart, which no queue limit refuses.
+worker carrying its own stream on after a core restart, which no queue limit refuses. An add (or pool) may name a
+LoRA adapter: "adapter". {"type": "load_adapter", "id", "name", "path"} and {"type": "unload_adapter", "id", "name"}
+change the adapters; the next update answers each in "adapter_replies": [id, error kind ("": done), message, the
+adapter's {"name", "path", "rank"} or null], beside "adapters", every adapter loaded then.
 Core to worker: {"type": "ready", "info"} once the model is loaded, or {"type": "failed", "message"} if it
 cannot load; then {"type": "update", "outputs", "errors", "step_seconds", "stats", "kv_stored", "kv_evicted"} after every
 step, and after applying commands that left nothing to step; kv_stored and kv_evicted are the hex block hashes
-the prefix cache gained and lost since the last update. The core's last update before it ends after a failed step
-also holds "dead": why, and an UNAVAILABLE error for every open request.
+the prefix cache gained and lost since the last update. An update after a step that ended pooling requests also
+holds "pooled": [id, values as base64 of little-endian float32, prompt tokens] for each. The core's last update
+before it ends after a failed step also holds "dead": why, and an UNAVAILABLE error for every open request.
 """
 from __future__ import annotations
 
+import array
 import asyncio
+import base64
 import dataclasses
 import json
 import signal
 import struct
+import sys
 from typing import BinaryIO
 
-from rpcserver.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from rpcserver.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, ServiceError, Unavailable
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.engine.llm_engine import StepOutput
+from services.model_worker.engine.pooling import PoolingOutput, PoolingParams
 from services.model_worker.engine.sequence import FinishReason
 
 _HEADER = struct.Struct(">I")  # body length in bytes
@@ -34,6 +44,8 @@ ERROR_KINDS: dict[str, type[ServiceError]] = {
     "invalid_argument": InvalidArgument,
     "resource_exhausted": ResourceExhausted,
     "unavailable": Unavailable,
+    "not_found": NotFound,
+    "failed_precondition": FailedPrecondition,
 }
 
 
@@ -110,6 +122,26 @@ def output_from_list(raw: list) -> StepOutput:
     return StepOutput(request_id, token_id, logprob, [(t, lp) for t, lp in top_logprobs],
                       FinishReason(reason) if reason is not None else None, prompt_tokens, prompt_logprobs,
                       spec_accepted)
+
+
+def pooling_from_dict(raw: dict) -> PoolingParams:
+    return PoolingParams(**raw)
+
+
+def pooled_to_list(output: PoolingOutput) -> list:
+    # As float32 bytes: exact, and about a quarter of the size of the same values written as JSON numbers.
+    values = array.array("f", output.values)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return [output.request_id, base64.b64encode(values.tobytes()).decode("ascii"), output.prompt_tokens]
+
+
+def pooled_from_list(raw: list) -> PoolingOutput:
+    request_id, encoded, prompt_tokens = raw
+    values = array.array("f", base64.b64decode(encoded))
+    if sys.byteorder != "little":
+        values.byteswap()
+    return PoolingOutput(request_id, values.tolist(), prompt_tokens)
 
 
 def error_to_list(request_id: str, error: ServiceError) -> list:

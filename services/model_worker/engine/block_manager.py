@@ -29,14 +29,21 @@ def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
 SPARE, ROOM = b"\x01", b"\x02"
 
 
+def adapter_root(name: str) -> bytes:
+    """The digest a LoRA adapter's block hash chain starts from (worker.proto, LoadUpdate): its K/V differ from
+    the base model's and every other adapter's for the same tokens, so their blocks never match."""
+    return hashlib.sha256(b"adapter:" + name.encode()).digest()
+
+
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "root")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.root: bytes | None = None  # the adapter chain its hash is on (None: the base model's)
 
 
 class BlockManager:
@@ -136,7 +143,7 @@ class BlockManager:
         """Hashes of the sequence's first num_blocks full blocks, kept on it (tokens are only ever appended)."""
         hashes, tokens, size = seq.block_hashes, seq.token_ids, self.block_size
         for i in range(len(hashes), num_blocks):
-            hashes.append(block_hash(hashes[i - 1] if i else None, tuple(tokens[i * size:(i + 1) * size])))
+            hashes.append(block_hash(hashes[i - 1] if i else seq.hash_root, tuple(tokens[i * size:(i + 1) * size])))
         return hashes
 
     def _prefix_hits(self, seq: Sequence) -> list[Block]:
@@ -221,9 +228,20 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.hash, block.token_ids = hashes[i], tuple(tokens[i * size:(i + 1) * size])
+                block.root = seq.hash_root
                 if self.cached.setdefault(block.hash, block.block_id) == block.block_id:
                     self.events[block.hash] = True
         seq.num_hashed_blocks = full
+
+    def forget_adapter(self, root: bytes) -> None:
+        """Drop the cached blocks of an adapter's chain that nobody holds (it was unloaded: a later adapter of the
+        same name may have other weights, so its blocks must not be found)."""
+        for block in self.blocks:
+            if block.root == root and block.ref_count == 0 and block.hash is not None:
+                if self._is_cached(block):
+                    del self.cached[block.hash]
+                    self.events[block.hash] = False
+                block.hash, block.token_ids, block.root = None, (), None
 
     def take_events(self) -> tuple[list[bytes], list[bytes]]:
         """Hashes stored and evicted since the last call (a hash is in one list at most)."""

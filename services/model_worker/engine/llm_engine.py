@@ -15,7 +15,9 @@ from services.model_worker.config.engine import EngineConfig, SpeculativeConfig
 from services.model_worker.config.model import ConfigError, GenerationDefaults, Qwen3Config
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.distributed.parallel import check_divisible
+from services.model_worker.engine.adapters import AdapterRegistry
 from services.model_worker.engine.block_manager import BlockManager
+from services.model_worker.engine.pooling import POOLING_SAMPLING, PoolingOutput, PoolingParams, check_input, pool_rows
 from services.model_worker.engine.scheduler import Scheduler
 from services.model_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from services.model_worker.engine.speculator import Speculator
@@ -77,6 +79,14 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
                                           config.limits.max_num_seqs, table_width)
         self.scheduler = Scheduler(self.block_manager, config.limits)
+        self.adapters = AdapterRegistry(executor.lora, self.config, config.max_lora_rank,
+                                        self.block_manager.forget_adapter)
+        for name, path in config.lora_modules:
+            try:
+                self.adapters.load(name, path, set())
+            except Exception as e:  # noqa: BLE001 - a bad folder at start is a bad flag
+                executor.close()
+                raise ConfigError(f"--lora-modules {name}={path}: {e}") from None
         self.sampler = Sampler()
         self.penalties = PenaltyState(config.limits.max_num_seqs, self.device)
         self.eos_ids = frozenset(self.generation.eos_token_ids)
@@ -86,6 +96,7 @@ class LLMEngine:
         self.phase_seconds = dict.fromkeys(PHASES, 0.0)
         self._seqs: dict[str, Sequence] = {}
         self._in_flight: _InFlight | None = None  # the step launched and not yet read back
+        self.pooled: list[PoolingOutput] = []  # pooling requests' outputs not yet taken (take_pooled)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda")
         self.grammar = GrammarEngine(self.checkpoint_dir, self.config.vocab_size, self.eos_ids)
@@ -121,21 +132,21 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    output_ids: list[int] = (), seed: int | None = None) -> Sequence:
+                    output_ids: list[int] = (), seed: int | None = None, adapter: str = "") -> Sequence:
         """Checks, compiles the grammar (if any) here and now, and queues the sequence; the engine core
         compiles on a thread of its own instead (new_sequence, then admit)."""
-        seq = self.new_sequence(request_id, prompt_ids, params, output_ids, seed)
+        seq = self.new_sequence(request_id, prompt_ids, params, output_ids, seed, adapter)
         if params.structured_output is not None:
             seq.grammar = self.grammar.matcher(params.structured_output, seq.output_ids)
         return self.admit(seq)
 
     def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     output_ids: list[int] = (), seed: int | None = None) -> Sequence:
+                     output_ids: list[int] = (), seed: int | None = None, adapter: str = "") -> Sequence:
         """The request as a sequence, its grammar not compiled; InvalidArgument naming what is wrong with it.
 
         output_ids: the tokens a broken stream of this request already generated; the sequence computes them
         with the prompt as one prefill and goes on after them (worker.proto's GenerateRequest.output_token_ids).
-        seed: the seed of its draws when params has none."""
+        seed: the seed of its draws when params has none. adapter: the LoRA adapter's name; "": the base model."""
         if request_id in self._seqs:
             raise InvalidArgument(f"request id {request_id!r} is already in use")
         if not prompt_ids:
@@ -155,7 +166,15 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_ids, params, max_tokens, self.eos_ids, output_ids, seed)
         if seq.output_ids:
             self._check_outputs(seq, room)
+        self.set_adapter(seq, adapter)
         return seq
+
+    def set_adapter(self, seq: Sequence, adapter: str) -> None:
+        """Run a new sequence with the LoRA adapter of that name ("": the base model); InvalidArgument when LoRA is
+        off or no adapter has that name."""
+        if adapter:
+            resident = self.adapters.get(adapter)
+            seq.adapter, seq.lora_slot, seq.hash_root = resident.name, resident.slot, resident.hash_root
 
     def _check_outputs(self, seq: Sequence, room: int) -> None:
         """InvalidArgument unless the given outputs are ids a stream of this request could have generated and
@@ -182,9 +201,45 @@ class LLMEngine:
         steps."""
         if seq.request_id in self._seqs:
             raise InvalidArgument(f"request id {seq.request_id!r} is already in use")
+        if seq.adapter:
+            # Its adapter may have been unloaded or evicted while its grammar compiled.
+            resident = self.adapters.by_name.get(seq.adapter)
+            if resident is None or resident.slot != seq.lora_slot:
+                raise InvalidArgument(f"adapter {seq.adapter!r} was unloaded before the request could start")
         self.scheduler.add(seq)
         self._seqs[seq.request_id] = seq
         return seq
+
+    def add_pooling_request(self, request_id: str, prompt_ids: list[int], pooling: PoolingParams,
+                            adapter: str = "") -> Sequence:
+        """Queues a prompt-only request: it runs as a prompt does, shares steps with generating sequences, and
+        at its last prompt position yields a PoolingOutput (take_pooled) instead of a token, then ends."""
+        return self.admit(self.new_pooling_sequence(request_id, prompt_ids, pooling, adapter))
+
+    def new_pooling_sequence(self, request_id: str, prompt_ids: list[int], pooling: PoolingParams,
+                             adapter: str = "") -> Sequence:
+        """The prompt-only request as a sequence; InvalidArgument naming what is wrong with it."""
+        if request_id in self._seqs:
+            raise InvalidArgument(f"request id {request_id!r} is already in use")
+        check_input(prompt_ids, self.config.vocab_size, self.max_model_len)
+        pooling.validate(self.config.vocab_size, self.config.hidden_size)
+        seq = Sequence(request_id, prompt_ids, POOLING_SAMPLING, 1, frozenset())
+        seq.pooling = pooling
+        self.set_adapter(seq, adapter)
+        return seq
+
+    def take_pooled(self) -> list[PoolingOutput]:
+        """The pooling outputs of the steps since the last call."""
+        taken, self.pooled = self.pooled, []
+        return taken
+
+    def _end_pooled(self, seqs: list[Sequence]) -> None:
+        """Pooled sequences end with the step that pooled them (accounted first, so their full blocks stay in
+        the prefix cache) and give their blocks back."""
+        for seq in seqs:
+            seq.finish(FinishReason.LENGTH)
+            self.scheduler.release(seq)
+            self._seqs.pop(seq.request_id, None)
 
     def abort(self, request_id: str) -> bool:
         seq = self._seqs.pop(request_id, None)
@@ -218,6 +273,8 @@ class LLMEngine:
             self._in_flight = None
             phases["outputs"] += clock() - start
             start = clock()
+        if self.adapters.draining:
+            self.adapters.release_drained(self._adapter_slots_in_use())
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -230,17 +287,29 @@ class LLMEngine:
             self.speculator.fill(batch.seqs, batch.num_draft)
         scheduled = clock()
         host, seqs, prompt_spans = batch.step_inputs(self.block_manager.tables)
+        if self.adapters.enabled:
+            host.lora_slots = self._lora_rows(batch)
         built = clock()
         previous = self._in_flight
-        logits = self.runner.run(host, previous.sampled.token_ids if previous is not None else None)
+        previous_ids = previous.sampled.token_ids if previous is not None else None
+        if batch.pooled:
+            logits, hidden = self.runner.run_pooling(host, previous_ids)
+            pooled, logits = pool_rows(batch.pooled, logits, hidden)
+            self.pooled += pooled
+        else:
+            logits = self.runner.run(host, previous_ids)
         ran = clock()
         phases["schedule"] += scheduled - start
         phases["inputs"] += built - scheduled
         phases["model"] += ran - built
         if batch.num_draft:  # speculation keeps no step in flight: it proposes from the newest ids on the host
-            return outputs + self._verify_step(batch, seqs, prompt_spans, logits)
+            outputs += self._verify_step(batch, seqs, prompt_spans, logits)
+            self._end_pooled(batch.pooled)
+            return outputs
         launched = self._sample(batch, seqs, prompt_spans, logits, previous)
         self.scheduler.account(batch)
+        if batch.pooled:
+            self._end_pooled(batch.pooled)
         sampled_at = clock()
         phases["sampler"] += sampled_at - ran
         self._in_flight = None
@@ -257,6 +326,27 @@ class LLMEngine:
                 outputs += self._read_back(launched)
         phases["outputs"] += clock() - sampled_at
         return outputs
+
+    @staticmethod
+    def _lora_rows(batch) -> torch.Tensor | None:
+        """Each row's adapter slot (-1: the base model), rows in the batch's order; None when no row has one."""
+        slots = [seq.lora_slot for seq in batch.seqs]
+        if max(slots) < 0:
+            return None
+        return torch.tensor(slots, dtype=torch.int64).repeat_interleave(torch.tensor(batch.num_tokens))
+
+    # -- adapters -----------------------------------------------------------------------------------
+
+    def _adapter_slots_in_use(self) -> set[int]:
+        return {seq.lora_slot for seq in self._seqs.values() if seq.lora_slot >= 0}
+
+    def load_adapter(self, name: str, path: str) -> dict:
+        """Load a PEFT folder under `name` (evicting an idle adapter when every slot is taken); its info."""
+        return self.adapters.load(name, path, self._adapter_slots_in_use()).info()
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload an adapter: refused to new requests at once, its slot freed when its running requests end."""
+        self.adapters.unload(name, self._adapter_slots_in_use())
 
     def _can_defer(self, constrained: list[int]) -> bool:
         """Whether the next step may be scheduled before this one's tokens are on the host."""
@@ -382,6 +472,17 @@ class LLMEngine:
             for out in self.step():
                 if out.request_id in results:
                     results[out.request_id].append(out.token_id)
+        return [results[rid] for rid in ids]
+
+    def pool(self, prompts: list[list[int]], pooling: PoolingParams) -> list[list[float]]:
+        """Run prompts as pooling requests together; returns each one's values (for tests and benchmarks)."""
+        ids = [f"pool-{i}-{id(prompts)}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.add_pooling_request(rid, prompt, pooling)
+        results: dict[str, list[float]] = {}
+        while any(rid in self._seqs for rid in ids):
+            self.step()
+            results.update((out.request_id, out.values) for out in self.take_pooled())
         return [results[rid] for rid in ids]
 
     def stats(self) -> dict[str, float]:

@@ -8,6 +8,7 @@ from rpcserver.errors import ResourceExhausted
 from services.model_worker.config.engine import SchedulerLimits
 from services.model_worker.engine.block_manager import BlockManager
 from services.model_worker.engine.block_tables import BlockTables
+from services.model_worker.engine.pooling import SCORE
 from services.model_worker.engine.sequence import Sequence, SequenceStatus
 from services.model_worker.executor.step_inputs import StepInputs
 
@@ -19,6 +20,9 @@ class ScheduledBatch:
     # Per sequence, how many of its new tokens are proposals to verify (its `draft`, after its own tokens);
     # empty when none has any.
     num_draft: list[int] = field(default_factory=list)
+    # The pooling sequences whose last prompt chunk this step computes, in batch order: their last rows are pooled
+    # (engine/pooling.py) instead of sampled.
+    pooled: list[Sequence] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -26,10 +30,12 @@ class ScheduledBatch:
     def step_inputs(self, tables: BlockTables) -> tuple[StepInputs, list[Sequence], list[tuple[Sequence, int, int]]]:
         """The step's flat inputs, the sequences that get a next token from it, and the prompt spans whose
         logprobs it computes: (sequence, first prompt position scored, count), their rows after the sampled ones.
+        The pooled sequences' last rows come last: the scoring ones' among the logits rows, then the embedding
+        ones' (host.num_hidden_rows), whose final hidden states are wanted instead.
 
         tables: the running sequences' block tables, a row per sequence (its slot)."""
         seqs = self.seqs
-        if not self.num_draft and max(self.num_tokens) == 1 and all(
+        if not self.num_draft and not self.pooled and max(self.num_tokens) == 1 and all(
                 s.num_cached_tokens + 1 == len(s.token_ids) + s.num_pending for s in seqs):
             return self._decode_inputs(tables), seqs, []
         token_ids, slots, context_lens, extra_rows, spans = [], [], [], [], []
@@ -40,6 +46,9 @@ class ScheduledBatch:
         fill_rows: list[int] = []
         fill_from: list[int] = []
         num_draft = self.num_draft or [0] * len(self.seqs)
+        pooling = bool(self.pooled)
+        score_rows: list[int] = []
+        embed_rows: list[int] = []
         row = 0
         for i, (seq, n) in enumerate(zip(self.seqs, self.num_tokens)):
             start = seq.num_cached_tokens
@@ -77,9 +86,12 @@ class ScheduledBatch:
             context_lens.append(start + n)
             # A prompt prefilled in chunks yields a token only after its last chunk.
             if start + own == len(seq):
-                sampled.append(len(token_ids) - 1)
-                sampled_seqs.append(seq)
-                sampled_draft.append(0)
+                if pooling and seq.pooling is not None:
+                    (score_rows if seq.pooling.kind == SCORE else embed_rows).append(row + n - 1)
+                else:
+                    sampled.append(len(token_ids) - 1)
+                    sampled_seqs.append(seq)
+                    sampled_draft.append(0)
             if seq.wants_prompt_logprobs:
                 # Position p's logits score prompt token p + 1: this chunk scores tokens start+1 .. up to the last.
                 count = min(start + n, len(seq.prompt_ids) - 1) - start
@@ -88,7 +100,9 @@ class ScheduledBatch:
                     spans.append((seq, start + 1, count))
             row += n
         host = StepInputs.build(token_ids, tables.gather(slots, max(context_lens)), context_lens, tables.block_size,
-                                sampled, extra_rows, sampled_draft if self.num_draft else None)
+                                sampled, extra_rows + score_rows + embed_rows,
+                                sampled_draft if self.num_draft else None)
+        host.num_hidden_rows = len(embed_rows)
         return host.filled_from_previous(fill_rows, fill_from), sampled_seqs, spans
 
 
@@ -132,14 +146,20 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_computed_tokens = 0  # prompt and output tokens run through the model, for throughput logs
+        self.num_pooling = 0  # pooling sequences waiting or running: while none, schedule() never looks for them
 
     def add(self, seq: Sequence) -> None:
         # A stream the worker carries on after its engine core restarted was admitted once: all of them come
-        # back at once, and none is refused.
-        if len(self.waiting) >= self.limits.max_waiting and not seq.resumed:
+        # back at once, and none is refused. A pooling call's inputs come together, the call counted as one
+        # request by the worker (core/client.py): none of them is refused alone, nor counted here (running
+        # ones are subtracted too, which errs on the side of admitting).
+        if (not seq.resumed and seq.pooling is None
+                and len(self.waiting) - self.num_pooling >= self.limits.max_waiting):
             raise ResourceExhausted(
                 f"the worker's queue is full ({self.limits.max_waiting} requests waiting); retry later")
         self.waiting.append(seq)
+        if seq.pooling is not None:
+            self.num_pooling += 1
 
     def abort(self, request_id: str) -> Sequence | None:
         for queue in (self.running, self.waiting):
@@ -147,6 +167,8 @@ class Scheduler:
                 if seq.request_id == request_id:
                     queue.remove(seq)
                     self.block_manager.free_blocks(seq)
+                    if seq.pooling is not None:
+                        self.num_pooling -= 1
                     return seq
         return None
 
@@ -189,6 +211,9 @@ class Scheduler:
             self._admit(batch, budget)
         if batch.num_draft:
             batch.num_draft += [0] * (len(batch.seqs) - len(batch.num_draft))
+        if self.num_pooling:
+            batch.pooled = [s for s, n in zip(batch.seqs, batch.num_tokens)
+                            if s.pooling is not None and n == s.num_uncached_tokens]
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
@@ -269,6 +294,8 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             self.block_manager.free_blocks(seq)
+            if seq.pooling is not None:
+                self.num_pooling -= 1
 
     def may_preempt(self) -> bool:
         """Whether scheduling the running sequences' next tokens could run out of blocks and preempt one."""

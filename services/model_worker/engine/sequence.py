@@ -88,6 +88,14 @@ class Sequence:
         self.resumed = False
         # The structured-output matcher (executor/grammar.py's GrammarState), set by the engine; None: free text.
         self.grammar = None
+        # Its LoRA adapter, set by the engine: the name ("" for the base model), the adapter's slot (-1: none), and
+        # the digest its block hash chain starts from (worker.proto, LoadUpdate; None: the base model's chain).
+        self.adapter = ""
+        self.lora_slot = -1
+        self.hash_root: bytes | None = None
+        # A prompt-only request's PoolingParams (engine/pooling.py), set by the engine: its last prompt position
+        # yields an embedding or some logits instead of a token, and it ends there. None: it generates.
+        self.pooling = None
 
     def draw_key(self) -> tuple[int, int]:
         """(seed, counter) of the draw for its next output token: the counter is that token's index, tokens

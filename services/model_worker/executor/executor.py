@@ -21,6 +21,7 @@ from services.model_worker.model.layers.linear import linear_layers
 from services.model_worker.model.layers.quant.choose_method import linear_methods
 from services.model_worker.model.layers.norm import use_norm_kernel
 from services.model_worker.model.loader import load_model, resolve_device, resolve_dtype
+from services.model_worker.model.lora.model_lora import LoraModel
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class Executor:
         self.model = load_model(checkpoint_dir, model_config, device, self.dtype, tp, config.huge_pages, linear.body,
                                 linear.head)
         log.info("%d linear layers with %s weights", len(linear_layers(self.model)), linear.name)
+        # Adapter slots before the KV cache is sized, so a GPU's profile counts them.
+        self.lora = (LoraModel(self.model, config.max_loras, config.max_lora_rank, self.dtype, device)
+                     if config.enable_lora else None)
         # This rank's share of the heads: what its KV cache holds.
         self.rank_config = local_config(model_config, tp_size)
         self._cpu_kernels(config)
@@ -73,6 +77,7 @@ class Executor:
                                 spare_block=graphs, huge_pages=config.huge_pages,
                                 kv_cache_dtype=config.kv_cache_dtype, fp8_scales=self._fp8_scales())
         self.runner = ModelRunner(self.model, self.kv_cache, device)
+        self.runner.lora = self.lora
         self.max_model_len = min(self._max_len(model_config), num_blocks * config.block_size)
         log.info("KV cache: %d blocks of %d tokens (%.2f GB%s, %s); max context %d tokens", num_blocks,
                  config.block_size,
@@ -99,8 +104,10 @@ class Executor:
         """Ranks 1..N-1: run rank 0's steps until it says stop."""
         while (host := self.step_channel.receive()) is not None:
             hidden = self.runner.forward(host)
-            if host.sample_rows.numel():
-                self.model.compute_logits(hidden)  # sends this rank's vocab slice to rank 0
+            # Rank 0 projects every sampled row but the pooled ones that want hidden states (run_pooling).
+            logit_rows = host.sample_rows.numel() - host.num_hidden_rows
+            if logit_rows:
+                self.model.compute_logits(hidden[:logit_rows])  # sends this rank's vocab slice to rank 0
 
     def _cpu_kernels(self, config: EngineConfig) -> None:
         """The C kernels besides the linear layers' (their method was chosen before loading)."""

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from services.model_worker.executor.step_inputs import StepInputs
 
 _STEP, _STOP = 1, 2
-_HEADER = 8  # kind, tokens, seqs, table width, sampled rows, max query len, max context len, unused
+_HEADER = 8  # kind, tokens, seqs, table width, sampled rows, max query len, max context len, hidden rows
 
 
 class StepChannel:
@@ -27,11 +27,11 @@ class StepChannel:
         parts = [host.input_ids, host.positions, host.slot_mapping, host.query_start_loc, host.context_lens,
                  host.block_tables.flatten(), host.sample_rows]
         sizes = [host.input_ids.numel(), host.num_seqs, host.block_tables.shape[1], host.sample_rows.numel(),
-                 host.max_query_len, host.max_context_len]
+                 host.max_query_len, host.max_context_len, host.num_hidden_rows]
         end = _HEADER + sum(p.numel() for p in parts)
         if end > self.buffer.numel():
             raise ValueError(f"a step of {end} integers exceeds the step buffer of {self.buffer.numel()}")
-        self.buffer[:_HEADER] = torch.tensor([_STEP, *sizes, 0], dtype=torch.int32)
+        self.buffer[:_HEADER] = torch.tensor([_STEP, *sizes], dtype=torch.int32)
         torch.cat([p.to(torch.int32) for p in parts], out=self.buffer[_HEADER:end])
         dist.broadcast(self.buffer, src=0, group=self.group)
 
@@ -42,10 +42,11 @@ class StepChannel:
     def receive(self) -> StepInputs | None:
         """The next step's inputs; None when rank 0 says stop."""
         dist.broadcast(self.buffer, src=0, group=self.group)
-        kind, tokens, seqs, width, sampled, max_query_len, max_context_len, _ = self.buffer[:_HEADER].tolist()
+        kind, tokens, seqs, width, sampled, max_query_len, max_context_len, hidden_rows = self.buffer[:_HEADER].tolist()
         if kind == _STOP:
             return None
         sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, sampled]
         parts = self.buffer[_HEADER:_HEADER + sum(sizes)].split(sizes)
         return StepInputs(parts[0].long(), parts[1].long(), parts[2].long(), parts[3].clone(), parts[4].clone(),
-                          parts[5].reshape(seqs, width).clone(), parts[6].long(), max_query_len, max_context_len)
+                          parts[5].reshape(seqs, width).clone(), parts[6].long(), max_query_len, max_context_len,
+                          num_hidden_rows=hidden_rows)

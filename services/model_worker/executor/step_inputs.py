@@ -35,6 +35,10 @@ class StepInputs:
     # those tokens' rows in its sampled ids; the runner copies them in on the device. None: every id is here.
     fill_rows: torch.Tensor | None = None
     fill_from: torch.Tensor | None = None
+    # (T,) int64 on the host: each row's LoRA adapter slot, -1 for the base model; None: no row has an adapter.
+    lora_slots: torch.Tensor | None = None
+    # The last this many sample_rows are pooled prompts' last rows whose final hidden states are wanted, not logits.
+    num_hidden_rows: int = 0
 
     @classmethod
     def build(cls, token_ids: list[list[int]], block_tables: list[list[int]], context_lens: list[int],

@@ -33,6 +33,9 @@ MODELS: dict[str, type[Qwen3ForCausalLM]] = {
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # An fp8 KV cache's per-layer scales: read where the checkpoint has them, 1.0 where it does not.
 OPTIONAL_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale")
+# A checkpoint saved from the bare decoder (Qwen3Model, as the published Qwen3-Embedding ones are) names its tensors
+# without the "model." prefix; read as the causal LM's, its head tied to the embedding where the config says so.
+BARE_DECODER_ROOTS = ("embed_tokens.", "layers.", "norm.")
 
 
 class LoadError(ValueError):
@@ -151,14 +154,15 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
             path = checkpoint_dir / file
             try:
                 with safe_open(str(path), framework="pt", device=str(device)) as f:
-                    for name in f.keys():
+                    for stored in f.keys():
+                        name = "model." + stored if stored.startswith(BARE_DECODER_ROOTS) else stored
                         if name.endswith(IGNORED_SUFFIXES):
                             continue
                         if name == "lm_head.weight" and config.tie_word_embeddings:
                             continue  # tied: the embedding is the head
                         target = _target(model, name)
                         if target is not None and name.endswith(OPTIONAL_SUFFIXES):
-                            scale = f.get_tensor(name).float()
+                            scale = f.get_tensor(stored).float()
                             if scale.numel() != 1:
                                 misshapen.append(f"{name}: {list(scale.shape)}, a KV cache scale is one value")
                                 continue
@@ -168,7 +172,7 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
                         if target is None or not expected.issuperset(covers):
                             unexpected.append(name)
                             continue
-                        source = f.get_slice(name)
+                        source = f.get_slice(stored)
                         try:
                             _load_tensor(*target[:2], source, target[2])
                         except WeightShapeError as e:

@@ -166,7 +166,7 @@ class MultiplexedCall:
             client = self._engine()
             sink = _RequestSink(self, request_id)
             engine_id = client.submit(request_id, list(request.prompt_token_ids), self._make_params(request), sink,
-                                      output_ids=list(request.output_token_ids))
+                                      output_ids=list(request.output_token_ids), adapter=request.adapter)
         except ServiceError as e:
             self._fail(request_id, status_for(e), str(e))
             return

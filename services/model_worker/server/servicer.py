@@ -5,13 +5,14 @@ import dataclasses
 import uuid
 from collections.abc import Iterator
 
-from rpcserver.errors import Unavailable
+from rpcserver.errors import InvalidArgument, Unavailable
 from rpcserver.pieces import GRPC_MESSAGE_BYTES, piece_budget
 from rpcserver.shared import SAMPLING_FIELDS
 from rpcserver.status import grpc_errors
 from services.model_worker.config.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from services.model_worker.core.client import EngineClient
 from services.model_worker.core.kv_events import LoadDelta
+from services.model_worker.engine.pooling import PoolingParams
 from services.model_worker.server.metrics import REQUESTS
 from services.model_worker.server.multiplex import MultiplexedCall, built_step_messages
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -92,7 +93,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
         request_id = request.request_id or uuid.uuid4().hex
         first = True
         async for out in self.engine.generate(request_id, list(request.prompt_token_ids), params,
-                                              output_ids=list(request.output_token_ids)):
+                                              output_ids=list(request.output_token_ids), adapter=request.adapter):
             # Many prompt logprobs are built on a thread, so the loop serves the other calls meanwhile.
             for message in await built_step_messages(out, first, piece_budget(self.max_message_bytes)):
                 yield message
@@ -103,6 +104,39 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
         # Each request's errors are outputs on the call; only an unreadable message ends it early.
         async for response in MultiplexedCall(lambda: self.engine, self._params, self.max_message_bytes).serve(requests):
             yield response
+
+    @grpc_errors
+    async def Embed(self, request: worker_pb2.EmbedRequest, context) -> worker_pb2.EmbedResponse:
+        REQUESTS.labels("Embed").inc()
+        pooling = PoolingParams.embed(request.dimensions if request.HasField("dimensions") else None)
+        outputs = await self.engine.pool(request.request_id or uuid.uuid4().hex,
+                                         [list(i.token_ids) for i in request.inputs], pooling, request.adapter)
+        return worker_pb2.EmbedResponse(embeddings=[worker_pb2.Embedding(values=o.values) for o in outputs],
+                                        prompt_tokens=sum(o.prompt_tokens for o in outputs))
+
+    @grpc_errors
+    async def Score(self, request: worker_pb2.ScoreRequest, context) -> worker_pb2.ScoreResponse:
+        REQUESTS.labels("Score").inc()
+        pooling = PoolingParams.score(request.token_ids)
+        outputs = await self.engine.pool(request.request_id or uuid.uuid4().hex,
+                                         [list(i.token_ids) for i in request.inputs], pooling, request.adapter)
+        return worker_pb2.ScoreResponse(results=[worker_pb2.TokenLogits(logits=o.values) for o in outputs],
+                                        prompt_tokens=sum(o.prompt_tokens for o in outputs))
+
+    @grpc_errors
+    async def LoadAdapter(self, request: worker_pb2.LoadAdapterRequest, context) -> worker_pb2.LoadAdapterResponse:
+        REQUESTS.labels("LoadAdapter").inc()
+        if request.name == self.model_name:
+            raise InvalidArgument(f"{request.name!r} is the base model's name; give the adapter another")
+        info = await self.engine.load_adapter(request.name, request.path)
+        return worker_pb2.LoadAdapterResponse(adapter=worker_pb2.AdapterInfo(**info))
+
+    @grpc_errors
+    async def UnloadAdapter(self, request: worker_pb2.UnloadAdapterRequest,
+                            context) -> worker_pb2.UnloadAdapterResponse:
+        REQUESTS.labels("UnloadAdapter").inc()
+        await self.engine.unload_adapter(request.name)
+        return worker_pb2.UnloadAdapterResponse()
 
     @grpc_errors
     async def WatchLoad(self, request, context):
@@ -131,5 +165,7 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
             speculative_method=info.get("speculative_method", ""),
             speculative_proposed_tokens=stats.get("spec_proposed", 0),
             speculative_accepted_tokens=stats.get("spec_accepted", 0),
-            speculative_acceptance_rate=stats.get("spec_acceptance_rate", 0.0))
+            speculative_acceptance_rate=stats.get("spec_acceptance_rate", 0.0),
+            adapters=[worker_pb2.AdapterInfo(**a) for a in engine.adapters.values()],
+            hidden_size=engine.model_config.hidden_size)
 

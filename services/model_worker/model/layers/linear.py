@@ -25,6 +25,7 @@ from torch import nn
 from services.model_worker.distributed.parallel import TensorParallel
 from services.model_worker.kernels import cpu_linear
 from services.model_worker.model.layers.weights import CheckpointTensor, read_whole, split_rows
+from services.model_worker.model.lora.ops import add_lora
 
 log = logging.getLogger(__name__)
 
@@ -220,8 +221,18 @@ class LinearBase(nn.Module):
         self.method = method or PlainLinearMethod()
         self.method.create_weights(self, in_features, out_features, bias)
 
+    # LoRA adapter slots (model/lora/slots.py) where adapters are enabled and this layer is a target; None: none.
+    lora = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        return self.add_lora(x, self.method.apply(self, x))
+
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y with the step's adapter rows' LoRA products added; y itself in a step without adapter rows."""
+        lora = self.lora
+        if lora is None or lora.state.batch is None:
+            return y
+        return add_lora(y, x, lora, lora.state.batch)
 
     def weight_loader(self, leaf: str, source: CheckpointTensor, shard=None) -> None:
         """Fill parameter `leaf` (weight or bias) from a checkpoint tensor; raises WeightShapeError."""
@@ -281,6 +292,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         layer and apply the activation."""
         if len(self.local_sizes) != 2 or self.local_sizes[0] != self.local_sizes[1]:
             return None
+        if self.lora is not None and self.lora.state.batch is not None:
+            return None  # the adapter rows' products go in before the activation
         return self.method.apply_silu_and_mul(self, x)
 
 
@@ -320,7 +333,7 @@ class RowParallelLinear(LinearBase):
             param.copy_(split_rows(source, param, 1, self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.method.apply(self, x))
+        return self.tp.all_reduce(self.add_lora(x, self.method.apply(self, x)))
 
 
 def linear_layers(model: nn.Module, include_lm_head: bool = True) -> list[tuple[str, LinearBase]]:

@@ -1,0 +1,58 @@
+"""A model's adapter slots: attached to its target linear layers, written per adapter, and the step's row groups."""
+from __future__ import annotations
+
+import torch
+
+from services.model_worker.model.lora.batch import LoraBatch
+from services.model_worker.model.lora.peft_folder import PeftAdapter
+from services.model_worker.model.lora.slots import LoraSlots, LoraState
+
+
+def _layer_parts(decoder_layer) -> list[tuple[object, list[tuple[str, slice]]]]:
+    """Each target linear layer of a decoder layer, with the projections it holds and where their outputs sit."""
+    attn, mlp = decoder_layer.self_attn, decoder_layer.mlp
+    qkv, gate_up = attn.qkv_proj, mlp.gate_up_proj
+    return [(qkv, [(name, qkv.shard_slice(shard)) for name, shard in (("q_proj", "q"), ("k_proj", "k"),
+                                                                      ("v_proj", "v"))]),
+            (attn.o_proj, [("o_proj", slice(0, attn.o_proj.out_features))]),
+            (gate_up, [("gate_proj", gate_up.shard_slice(0)), ("up_proj", gate_up.shard_slice(1))]),
+            (mlp.down_proj, [("down_proj", slice(0, mlp.down_proj.out_features))])]
+
+
+class LoraModel:
+    """Slots for max_loras adapters of rank up to max_rank in every target layer, allocated once, here."""
+
+    def __init__(self, model, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+        self.state = LoraState(max_loras, max_rank)
+        self.device = device
+        self.layers: list[list[LoraSlots]] = []
+        for decoder_layer in model.model.layers:
+            if not hasattr(decoder_layer.mlp, "gate_up_proj"):
+                raise ValueError("LoRA adapters need dense MLP layers; this model has experts")
+            slots = []
+            for linear, parts in _layer_parts(decoder_layer):
+                linear.lora = LoraSlots(linear, parts, self.state, dtype, device)
+                slots.append(linear.lora)
+            self.layers.append(slots)
+        # The fused decode loop has no LoRA seam: steps with adapter rows run layer by layer.
+        model.model.lora = self.state
+
+    def write(self, slot: int, adapter: PeftAdapter) -> None:
+        for index, slots in enumerate(self.layers):
+            for layer in slots:
+                layer.write(slot, index, adapter)
+        self.state.ranks[slot] = adapter.rank
+
+    def clear(self, slot: int) -> None:
+        for slots in self.layers:
+            for layer in slots:
+                layer.clear(slot)
+        self.state.ranks[slot] = 0
+
+    def begin_step(self, row_slots: torch.Tensor | None) -> None:
+        """The step's rows grouped by adapter (row_slots (T,) int64 on the host, -1 for the base); None: none."""
+        batch = LoraBatch.build(row_slots, self.state.ranks) if row_slots is not None else None
+        self.state.batch = batch.to(self.device) if batch is not None and self.device.type != "cpu" else batch
+
+    def end_step(self) -> None:
+        self.state.batch = None
