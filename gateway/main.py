@@ -10,6 +10,7 @@ import grpc
 from prometheus_client import REGISTRY
 
 from gateway.core.generation import GenerationCore
+from gateway.fleet.adapters import Adapters
 from gateway.fleet.downstream import WORKER_STREAMS, Downstreams, DownstreamTLS
 from gateway.fleet.fleet_metrics import FleetCollector
 from gateway.fleet.router import POLICIES, Router, RouterConfig
@@ -159,7 +160,7 @@ async def serve(args: argparse.Namespace) -> None:
                               downstream_api_key(args), args.max_message_bytes,
                               ResumePolicy(args.max_resumes, args.resume_wait))
     REGISTRY.register(FleetCollector(downstreams.fleet))
-    core = GenerationCore(downstreams, limits_overrides(args), args.stream_interval)
+    core = GenerationCore(downstreams, limits_overrides(args), args.stream_interval, Adapters(downstreams.fleet))
     add_servicer(server.server, service,
                  GatewayServicer(core, args.model_name, args.log_prompts, args.max_message_bytes))
     await server.start()

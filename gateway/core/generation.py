@@ -59,10 +59,19 @@ class GenerationCore:
     > 1 also holds tokens back until that many are ready (the first and last tokens never wait).
     """
 
-    def __init__(self, downstreams, limits_overrides: dict, stream_interval: int = 1):
+    def __init__(self, downstreams, limits_overrides: dict, stream_interval: int = 1, adapters=None):
         self.downstreams = downstreams  # Downstreams, or any object with the same surface
         self.limits_overrides = limits_overrides
         self.stream_interval = stream_interval
+        self.adapters = adapters  # the fleet's LoRA adapters (fleet.adapters.Adapters); None: none are served
+
+    def check_adapter(self, adapter: str) -> None:
+        """Refuses a LoRA adapter no worker serves (INVALID_ARGUMENT); "" is the base model."""
+        if not adapter:
+            return
+        if self.adapters is None:
+            raise InvalidArgument(f"adapter {adapter!r} is not served: this gateway serves no LoRA adapters")
+        self.adapters.check(adapter)
 
     def limits(self) -> Limits:
         info = self.downstreams.worker_info
@@ -114,6 +123,7 @@ class GenerationCore:
                                   "leave out response_format and structured_outputs")
         limits = self.limits()
         check_for_worker(req, limits)
+        self.check_adapter(req.adapter)
         prompt_ids, rendered = await self.encode(req, timeout(), encodes=encodes)
         record.prompt_tokens = len(prompt_ids)
         # Callers choose their ids freely and may reuse one; the worker needs each open request's id to be
@@ -267,7 +277,8 @@ def constrain(work: worker_pb2.GenerateRequest, req: GenerationRequest, constrai
 def worker_request(req: GenerationRequest, prompt_ids: list[int], max_tokens: int,
                    request_id: str) -> worker_pb2.GenerateRequest:
     work = worker_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
-                                      stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
+                                      stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                                      adapter=req.adapter)
     for name in SAMPLING_FIELDS:
         if getattr(req, name) is not None:
             setattr(work.sampling, name, getattr(req, name))

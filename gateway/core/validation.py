@@ -114,6 +114,7 @@ class GenerationRequest:
     # (kind, value): ("json_schema", JSON text), ("json_object", True), ("regex", str), ("choice", [str]),
     # ("grammar", str); compiled and checked by the worker, which enforces it at the logits.
     structured_output: tuple[str, object] | None = None
+    adapter: str = ""  # the LoRA adapter to generate with, by the name the workers serve it under; "": the base model
     # The caller's names for fields it spells otherwise (chat's top_logprobs is `logprobs` here), so that
     # an error names the field that was sent.
     field_names: dict[str, str] = field(default_factory=dict)

@@ -69,6 +69,7 @@ class Downstreams:
             raise ValueError(f"worker_stream must be one of {', '.join(WORKER_STREAMS)}, got {worker_stream!r}")
         self.tls = tls
         self.resume = resume
+        self.max_message_bytes = max_message_bytes  # the workers' limit, taken as ours
         # One shared call per worker costs a message per engine step rather than one per request per step.
         self._open_call: OpenCall = (MultiplexedCalls(max_message_bytes) if worker_stream == "multiplexed"
                                      else generate_call)
@@ -83,6 +84,8 @@ class Downstreams:
         self.fleet = Fleet(parse_targets(worker_targets), lambda address: open_channel(address, tls, api_key),
                            health_interval, router or Router())
         self.token_text: dict[int, str] = {}  # special token id -> text, for stop reasons
+        # The tokenizer's facts, as last fetched: an embedding checkpoint's prompts and pooling among them.
+        self.tokenizer_info: tokenizer_pb2.GetInfoResponse | None = None
 
     async def start(self) -> None:
         await self.tokenizer.start()
@@ -112,6 +115,7 @@ class Downstreams:
     async def refresh_info(self, timeout: float = 5.0) -> None:
         info = await self.tokenizer.GetInfo(tokenizer_pb2.GetInfoRequest(), timeout=timeout)
         self.token_text = {t.id: t.content for t in info.special_tokens}
+        self.tokenizer_info = info
 
     async def close(self) -> None:
         await self.fleet.close()

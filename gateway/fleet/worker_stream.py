@@ -186,16 +186,20 @@ class WorkerStream:
         """A serving worker for the request, leaving out those that failed it until a health check has seen
         them since; after a failure, waits for one to serve, within the resume wait and the deadline."""
         ids = [*self.work.prompt_token_ids, *self.generated]  # cached blocks of both count for routing
+        adapter = self.work.adapter  # only workers that have it loaded can go on with it
         give_up = time.monotonic() + self.resume.wait_s
         if self.deadline is not None:
             give_up = min(give_up, self.deadline)
         while True:
             exclude = tuple(address for address, checks in failed.items()
                             if (w := self.fleet.workers.get(address)) is None or w.checks <= checks)
-            worker = self.fleet.pick(ids, exclude=exclude)
+            worker = self.fleet.pick(ids, exclude=exclude, adapter=adapter)
             if worker is not None:
                 return worker
             if not failed:
+                if adapter and self.fleet.serving():
+                    raise Unavailable(f"no serving model worker has the LoRA adapter {adapter!r} loaded now (the "
+                                      "ones that had it are not serving); retry shortly")
                 raise Unavailable("no model worker is serving; retry shortly")
             left = give_up - time.monotonic()
             if left <= 0:

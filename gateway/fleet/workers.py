@@ -89,6 +89,15 @@ class Worker:
         """Check health now rather than at the next interval (a call to it failed, its load stream ended)."""
         self._wake.set()
 
+    def has_adapter(self, adapter: str) -> bool:
+        """Whether it serves `adapter` ("" is the base model, which every worker serves), as it last reported."""
+        return not adapter or (self.info is not None and any(a.name == adapter for a in self.info.adapters))
+
+    async def refresh_info(self, timeout: float = 5.0) -> worker_pb2.GetInfoResponse:
+        """Its facts now; the adapters it has loaded change while it serves."""
+        self.info = await self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=timeout)
+        return self.info
+
     def view(self) -> WorkerView:
         # The worker's own count is the truth across gateways, but lags a burst this gateway has just sent it.
         return WorkerView(self.address, max(self.load.running + self.load.waiting, self.in_flight), self.blocks)
@@ -107,10 +116,13 @@ class Worker:
             return UNREACHABLE
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             return NOT_SERVING
-        if self.info is None or self.state != SERVING:  # first contact or back from a restart: facts may differ
-            try:
-                self.info = await self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5.0)
-            except grpc.aio.AioRpcError:
+        # Fetched at every check: its loaded adapters change at runtime (through any gateway in front of it).
+        try:
+            await self.refresh_info()
+        except grpc.aio.AioRpcError:
+            # First contact or back from a restart: it serves once its facts are known. A serving worker keeps
+            # the facts it last gave.
+            if self.info is None or self.state != SERVING:
                 return NOT_SERVING
         return SERVING
 
@@ -244,13 +256,26 @@ class Fleet:
     def serving(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.serving]
 
-    def pick(self, prompt_ids: list[int], exclude: tuple[str, ...] = ()) -> Worker | None:
-        """The worker for this prompt among those serving, leaving out `exclude` (already tried)."""
-        candidates = [w for w in self.serving() if w.address not in exclude]
+    def adapters(self) -> dict[str, worker_pb2.AdapterInfo]:
+        """The LoRA adapters the serving workers have loaded, by name (as the first worker to list one has it)."""
+        found: dict[str, worker_pb2.AdapterInfo] = {}
+        for w in self.serving():
+            for adapter in w.info.adapters if w.info is not None else ():
+                found.setdefault(adapter.name, adapter)
+        return found
+
+    def knows_adapter(self, adapter: str) -> bool:
+        """Whether any worker listed `adapter` when it last answered, serving now or not (one restarting)."""
+        return any(w.info is not None and w.has_adapter(adapter) for w in self.workers.values())
+
+    def pick(self, prompt_ids: list[int], exclude: tuple[str, ...] = (), adapter: str = "") -> Worker | None:
+        """The worker for this prompt among those serving that have `adapter` ("": the base model), leaving out
+        `exclude` (already tried)."""
+        candidates = [w for w in self.serving() if w.address not in exclude and w.has_adapter(adapter)]
         hashes_by_size: dict[int, list[bytes]] = {}
         for w in candidates:
             if w.block_size and w.block_size not in hashes_by_size:
-                hashes_by_size[w.block_size] = prompt_block_hashes(prompt_ids, w.block_size)
+                hashes_by_size[w.block_size] = prompt_block_hashes(prompt_ids, w.block_size, adapter)
         # Workers of different block sizes share no hashes; routing by the first size's is exact for
         # those and sees the others as misses, which then go by load.
         hashes = next(iter(hashes_by_size.values()), [])

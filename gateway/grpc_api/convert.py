@@ -33,6 +33,7 @@ def from_proto(msg: gateway_pb2.GenerateRequest) -> GenerationRequest:
         request_id=msg.request_id,
         logit_bias=dict(msg.logit_bias),
         structured_output=structured_output(msg.structured_output),
+        adapter=msg.adapter,
         **optional,
     )
 

@@ -1,4 +1,4 @@
-"""GatewayService: the public gRPC API, a thin adapter over the generation core."""
+"""GatewayService: the public gRPC API, a thin adapter over the generation, embedding and scoring cores."""
 from __future__ import annotations
 
 import asyncio
@@ -6,10 +6,14 @@ import asyncio
 import grpc
 
 from gateway.core.deltas import Delta
+from gateway.core.embedding import EmbeddingCore
 from gateway.core.generation import GenerationCore
 from gateway.core.metrics import RequestRecord
+from gateway.core.prompt_runs import PoolingRecord
 from gateway.core.request_id import caller_request_id
+from gateway.core.scoring import ScoringCore
 from gateway.grpc_api.convert import from_proto
+from gateway.grpc_api.pooling_convert import embed_reply, embedding_request, score_reply, scoring_request
 from rpcserver.pieces import GRPC_MESSAGE_BYTES, piece_budget, split_prompt_logprobs
 from rpcserver.status import code_for, grpc_errors
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -26,6 +30,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.log_prompts = log_prompts  # prompts are user data: off the logs unless asked for
         # A message past the send limit would fail the call: long prompt logprobs go in pieces within this.
         self.budget = piece_budget(max_message_bytes)
+        self.max_message_bytes = max_message_bytes  # an Embed reply is one message: refused beyond this
+        self.embedding = EmbeddingCore(core.downstreams, core.limits_overrides, core.check_adapter)
+        self.scoring = ScoringCore(core.downstreams, core.limits_overrides, core.check_adapter)
 
     @grpc_errors
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -53,13 +60,43 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return in_pieces(to_proto(delta, request_id, call_ids), self.budget)
 
     @grpc_errors
+    async def Embed(self, request: gateway_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+                    ) -> gateway_pb2.EmbedResponse:
+        record = PoolingRecord("embed", caller_request_id(request.request_id))  # a bad id is refused in check()
+        error = None
+        try:
+            result = await self.embedding.embed(embedding_request(request), record, timeout=context.time_remaining,
+                                                max_reply_bytes=self.max_message_bytes)
+            return embed_reply(result, record.request_id)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            record.done(code_for(error, context), error)
+
+    @grpc_errors
+    async def Score(self, request: gateway_pb2.ScoreRequest, context: grpc.aio.ServicerContext
+                    ) -> gateway_pb2.ScoreResponse:
+        record = PoolingRecord("score", caller_request_id(request.request_id))
+        error = None
+        try:
+            result = await self.scoring.score(scoring_request(request), record, timeout=context.time_remaining)
+            return score_reply(result, record.request_id)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            record.done(code_for(error, context), error)
+
+    @grpc_errors
     async def GetInfo(self, request, context) -> gateway_pb2.GetInfoResponse:
         limits = self.core.limits()
         return gateway_pb2.GetInfoResponse(
             model=self.model_name or self.core.downstreams.worker_info.model, max_context=limits.max_context,
             max_prompt_tokens=limits.max_prompt_tokens, max_tokens_limit=limits.max_tokens_limit,
             max_stop_strings=limits.max_stop_strings, max_stop_string_chars=limits.max_stop_string_chars,
-            max_logprobs=limits.max_logprobs, workers=self.core.downstreams.worker_statuses())
+            max_logprobs=limits.max_logprobs, workers=self.core.downstreams.worker_statuses(),
+            adapters=sorted(self.core.adapters.served()) if self.core.adapters is not None else [])
 
 
 def in_pieces(reply: gateway_pb2.GenerateResponse, budget: int) -> list[gateway_pb2.GenerateResponse]:

@@ -11,10 +11,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.core.deltas import Delta
+from gateway.core.embedding import EmbeddingCore
 from gateway.core.generation import GenerationCore, SharedEncodes
 from gateway.core.metrics import RequestRecord
 from gateway.core.request_id import check_request_id, new_request_id
+from gateway.core.scoring import ScoringCore
 from gateway.core.validation import GenerationRequest
+from gateway.http_api.adapters_api import add_adapter_routes, model_cards
 from gateway.http_api.openai_errors import HttpError, add_error_handlers, error_body, error_response, grpc_code
 from gateway.http_api.openai_format import ResponseFormat
 from gateway.http_api.openai_protocol import (
@@ -25,6 +28,7 @@ from gateway.http_api.openai_protocol import (
     completion_requests,
     parse,
 )
+from gateway.http_api.pooling_api import add_pooling_routes
 from gateway.http_api.tokenize_api import add_tokenize_routes
 from rpcserver.auth import ApiKeyInterceptor
 
@@ -137,13 +141,17 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
     add_error_handlers(app)
     checker = ApiKeyInterceptor(api_key) if api_key else None
 
-    def check_model(requested: str) -> None:
-        """vLLM's answer to a model this server does not serve. No name means the served model, as in vLLM; a
-        name is checked once the served one is known (--model-name, or a worker's answer)."""
+    def check_model(requested: str) -> str:
+        """The LoRA adapter a body's `model` names ("": the served model), or vLLM's answer to a model this server
+        does not serve. No name means the served model, as in vLLM; a name is checked once the served one is
+        known (--model-name, or a worker's answer): until then it is taken as an adapter, for the core to check."""
         served = model_name()
-        if requested and served and requested != served:
-            raise HttpError(grpc.StatusCode.NOT_FOUND, f"The model `{requested}` does not exist.", param="model",
-                            error_type="NotFoundError", error_code=404)
+        if not requested or requested == served:
+            return ""
+        if not served or (core.adapters is not None and core.adapters.knows(requested)):
+            return requested
+        raise HttpError(grpc.StatusCode.NOT_FOUND, f"The model `{requested}` does not exist.", param="model",
+                        error_type="NotFoundError", error_code=404)
 
     async def read_body(request: Request) -> bytes:
         if checker is not None:
@@ -167,9 +175,10 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
         choices = None
         try:
             body = parse(ChatRequest if chat else CompletionRequest, await read_body(request))
-            check_model(body.model)
+            adapter = check_model(body.model)
             reqs = [chat_request(body)] if chat else completion_requests(body)
             for req in reqs:  # every prompt, before any of them waits on the tokenizer or a worker
+                req.adapter = adapter
                 core.check(req)
             want_logprobs = reqs[0].logprobs is not None
             request_id = request.headers.get("x-request-id", "")
@@ -184,7 +193,8 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
                 record = RequestRecord(request_id if len(per_choice) == 1 else f"{request_id}-{index}", prompt)
                 streams.append(recorded(core, r, record, want_logprobs, deadline, encodes))
             choices = Choices(streams)
-            fmt = ResponseFormat(chat, model_name(), len(per_choice), want_logprobs, choices_per_prompt=body.n)
+            fmt = ResponseFormat(chat, adapter or model_name(), len(per_choice), want_logprobs,
+                                 choices_per_prompt=body.n)
             firsts = await choices.first()
         except Exception as e:  # noqa: BLE001 - refused before any output: a plain error response
             if choices is not None:
@@ -221,15 +231,14 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
-    async def served_model(request: Request) -> dict:
+    async def served_models(request: Request) -> list[dict]:
         await read_body(request)
-        return {"id": model_name(), "object": "model", "created": 0, "owned_by": "vllm-v0",
-                "max_model_len": core.limits().max_context}
+        return model_cards(core, model_name())
 
     @app.get("/v1/models")
     async def models(request: Request):
         try:
-            return {"object": "list", "data": [await served_model(request)]}
+            return {"object": "list", "data": await served_models(request)}
         except Exception as e:  # noqa: BLE001
             return error_response(e)
 
@@ -237,15 +246,21 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str):
         try:
-            served = await served_model(request)
-            if model_id != served["id"]:
+            cards = await served_models(request)
+            found = next((card for card in cards if card["id"] == model_id), None)
+            if found is None:
                 raise HttpError(grpc.StatusCode.NOT_FOUND, f"the model {model_id!r} does not exist; this server "
-                                f"serves {served['id']!r}", param="model", error_code="model_not_found")
+                                f"serves {', '.join(repr(card['id']) for card in cards)}", param="model",
+                                error_code="model_not_found")
         except Exception as e:  # noqa: BLE001
             return error_response(e)
-        return served
+        return found
 
     add_tokenize_routes(app, core, read_body, request_timeout_s or None, check_model)
+    add_pooling_routes(app, EmbeddingCore(core.downstreams, core.limits_overrides, core.check_adapter),
+                       ScoringCore(core.downstreams, core.limits_overrides, core.check_adapter), read_body, check_model,
+                       model_name, lambda: Deadline(request_timeout_s))
+    add_adapter_routes(app, core, read_body, model_name, request_timeout_s or None)
 
     @app.get("/health")
     async def health():

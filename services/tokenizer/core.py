@@ -1,7 +1,7 @@
 """The tokenizer service's core: encode, chat rendering, decode and stateless incremental decode."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
@@ -11,6 +11,7 @@ from checkpoint.files import eos_token_ids, read_json
 from rpcserver.errors import InvalidArgument
 from services.tokenizer.byte_level import ByteLevelText
 from services.tokenizer.chat_template import ChatTemplate
+from services.tokenizer.embedding_config import EmbeddingConfig, EmbeddingConfigError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -28,6 +29,7 @@ class TokenizerInfo:
     special_tokens: list[tuple[int, str]]
     eos_token_ids: list[int]
     has_chat_template: bool
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)  # Sentence Transformers' files, if any
 
 
 def chat_template_source(checkpoint_dir: Path, tokenizer_config: dict) -> str | None:
@@ -54,6 +56,7 @@ class TokenizerCore:
         chat_template: ChatTemplate | None,
         eos_token_ids: list[int],
         model_vocab_size: int | None = None,
+        embedding: EmbeddingConfig | None = None,
     ):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -69,11 +72,13 @@ class TokenizerCore:
             special_tokens=[(token_id, token.content) for token_id, token in added],
             eos_token_ids=eos_token_ids,
             has_chat_template=chat_template is not None,
+            embedding=embedding or EmbeddingConfig(),
         )
 
     @classmethod
     def from_dir(cls, checkpoint_dir: Path | str) -> "TokenizerCore":
-        """Load tokenizer.json, plus tokenizer_config.json, generation_config.json and config.json when present."""
+        """Load tokenizer.json, plus tokenizer_config.json, generation_config.json, config.json and Sentence
+        Transformers' files when present."""
         checkpoint_dir = Path(checkpoint_dir)
         path = checkpoint_dir / "tokenizer.json"
         if not path.is_file():
@@ -88,7 +93,11 @@ class TokenizerCore:
         source = chat_template_source(checkpoint_dir, tokenizer_config)
         chat_template = ChatTemplate(source, tokenizer_config) if source is not None else None
 
-        return cls(tokenizer, chat_template, eos_token_ids(checkpoint_dir), model_config.get("vocab_size"))
+        try:
+            embedding = EmbeddingConfig.from_dir(checkpoint_dir)
+        except EmbeddingConfigError as e:
+            raise TokenizerLoadError(f"{checkpoint_dir}: {e}") from None
+        return cls(tokenizer, chat_template, eos_token_ids(checkpoint_dir), model_config.get("vocab_size"), embedding)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special-token strings in it become their ids."""

@@ -137,7 +137,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         info = self.core.info
         return tokenizer_pb2.GetInfoResponse(
             vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids, has_chat_template=info.has_chat_template,
-            special_tokens=[tokenizer_pb2.SpecialToken(id=i, content=c) for i, c in info.special_tokens])
+            special_tokens=[tokenizer_pb2.SpecialToken(id=i, content=c) for i, c in info.special_tokens],
+            embedding_prompts=info.embedding.prompts, default_embedding_prompt_name=info.embedding.default_prompt_name,
+            embedding_modules=info.embedding.modules, embedding_pooling_modes=info.embedding.pooling_modes)
 
 
 def encode(core: TokenizerCore, request: tokenizer_pb2.EncodeRequest) -> tuple[list[int], str]:

@@ -155,16 +155,31 @@ class SpecialToken(_message.Message):
     def __init__(self, id: _Optional[int] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("vocab_size", "special_tokens", "eos_token_ids", "has_chat_template")
+    __slots__ = ("vocab_size", "special_tokens", "eos_token_ids", "has_chat_template", "embedding_prompts", "default_embedding_prompt_name", "embedding_modules", "embedding_pooling_modes")
+    class EmbeddingPromptsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_EMBEDDING_PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_MODULES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_POOLING_MODES_FIELD_NUMBER: _ClassVar[int]
     vocab_size: int
     special_tokens: _containers.RepeatedCompositeFieldContainer[SpecialToken]
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     has_chat_template: bool
-    def __init__(self, vocab_size: _Optional[int] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    embedding_prompts: _containers.ScalarMap[str, str]
+    default_embedding_prompt_name: str
+    embedding_modules: _containers.RepeatedScalarFieldContainer[str]
+    embedding_pooling_modes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, vocab_size: _Optional[int] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., embedding_prompts: _Optional[_Mapping[str, str]] = ..., default_embedding_prompt_name: _Optional[str] = ..., embedding_modules: _Optional[_Iterable[str]] = ..., embedding_pooling_modes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("id", "name", "arguments")
