@@ -106,11 +106,6 @@ def test_lora_off_and_unknown_adapters(folders):
         on.add_request("r", [1, 2, 3], GREEDY, adapter="nope")
 
 
-def test_tensor_parallel_lora_is_refused():
-    with pytest.raises(ValueError, match="not served with --tensor_parallel_size > 1"):
-        EngineConfig(enable_lora=True, tensor_parallel_size=2)
-
-
 def test_full_slots_evict_an_idle_adapter_else_refuse(folders):
     _, adapters = folders
     lora = engine(folders, enable_lora=True, max_loras=2)

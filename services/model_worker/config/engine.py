@@ -198,8 +198,6 @@ class EngineConfig:
             if self.lora_modules:
                 raise ValueError("lora_modules needs --enable_lora")
             return
-        if self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora is not served with --tensor_parallel_size > 1 yet: adapters run on one rank")
         names = [name for name, _ in self.lora_modules]
         if any(not name for name in names) or len(set(names)) != len(names):
             raise ValueError(f"lora_modules names must be non-empty and unique, got {names}")

@@ -14,7 +14,7 @@ from services.model_worker.executor.kv_cache import KVCache
 from services.model_worker.executor.kv_sizing import blocks_from_budget, plan_kv_cache, profile_step_memory
 from services.model_worker.executor.model_runner import ModelRunner
 from services.model_worker.executor.sampler import Sampler
-from services.model_worker.executor.step_channel import StepChannel
+from services.model_worker.executor.step_channel import AdapterChange, StepChannel
 from services.model_worker.kernels import cpu_argmax, cpu_decoder, cpu_norm, cpu_random_draws
 from services.model_worker.model.fused_decode import use_activation_kernel, use_fused_decode
 from services.model_worker.model.layers.linear import linear_layers
@@ -22,6 +22,7 @@ from services.model_worker.model.layers.quant.choose_method import linear_method
 from services.model_worker.model.layers.norm import use_norm_kernel
 from services.model_worker.model.loader import load_model, resolve_device, resolve_dtype
 from services.model_worker.model.lora.model_lora import LoraModel
+from services.model_worker.model.lora.peft_folder import read_adapter
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class Executor:
     def __init__(self, checkpoint_dir: str | pathlib.Path, config: EngineConfig, model_config: Qwen3Config,
                  rendezvous: Rendezvous | None = None):
         self.engine_config = config
+        self.model_config = model_config
         tp_size = config.tensor_parallel_size
         device = resolve_device(config.device)
         self.group: RankGroup | None = None
@@ -94,6 +96,8 @@ class Executor:
                                             limits.max_num_seqs, -(-self.max_model_len // config.block_size))
             if rendezvous is None:
                 self.runner.step_sender = self.step_channel.send
+                if self.lora is not None:
+                    self.lora.send_change = self.step_channel.send_adapter
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (rank 0)."""
@@ -103,11 +107,21 @@ class Executor:
     def serve_steps(self) -> None:
         """Ranks 1..N-1: run rank 0's steps until it says stop."""
         while (host := self.step_channel.receive()) is not None:
+            if isinstance(host, AdapterChange):
+                self._change_adapter(host)
+                continue
             hidden = self.runner.forward(host)
             # Rank 0 projects every sampled row but the pooled ones that want hidden states (run_pooling).
             logit_rows = host.sample_rows.numel() - host.num_hidden_rows
             if logit_rows:
                 self.model.compute_logits(hidden[:logit_rows])  # sends this rank's vocab slice to rank 0
+
+    def _change_adapter(self, change: AdapterChange) -> None:
+        """Ranks 1..N-1: rank 0's adapter slot change, into this rank's shards (rank 0 checked the folder)."""
+        if change.path is None:
+            self.lora.clear(change.slot)
+        else:
+            self.lora.write(change.slot, read_adapter(change.path, self.model_config, self.engine_config.max_lora_rank))
 
     def _cpu_kernels(self, config: EngineConfig) -> None:
         """The C kernels besides the linear layers' (their method was chosen before loading)."""

@@ -25,7 +25,6 @@ from torch import nn
 from services.model_worker.distributed.parallel import TensorParallel
 from services.model_worker.kernels import cpu_linear
 from services.model_worker.model.layers.weights import CheckpointTensor, read_whole, split_rows
-from services.model_worker.model.lora.ops import add_lora
 
 log = logging.getLogger(__name__)
 
@@ -229,10 +228,7 @@ class LinearBase(nn.Module):
 
     def add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y with the step's adapter rows' LoRA products added; y itself in a step without adapter rows."""
-        lora = self.lora
-        if lora is None or lora.state.batch is None:
-            return y
-        return add_lora(y, x, lora, lora.state.batch)
+        return y if self.lora is None else self.lora.add(y, x)
 
     def weight_loader(self, leaf: str, source: CheckpointTensor, shard=None) -> None:
         """Fill parameter `leaf` (weight or bias) from a checkpoint tensor; raises WeightShapeError."""

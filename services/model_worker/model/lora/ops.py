@@ -5,22 +5,23 @@ import torch
 
 from services.model_worker.kernels import cpu_lora
 from services.model_worker.model.lora.batch import LoraBatch
-from services.model_worker.model.lora.slots import LoraSlots
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, slots: LoraSlots, batch: LoraBatch) -> torch.Tensor:
-    """y (T, out) with each adapter row's LoRA product added (in place where y is contiguous); x (T, in)."""
+def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, part_ends: list[int],
+             batch: LoraBatch) -> torch.Tensor:
+    """y (T, out) with each adapter row's LoRA product added (in place where y is contiguous); x (T, in); a, b
+    and part_ends a layer's slots (LoraSlots)."""
     if not y.is_contiguous():
         y = y.contiguous()
     x = x.contiguous()
     if x.device.type == "cpu" and x.dtype in cpu_lora.DTYPES and (library := cpu_lora.load()) is not None:
-        cpu_lora.sgmv(library, y, x, slots.a, slots.b, slots.part_ends, batch)
+        cpu_lora.sgmv(library, y, x, a, b, part_ends, batch)
     elif x.device.type == "cuda":
         from services.model_worker.kernels import triton_lora
 
-        triton_lora.sgmv(y, x, slots.a, slots.b, slots.part_ends, batch)
+        triton_lora.sgmv(y, x, a, b, part_ends, batch)
     else:
-        sgmv_reference(y, x, slots.a, slots.b, slots.part_ends, batch)
+        sgmv_reference(y, x, a, b, part_ends, batch)
     return y
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.model_worker.model.lora.batch import LoraBatch
+from services.model_worker.model.lora.ops import add_lora
 from services.model_worker.model.lora.peft_folder import PeftAdapter
 
 if TYPE_CHECKING:
@@ -35,8 +36,12 @@ class LoraSlots:
     """One linear layer's adapter slots: A (slots, parts x R, in), B^T (slots, R, out), scaling folded into B."""
 
     def __init__(self, layer: "LinearBase", parts: list[tuple[str, slice]], state: LoraState,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, split_input: bool = False):
+        """parts: each projection's outputs on this rank; split_input: the layer is row-parallel, so this rank
+        holds its slice of A's inputs and B whole (else A whole and its slice of each part's B outputs)."""
         self.state = state
+        self.tp_rank = layer.tp.rank
+        self.split_input = split_input
         self.modules = [name for name, _ in parts]
         self.slices = [s for _, s in parts]
         rank = state.max_rank
@@ -47,6 +52,14 @@ class LoraSlots:
         assert self.slices[-1].stop == layer.out_features
         self.part_ends = [s.stop for s in self.slices]
 
+    def add(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y, the layer's output for x, with this step's adapter rows' products added; y itself in a step
+        without adapter rows. The layer calls it (model/layers/ knows nothing of adapters beyond this)."""
+        batch = self.state.batch
+        if batch is None:
+            return y
+        return add_lora(y, x, self.a, self.b, self.part_ends, batch)
+
     def write(self, slot: int, layer_index: int, adapter: PeftAdapter) -> None:
         rank, width = adapter.rank, self.state.max_rank
         self.clear(slot)
@@ -55,6 +68,15 @@ class LoraSlots:
             if pair is None:
                 continue  # not targeted: its part stays zero
             a, b = pair
+            # Tensor parallelism: this rank's inputs of a row-parallel layer, its outputs of each column-parallel
+            # part; the row-parallel layer's all-reduce then sums the ranks' partial products, exactly, as
+            # (x_0 A_0^T + x_1 A_1^T) B^T = x_0 A_0^T B^T + x_1 A_1^T B^T.
+            if self.split_input:
+                inputs = self.a.shape[2]
+                a = a[:, self.tp_rank * inputs:(self.tp_rank + 1) * inputs]
+            else:
+                outputs = rows.stop - rows.start
+                b = b[self.tp_rank * outputs:(self.tp_rank + 1) * outputs]
             self.a[slot, p * width:p * width + rank] = a.to(self.a.dtype)
             self.b[slot, :rank, rows] = (b * adapter.scaling).t().to(self.b.dtype)
 
