@@ -65,6 +65,7 @@ class ChaosConfig:
     window_s: float = 5.0        # pauses are measured this long after a kill
     worker_flags: list[str] = field(default_factory=list)
     gateway_flags: list[str] = field(default_factory=list)
+    max_kills: int | None = None  # stop killing after this many (None: until the end)
 
 
 @dataclass
@@ -201,7 +202,7 @@ async def killer(stack: ChaosStack, run: Run, config: ChaosConfig, stop_at: floa
     margin = min(config.kill_every, 5.0)  # the last kill leaves time to see its effect
     next_at = time.monotonic() + config.kill_every
     n = 0
-    while True:
+    while config.max_kills is None or n < config.max_kills:
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
         kind = config.kinds[n % len(config.kinds)] if config.in_turn else rng.choice(config.kinds)
         if time.monotonic() + margin > stop_at or not await stack.wait_ready_for(kind, stop_at - margin):
