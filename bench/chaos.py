@@ -297,6 +297,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a stream failing this many seconds after a kill is blamed on it (default: 5)")
     parser.add_argument("--pause-window", type=float, default=5.0,
                         help="seconds after a kill over which each open stream's longest pause is taken (default: 5)")
+    parser.add_argument("--max-kills", type=int, default=0, help="stop killing after this many (default: 0, no limit)")
     parser.add_argument("--model", help="checkpoint directory (default: the tiny demo checkpoint, built here)")
     parser.add_argument("--worker-flags", default="", help="more flags for the workers, in one string")
     parser.add_argument("--gateway-flags", default="", help="more flags for the gateway, in one string")
@@ -315,7 +316,7 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the stack on SIGTERM as on Ctrl-C
     config = ChaosConfig(args.streams, args.minutes, args.kill_every, args.restart_delay, args.kinds, args.in_turn,
                          args.seed, args.timeout, args.max_tokens or None, args.blame_within, args.pause_window,
-                         shlex.split(args.worker_flags), shlex.split(args.gateway_flags))
+                         shlex.split(args.worker_flags), shlex.split(args.gateway_flags), args.max_kills or None)
     print(f"CPU: {cpu_description()}", flush=True)
     log_dir = tempfile.mkdtemp(prefix="chaos-")
     print(f"service logs: {log_dir}", flush=True)
