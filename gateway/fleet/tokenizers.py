@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.fleet.fleet_metrics import RESUMED
 from gateway.fleet.worker_stream import ResumePolicy
-from gateway.fleet.workers import DNS_PREFIX, NOT_SERVING, SERVING, UNREACHABLE, resolve
+from gateway.fleet.workers import DNS_PREFIX, NOT_SERVING, SERVING, UNREACHABLE, wanted_addresses
 from rpcserver.errors import Unavailable
 from vllm_v0.tokenizer.v1 import tokenizer_pb2_grpc
 
@@ -200,19 +200,7 @@ class TokenizerPool:
         self.changed.set()
 
     async def _resolve(self) -> None:
-        wanted: list[str] = []
-        for target in self.targets:
-            try:
-                wanted.extend(a for a in await resolve(target) if a not in wanted)
-            except OSError as e:  # keep what it stood for until the name resolves again
-                if target not in self._unresolved:
-                    log.warning("cannot resolve %s (%s); keeping its last addresses until it resolves", target, e)
-                    self._unresolved.add(target)
-                wanted.extend(a for a in self.tokenizers if a not in wanted and target.startswith(DNS_PREFIX))
-                continue
-            if target in self._unresolved:
-                log.info("%s resolves again", target)
-                self._unresolved.discard(target)
+        wanted = await wanted_addresses(self.targets, self.tokenizers, self._unresolved)
         for address in [a for a in self.tokenizers if a not in wanted]:
             log.info("tokenizer %s: no longer in %s; removing it", address, ", ".join(self.targets))
             task = asyncio.create_task(self._retire(self.tokenizers.pop(address)), name=f"retire {address}")

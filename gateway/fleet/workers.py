@@ -51,6 +51,26 @@ async def resolve(target: str) -> list[str]:
     return sorted(addresses)
 
 
+async def wanted_addresses(targets: list[str], known, unresolved: set[str]) -> list[str]:
+    """Every address the targets stand for now, without repeats. A dns:/// target whose lookup fails keeps
+    the `known` addresses until it resolves again; `unresolved` holds such targets, so each failure and
+    each recovery is logged once."""
+    wanted: list[str] = []
+    for target in targets:
+        try:
+            wanted.extend(a for a in await resolve(target) if a not in wanted)
+        except OSError as e:  # keep what it stood for until the name resolves again
+            if target not in unresolved:
+                log.warning("cannot resolve %s (%s); keeping its last addresses until it resolves", target, e)
+                unresolved.add(target)
+            wanted.extend(a for a in known if a not in wanted and target.startswith(DNS_PREFIX))
+            continue
+        if target in unresolved:
+            log.info("%s resolves again", target)
+            unresolved.discard(target)
+    return wanted
+
+
 class Worker:
     """One worker: its channel, a health check every interval (or at once when woken), and its load stream."""
 
@@ -297,19 +317,7 @@ class Fleet:
         self._notify()
 
     async def _resolve(self) -> None:
-        wanted: list[str] = []
-        for target in self.targets:
-            try:
-                wanted.extend(a for a in await resolve(target) if a not in wanted)
-            except OSError as e:  # keep what it stood for until the name resolves again
-                if target not in self._unresolved:
-                    log.warning("cannot resolve %s (%s); keeping its last addresses until it resolves", target, e)
-                    self._unresolved.add(target)
-                wanted.extend(a for a in self.workers if a not in wanted and target.startswith(DNS_PREFIX))
-                continue
-            if target in self._unresolved:
-                log.info("%s resolves again", target)
-                self._unresolved.discard(target)
+        wanted = await wanted_addresses(self.targets, self.workers, self._unresolved)
         for address in [a for a in self.workers if a not in wanted]:
             log.info("worker %s: no longer in %s; removing it", address, ", ".join(self.targets))
             worker = self.workers.pop(address)
