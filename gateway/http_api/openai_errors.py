@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 # gRPC status -> (HTTP status, OpenAI error type)
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    # A worker that cannot do what was asked (generating with an embedding-only checkpoint): vLLM answers 400 too.
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),  # as OpenAI answers an unknown model or URL
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rpcserver.errors import InvalidArgument, ResourceExhausted
+from rpcserver.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from services.model_worker.config.engine import EngineConfig, SchedulerLimits, SpeculativeConfig
+from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.engine.llm_engine import LLMEngine
 from services.model_worker.engine.pooling import PoolingParams
 from tests.checkpoints import TINY, make_checkpoint
@@ -240,6 +241,33 @@ def test_bare_decoder_checkpoint(pair, tmp_path):
     batch = prompts(13, 3)
     for prompt, values in zip(batch, make_engine(tmp_path).pool(batch, PoolingParams.embed())):
         assert_embeds(reference, prompt, values)
+
+
+def test_bare_decoder_without_head(tmp_path):
+    """Qwen3-Embedding-4B and -8B: a bare decoder under a config that does not tie a head, and no head saved. It
+    loads with the head tied to the embedding and embeds as transformers does; generating
+    and scoring, which need the head it lacks, are refused."""
+    whole = tmp_path / "whole"
+    reference = make_checkpoint(whole, seed=3, eos_token_id=(), tie_word_embeddings=False)
+    bare = tmp_path / "bare"
+    reference.model.save_pretrained(bare)
+    config = json.loads((bare / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    (bare / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
+    engine = make_engine(bare)
+    assert not engine.model.has_lm_head and engine.has_lm_head is False
+    batch = prompts(17, 4)
+    for prompt, values in zip(batch, engine.pool(batch, PoolingParams.embed())):
+        assert_embeds(reference, prompt, values)
+    with pytest.raises(FailedPrecondition, match="no lm_head"):
+        engine.add_request("g", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(FailedPrecondition, match="no lm_head"):
+        engine.add_pooling_request("s", [1, 2, 3], PoolingParams.score(YES_NO))
+    assert not engine.has_work()
+    # The same weights saved whole keep their own head, and generate.
+    whole_engine = make_engine(whole)
+    assert whole_engine.has_lm_head
+    assert_scores(reference, batch[0], whole_engine.pool(batch[:1], PoolingParams.score(YES_NO))[0])
 
 
 def test_lora_adapter(pair, tmp_path):

@@ -4,6 +4,7 @@ core that dies under a call."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 
@@ -107,7 +108,7 @@ def test_embed_and_score_match_reference_and_refuse_bad_calls(pair):
 
     info, full, cut, scored, refusals, full_queue, tokens, many = serve(path, scenario)
     assert len(many.embeddings) == 2 * MAX_WAITING and many.prompt_tokens == 4 * MAX_WAITING
-    assert info.hidden_size == HIDDEN
+    assert info.hidden_size == HIDDEN and not info.embeddings_only
     assert tokens == alone
     assert full.prompt_tokens == cut.prompt_tokens == scored.prompt_tokens == sum(map(len, INPUTS))
     for prompt, whole, short, logits in zip(INPUTS, full.embeddings, cut.embeddings, scored.results):
@@ -124,6 +125,33 @@ def test_embed_and_score_match_reference_and_refuse_bad_calls(pair):
     assert "inputs[1] is empty" in refusals["empty input"][1]
     assert "LoRA adapters are not enabled" in refusals["adapter"][1]
     assert full_queue[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@torch.no_grad()
+def test_a_checkpoint_without_head_embeds_and_refuses_generating_and_scoring(tmp_path):
+    """A bare decoder saved untied and headless (Qwen3-Embedding-4B and -8B): Embed gives transformers' vectors;
+    Generate and Score, which need logits, fail FAILED_PRECONDITION at once; GetInfo says so."""
+    reference = make_checkpoint(tmp_path / "whole", seed=5, eos_token_id=(), tie_word_embeddings=False)
+    path = tmp_path / "bare"
+    reference.model.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
+
+    async def scenario(stub, client: EngineClient):
+        info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=WAIT_S)
+        embedded = await stub.Embed(embed(INPUTS), timeout=WAIT_S)
+        generate = await refusal(_tokens(stub.Generate(worker_pb2.GenerateRequest(
+            request_id="g", prompt_token_ids=[1, 2, 3], max_tokens=2), timeout=WAIT_S)))
+        scored = await refusal(stub.Score(score(INPUTS), timeout=WAIT_S))
+        return info, embedded, generate, scored
+
+    info, embedded, generate, scored = serve(path, scenario)
+    assert info.embeddings_only
+    for code, details in (generate, scored):
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "no lm_head" in details
+    for prompt, got in zip(INPUTS, embedded.embeddings):
+        want = F.normalize(reference.model(input_ids=torch.tensor([prompt])).last_hidden_state[0, -1], dim=0)
+        assert F.cosine_similarity(torch.tensor(got.values), want, dim=0).item() >= 0.99999
 
 
 async def _tokens(stream) -> list[int]:

@@ -271,7 +271,7 @@ def ready_info(engine: LLMEngine) -> dict:
     return {"dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
             "max_model_len": engine.max_model_len, "vocab_size": engine.config.vocab_size,
             "eos_token_ids": sorted(engine.eos_ids), "block_size": engine.kv_cache.block_size,
-            "is_demo_checkpoint": engine.is_demo_checkpoint,
+            "is_demo_checkpoint": engine.is_demo_checkpoint, "has_lm_head": engine.has_lm_head,
             "tensor_parallel_size": engine.engine_config.tensor_parallel_size,
             "speculative_method": engine.engine_config.speculative.method or "",
             "lora_enabled": engine.adapters.enabled, "adapters": engine.adapters.infos(),

@@ -17,7 +17,8 @@ from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.distributed.parallel import check_divisible
 from services.model_worker.engine.adapters import AdapterRegistry
 from services.model_worker.engine.block_manager import BlockManager
-from services.model_worker.engine.pooling import POOLING_SAMPLING, PoolingOutput, PoolingParams, check_input, pool_rows
+from services.model_worker.engine.pooling import (
+    POOLING_SAMPLING, PoolingOutput, PoolingParams, check_head, check_input, pool_rows)
 from services.model_worker.engine.scheduler import Scheduler
 from services.model_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from services.model_worker.engine.speculator import Speculator
@@ -74,6 +75,7 @@ class LLMEngine:
         self.executor = executor = Executor(self.checkpoint_dir, config, self.config)
         self.device, self.dtype, self.model = executor.device, executor.dtype, executor.model
         self.kv_cache, self.runner, self.max_model_len = executor.kv_cache, executor.runner, executor.max_model_len
+        self.has_lm_head = getattr(self.model, "has_lm_head", True)  # False: a bare decoder, embeddings only
         # A table row holds a whole context and the proposals a verification adds past it.
         table_width = -(-(self.max_model_len + config.speculative.num_speculative_tokens + 1) // config.block_size)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -147,6 +149,7 @@ class LLMEngine:
         output_ids: the tokens a broken stream of this request already generated; the sequence computes them
         with the prompt as one prefill and goes on after them (worker.proto's GenerateRequest.output_token_ids).
         seed: the seed of its draws when params has none. adapter: the LoRA adapter's name; "": the base model."""
+        check_head(self.has_lm_head)
         if request_id in self._seqs:
             raise InvalidArgument(f"request id {request_id!r} is already in use")
         if not prompt_ids:
@@ -221,6 +224,7 @@ class LLMEngine:
         """The prompt-only request as a sequence; InvalidArgument naming what is wrong with it."""
         if request_id in self._seqs:
             raise InvalidArgument(f"request id {request_id!r} is already in use")
+        check_head(self.has_lm_head, pooling)
         check_input(prompt_ids, self.config.vocab_size, self.max_model_len)
         pooling.validate(self.config.vocab_size, self.config.hidden_size)
         seq = Sequence(request_id, prompt_ids, POOLING_SAMPLING, 1, frozenset())

@@ -6,11 +6,15 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from rpcserver.errors import InvalidArgument
+from rpcserver.errors import FailedPrecondition, InvalidArgument
 from services.model_worker.config.sampling import SamplingParams
 
 EMBED = "embed"  # the final hidden state (after the model's norm), L2-normalised
 SCORE = "score"  # the raw logits of given token ids
+# A checkpoint saved as a bare decoder without its head (model/loader.py; Qwen3-Embedding-4B and -8B are) has no
+# logits to sample from or score with.
+NO_HEAD = ("this checkpoint has no lm_head (a bare decoder saved for embeddings): it serves embeddings only, "
+           "not generation or scores")
 # A pooling sequence samples nothing; these keep it out of every sampling path (one "token", greedy, no
 # penalties), and a max_tokens of 1 leaves no room for speculative proposals.
 POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1)
@@ -52,6 +56,12 @@ class PoolingParams:
                 raise InvalidArgument(f"token_ids holds ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
         else:
             raise InvalidArgument(f"pooling kind must be {EMBED!r} or {SCORE!r}, got {self.kind!r}")
+
+
+def check_head(has_lm_head: bool, pooling: PoolingParams | None = None) -> None:
+    """FailedPrecondition where a request (pooling None: a generation) needs logits the checkpoint cannot give."""
+    if not has_lm_head and (pooling is None or pooling.kind != EMBED):
+        raise FailedPrecondition(NO_HEAD)
 
 
 def check_input(prompt_ids: list[int], vocab_size: int, max_model_len: int, name: str = "the input") -> None:

@@ -134,7 +134,12 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
     finally:
         torch.set_default_dtype(previous_dtype)
     model.to_empty(device=device)
-    if config.tie_word_embeddings:
+    # A bare decoder saved without a head whose config does not tie one (Qwen3-Embedding-4B and -8B) pools only:
+    # its head is tied to the embedding (nothing to read), and the engine refuses to generate or score with it.
+    headless = not config.tie_word_embeddings and _headless_bare_decoder(checkpoint_dir, files)
+    tied = config.tie_word_embeddings or headless
+    model.has_lm_head = not headless
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     if huge_pages and device.type == "cpu":
         hugepages.move_parameters(model)  # before the weights are read in, so they land there
@@ -158,7 +163,7 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
                         name = "model." + stored if stored.startswith(BARE_DECODER_ROOTS) else stored
                         if name.endswith(IGNORED_SUFFIXES):
                             continue
-                        if name == "lm_head.weight" and config.tie_word_embeddings:
+                        if name == "lm_head.weight" and tied:
                             continue  # tied: the embedding is the head
                         target = _target(model, name)
                         if target is not None and name.endswith(OPTIONAL_SUFFIXES):
@@ -197,13 +202,26 @@ def load_model(checkpoint_dir: str | pathlib.Path, config: Qwen3Config, device: 
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()  # the layer's weight format (model/layers/linear.py)
-    if config.tie_word_embeddings:
+    if tied:
         model.model.embed_tokens.share_with_head(model.lm_head)  # the head may have reordered their weight
     if huge_pages and device.type == "cpu" and any(p.data_ptr() not in loaded for p in model.parameters()):
         hugepages.rehome_parameters(model)  # weights replaced after loading (quantized): free the loaded ones
     log.info("loaded %d tensors (%.2f GB) from %s to %s as %s in %.1f s", len(seen), total_bytes / 1e9,
              checkpoint_dir, device, str(dtype).removeprefix("torch."), time.perf_counter() - start)
     return model
+
+
+def _headless_bare_decoder(checkpoint_dir: pathlib.Path, files: dict[str, list[str]]) -> bool:
+    """Whether the checkpoint is a bare decoder (no "model." prefix) with no lm_head.weight: an embedding model's
+    layout. A causal LM's checkpoint missing its head stays an error. Names from the index, else the file's header."""
+    names: list[str] = [name for listed in files.values() for name in listed]
+    if not names:
+        try:
+            with safe_open(str(checkpoint_dir / next(iter(files))), framework="pt") as f:
+                names = list(f.keys())
+        except (SafetensorError, OSError):
+            return False  # unreadable: the load below says why
+    return "lm_head.weight" not in names and any(name.startswith(BARE_DECODER_ROOTS) for name in names)
 
 
 def _some(items: list[str], limit: int = 8) -> str:

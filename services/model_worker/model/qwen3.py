@@ -157,6 +157,8 @@ class Qwen3Model(nn.Module):
 
 class Qwen3ForCausalLM(nn.Module):
     packed_modules = PACKED_MODULES
+    # False for a bare decoder saved without its head (an embedding checkpoint): it pools, never samples.
+    has_lm_head = True
 
     def __init__(self, config: Qwen3Config, tp: TensorParallel | None = None, linear: LinearMethod | None = None):
         """linear: how every linear layer holds and multiplies its weights (model/layers/linear.py)."""
