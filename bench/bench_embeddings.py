@@ -5,7 +5,12 @@ The checkpoint is the random one with Qwen3-0.6B's exact config (the shape of Qw
 is the last token's final hidden state, L2-normalised, in every path. Each round embeds fresh random prompts (so no
 prefix cache helps) with every path in turn, the order reversed every other round; medians with min-max, and each
 ratio is the median of the per-round ratios. The worker runs as its own process (gRPC server plus engine core); the
-in-process engine and transformers run on this process's main thread. The last line is one JSON object.
+in-process engine and transformers run on this process's main thread.
+
+It also prints the bound: a round's arithmetic (every linear layer's weights once per token, plus causal
+attention) at the fastest matmul rate measured here, in the engine's weight format or as torch's F.linear, on the
+largest matmul of a step. No forward runs faster than that, so transformers' time over it is the most any engine
+can beat transformers by on this machine. The last line is one JSON object.
 
     python -m bench.bench_embeddings                      # 64 prompts of 128 tokens, bf16 and float32, 3 rounds
     python -m bench.bench_embeddings --dtypes bfloat16 --rounds 5
@@ -97,6 +102,39 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
     return torch.randint(0, vocab, (count, length), generator=generator).tolist()
 
 
+def model_flops(config: dict, requests: int, tokens: int) -> float:
+    """Multiply-adds x 2 of one round: every linear layer's weights once per token, and causal attention's
+    scores and weighted sums (each position against itself and the ones before it)."""
+    hidden, layers, inter = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    linear = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
+    attention_pairs = tokens * (tokens + 1) / 2  # per prompt, per head
+    per_layer = 2 * linear * tokens + 2 * 2 * attention_pairs * q
+    return requests * layers * per_layer
+
+
+@torch.inference_mode()
+def matmul_rate(engine: LLMEngine, rows: int, torch_dtype: torch.dtype) -> dict[str, float]:
+    """FLOP/s of the largest matmul of a step (the first layer's gate/up, `rows` rows) in the engine's own weight
+    format, and as torch's F.linear on plain weights: the arithmetic a forward of this model rests on."""
+    layer = engine.model.model.layers[0].mlp.gate_up_proj
+    x = torch.randn(rows, layer.in_features, dtype=torch_dtype)
+    plain = torch.randn(layer.out_features, layer.in_features, dtype=torch_dtype)
+    rates = {}
+    for name, run in (("engine", lambda: layer.method.apply(layer, x)),
+                      ("torch", lambda: F.linear(x, plain))):
+        for _ in range(3):
+            run()
+        best = float("inf")
+        for _ in range(5):  # the fastest of several: other load on a shared machine only slows a run
+            start = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - start)
+        rates[name] = 2 * rows * layer.in_features * layer.out_features / best
+    return rates
+
+
 def bench_dtype(checkpoint: pathlib.Path, dtype: str, args, vocab: int, log_dir: str) -> dict:
     torch_dtype = getattr(torch, dtype)
     engine = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype=dtype, limits=SchedulerLimits(
@@ -127,6 +165,7 @@ def bench_dtype(checkpoint: pathlib.Path, dtype: str, args, vocab: int, log_dir:
                 agreement[name].append(cosine.min().item())
             print(f"  {dtype} round {round_index + 1}: " + ", ".join(
                 f"{name} {seconds[name][-1]:.2f} s" for name in PATHS), file=sys.stderr, flush=True)
+        rates = matmul_rate(engine, args.step_tokens, torch_dtype)
     finally:
         worker.close()
         engine.close()
@@ -136,7 +175,15 @@ def bench_dtype(checkpoint: pathlib.Path, dtype: str, args, vocab: int, log_dir:
     ratios = {f"{name}_vs_transformers": statistics.median(
         b / a for a, b in zip(seconds[name], seconds["transformers"])) for name in ("engine", "worker")}
     ratios["worker_vs_engine"] = statistics.median(a / b for a, b in zip(seconds["engine"], seconds["worker"]))
-    return {"paths": summary, "ratios": ratios, "min_cosine": {k: min(v) for k, v in agreement.items()}}
+    # The bound: a round's arithmetic at the fastest matmul rate measured here. No engine runs a forward faster,
+    # so transformers' time over it is the most any engine can beat transformers by on this machine.
+    flops = model_flops(json.loads((checkpoint / "config.json").read_text()), args.requests, args.tokens)
+    floor_s = flops / max(rates.values())
+    bound = {"round_tflop": flops / 1e12, "matmul_gflops": {k: v / 1e9 for k, v in rates.items()},
+             "floor_s": floor_s, "max_ratio": summary["transformers"]["median_s"] / floor_s,
+             "fraction_of_bound": {name: floor_s / summary[name]["median_s"] for name in PATHS}}
+    return {"paths": summary, "ratios": ratios, "bound": bound,
+            "min_cosine": {k: min(v) for k, v in agreement.items()}}
 
 
 def print_table(results: dict, args) -> None:
@@ -153,6 +200,11 @@ def print_table(results: dict, args) -> None:
               f"worker/transformers {ratios['worker_vs_transformers']:.2f}x (target {TARGET:.0f}x), "
               f"worker/engine {ratios['worker_vs_engine']:.2f}x; min cosine to transformers: "
               + ", ".join(f"{k} {v:.6f}" for k, v in result["min_cosine"].items()))
+        b = result["bound"]
+        print(f"{dtype:<9} bound: {b['round_tflop']:.2f} TFLOP a round; matmul {b['matmul_gflops']['engine']:.0f} GFLOP/s "
+              f"in the engine's format, {b['matmul_gflops']['torch']:.0f} as F.linear; at the faster, a round takes "
+              f"at least {b['floor_s']:.2f} s, so no engine beats transformers here by more than {b['max_ratio']:.2f}x; "
+              "share of that bound reached: " + ", ".join(f"{k} {v:.0%}" for k, v in b["fraction_of_bound"].items()))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
