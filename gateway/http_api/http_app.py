@@ -18,6 +18,7 @@ from gateway.core.request_id import check_request_id, new_request_id
 from gateway.core.scoring import ScoringCore
 from gateway.core.validation import GenerationRequest
 from gateway.http_api.adapters_api import add_adapter_routes, model_cards
+from gateway.http_api.disconnect import until_disconnect
 from gateway.http_api.openai_errors import HttpError, add_error_handlers, error_body, error_response, grpc_code
 from gateway.http_api.openai_format import ResponseFormat
 from gateway.http_api.openai_protocol import (
@@ -270,37 +271,6 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
         return JSONResponse({"status": "not serving"}, status_code=503)
 
     return app
-
-
-async def until_disconnect(request: Request, work) -> bool:
-    """Run `work` to its end (True), or cancel it when the client goes away first (False).
-
-    A streaming response notices a vanished client when a write fails; a non-streaming one writes
-    nothing until the end, so it listens for the disconnect instead.
-    """
-    task = asyncio.ensure_future(work)
-
-    async def gone() -> None:
-        try:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-        except Exception:  # noqa: BLE001 - cannot listen: let the work finish as it would have
-            await asyncio.Event().wait()
-
-    listener = asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        listener.cancel()
-        if not task.done():
-            task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        if listener.done() and not listener.cancelled():
-            return False
-        raise
-    return True
 
 
 async def stream_events(fmt: ResponseFormat, choices: Choices, firsts: list[tuple[int, Delta]],

@@ -8,12 +8,13 @@ from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from gateway.core.embedding import EmbeddingCore
 from gateway.core.prompt_runs import PoolingRecord
 from gateway.core.request_id import check_request_id, new_request_id
 from gateway.core.scoring import ScoringCore
+from gateway.http_api.disconnect import until_disconnect
 from gateway.http_api.openai_errors import error_response, grpc_code
 from gateway.http_api.openai_protocol import parse, refuse_unknown_fields
 from gateway.http_api.pooling_protocol import (
@@ -50,7 +51,16 @@ def add_pooling_routes(app: FastAPI, embedding: EmbeddingCore, scoring: ScoringC
             request_id = request.headers.get("x-request-id", "")
             check_request_id(request_id)  # the gRPC request_id's rule
             record.request_id = request_id = request_id or record.request_id
-            reply = await work(body, adapter, request_id, record, deadline)
+            replies = []
+
+            async def call() -> None:
+                replies.append(await work(body, adapter, request_id, record, deadline))
+
+            if not await until_disconnect(request, call()):
+                # Nobody is left to read the body; the cancel has dropped the inputs from the workers.
+                error = asyncio.CancelledError("the client disconnected")
+                return Response(status_code=499)
+            reply = replies[0]
         except Exception as e:  # noqa: BLE001 - a plain error response
             error = e
             if grpc_code(e) == grpc.StatusCode.DEADLINE_EXCEEDED and deadline.seconds:

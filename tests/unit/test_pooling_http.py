@@ -2,7 +2,9 @@
 in-process over fake downstreams (ASGI calls, no sockets)."""
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
 import math
 import struct
 
@@ -19,6 +21,7 @@ from tests.unit.pooling_fakes import (
     HIDDEN_SIZE,
     QUERY_PROMPT,
     FakeWorker,
+    FakeWorkerStub,
     fake_downstreams,
     fake_logit,
     raw_vector,
@@ -204,3 +207,64 @@ def test_each_request_is_counted_by_kind_and_status(client_and_downstreams):
     assert (count("embed", "OK"), count("embed", "INVALID_ARGUMENT"), count("score", "OK")) == \
         (before[0] + 1, before[1] + 1, before[2] + 1)
     assert REGISTRY.get_sample_value("vllm_v0_gateway_pooling_prompt_tokens_total", {"kind": "embed"}) == tokens + 3
+
+
+class StuckStub(FakeWorkerStub):
+    """A worker whose calls never answer; it records each one that is cancelled (the gRPC call would be)."""
+
+    def __init__(self):
+        super().__init__()
+        self.started = asyncio.Event()
+        self.cancelled = 0
+
+    async def hang(self, request, timeout=None):
+        self.requests.append(request)
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    Embed = Score = hang
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/embeddings", {"model": "fake-model", "input": ["a", "b"]}),
+    ("/v1/rerank", {"model": "fake-model", "query": "q", "documents": ["d1", "d2"]}),
+    ("/v1/score", {"model": "fake-model", "text_1": "q", "text_2": "d"}),
+])
+def test_a_client_that_goes_away_cancels_the_workers_calls(demo_tokenizer, route, body):
+    """A non-streaming response writes nothing until its end, so the gateway listens for the disconnect: the
+    worker calls are cancelled (their inputs dropped from the engine), not left to run for nobody."""
+    worker = FakeWorker("w1")
+    worker.stub = stub = StuckStub()
+    app = create_app(GenerationCore(fake_downstreams(demo_tokenizer, [worker], max_context=256), {}),
+                     lambda: "fake-model", lambda: True, None, 1 << 20)
+    payload = json.dumps(body).encode()
+
+    async def main():
+        sent = []
+        delivered = False
+
+        async def receive():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": payload, "more_body": False}
+            await stub.started.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": route, "raw_path": route.encode(), "query_string": b"",
+                 "headers": [(b"content-type", b"application/json"), (b"host", b"testserver")],
+                 "client": ("127.0.0.1", 1), "server": ("testserver", 80), "root_path": ""}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        return sent
+
+    sent = asyncio.run(main())
+    assert stub.requests and stub.cancelled == len(stub.requests)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
