@@ -14,6 +14,9 @@ from vllm_v0.worker.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
+# How long loading an adapter on a worker that came to serve without it may take (reading the folder).
+COMPLETE_TIMEOUT_S = 120.0
+
 
 @dataclass(frozen=True)
 class WorkerFailure:
@@ -33,10 +36,17 @@ class AdapterCallFailed(Exception):
 
 
 class Adapters:
-    """The adapters the fleet's workers report (GetInfo's `adapters`, fetched at every health check)."""
+    """The adapters the fleet's workers report (GetInfo's `adapters`, fetched at every health check), and those
+    loaded through this gateway, which it loads again on each worker that comes to serve without them."""
 
     def __init__(self, fleet: Fleet):
         self.fleet = fleet
+        # Loaded at runtime through this gateway (name -> path). A worker forgets them when it restarts, and a
+        # worker added to the fleet never had them: each is loaded on such a worker once it serves, as --lora-modules
+        # adapters are loaded at its start.
+        self.loaded: dict[str, str] = {}
+        self._completing: dict[str, asyncio.Task] = {}  # by worker address; the loop holds tasks only weakly
+        fleet.on_serving.append(self._worker_serving)
 
     def served(self) -> dict[str, worker_pb2.AdapterInfo]:
         """Those some serving worker has loaded, by name."""
@@ -69,6 +79,8 @@ class Adapters:
         request = worker_pb2.LoadAdapterRequest(name=name, path=path)
         outcomes = await asyncio.gather(*(w.stub.LoadAdapter(request, timeout=timeout) for w in missing),
                                         return_exceptions=True)
+        if have or any(not isinstance(o, BaseException) for o in outcomes):
+            self.loaded[name] = path  # loaded somewhere: it belongs on every worker
         await _settle(list(zip(missing, outcomes)), f"load {name!r}", have, "loaded")
         log.info("LoRA adapter %r loaded from %s on %s", name, path, ", ".join(w.address for w in missing))
         return f"Success: LoRA adapter '{name}' added successfully."
@@ -76,6 +88,7 @@ class Adapters:
     async def unload(self, name: str, timeout: float | None) -> str:
         """Unloads the adapter from every serving worker; NOT_FOUND when none had it."""
         workers = self._serving()
+        self.loaded.pop(name, None)
         request = worker_pb2.UnloadAdapterRequest(name=name)
         outcomes = await asyncio.gather(*(w.stub.UnloadAdapter(request, timeout=timeout) for w in workers),
                                         return_exceptions=True)
@@ -88,6 +101,44 @@ class Adapters:
         await _settle(rest, f"unload {name!r}", [], "unloaded")
         log.info("LoRA adapter %r unloaded from %s", name, ", ".join(w.address for w, _ in rest))
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _worker_serving(self, worker: Worker) -> None:
+        if self.loaded and worker.address not in self._completing:
+            task = asyncio.get_running_loop().create_task(self._complete(worker), name=f"adapters {worker.address}")
+            self._completing[worker.address] = task
+            task.add_done_callback(lambda _: self._completing.pop(worker.address, None))
+
+    async def _complete(self, worker: Worker) -> None:
+        """Loads on `worker` each adapter loaded through this gateway that it lacks; a failure is logged, and the
+        worker serves without that adapter (requests naming it go to the workers that have it)."""
+        loaded_here = []
+        for name, path in list(self.loaded.items()):
+            if worker.info is not None and any(a.name == name for a in worker.info.adapters):
+                continue
+            if self.loaded.get(name) != path:
+                continue  # unloaded or replaced meanwhile
+            try:
+                await worker.stub.LoadAdapter(worker_pb2.LoadAdapterRequest(name=name, path=path),
+                                              timeout=COMPLETE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                log.warning("LoRA adapter %r: worker %s serves without it; loading it from %s failed: %s %s", name,
+                            worker.address, path, e.code().name, _explained(e.code(), e.details() or ""))
+                continue
+            loaded_here.append(name)
+            if self.loaded.get(name) != path:  # unloaded while it loaded here: unload it here too
+                try:
+                    await worker.stub.UnloadAdapter(worker_pb2.UnloadAdapterRequest(name=name),
+                                                    timeout=COMPLETE_TIMEOUT_S)
+                except grpc.aio.AioRpcError:
+                    pass
+                loaded_here.pop()
+        if loaded_here:
+            log.info("LoRA adapters %s loaded on worker %s, which came to serve without them",
+                     ", ".join(repr(n) for n in loaded_here), worker.address)
+        try:
+            await worker.refresh_info()  # routing sees them now rather than at its next health check
+        except grpc.aio.AioRpcError:
+            pass
 
     def _serving(self) -> list[Worker]:
         workers = sorted(self.fleet.serving(), key=lambda w: w.address)

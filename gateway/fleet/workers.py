@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import time
@@ -229,6 +230,9 @@ class Fleet:
         self._unresolved: set[str] = set()
         self._waiters: list[asyncio.Future] = []  # wait_for_change's, woken by any state change or check
         self._mover: asyncio.Task | None = None
+        # Called with each worker that comes to serve (it joined, or is back from a restart): Adapters loads the
+        # adapters it lacks there.
+        self.on_serving: list[Callable[[Worker], None]] = []
 
     async def start(self) -> None:
         await self._resolve()
@@ -316,6 +320,12 @@ class Fleet:
         self.changed.set()
         self._notify()
 
+    def _worker_changed(self, worker: Worker) -> None:
+        self._changed()
+        if worker.serving:
+            for listener in self.on_serving:
+                listener(worker)
+
     async def _resolve(self) -> None:
         wanted = await wanted_addresses(self.targets, self.workers, self._unresolved)
         for address in [a for a in self.workers if a not in wanted]:
@@ -327,7 +337,8 @@ class Fleet:
             self._changed()
         for address in wanted:
             if address not in self.workers:
-                worker = Worker(address, self.open_channel(address), self.interval, self._changed)
+                worker = Worker(address, self.open_channel(address), self.interval)
+                worker.on_change = functools.partial(self._worker_changed, worker)
                 worker.on_checked = self._notify
                 self.workers[address] = worker
                 worker.start()

@@ -7,6 +7,8 @@ import asyncio
 import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 
 from gateway.core.generation import GenerationCore
 from gateway.fleet.adapters import Adapters
@@ -209,3 +211,59 @@ def test_the_routes_check_the_key_and_the_body(demo_tokenizer):
         body = error(await gateway.post("/v1/load_lora_adapter", SQL), 503)
         assert "no model worker is serving" in body["message"]
     scenario(demo_tokenizer, workers, steps)
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_a_worker_that_comes_to_serve_without_them_gets_the_adapters_loaded_at_runtime():
+    """A worker forgets runtime-loaded adapters when it restarts: once it serves again, the gateway loads each it
+    lacks there, so the fleet stays whole; an adapter unloaded since is not loaded again."""
+    first, second = LoraWorker(), LoraWorker()
+
+    async def run():
+        servers, healths, addresses = [], [], []
+        for servicer in (first, second):
+            server = grpc.aio.server()
+            worker_pb2_grpc.add_ModelWorkerServiceServicer_to_server(servicer, server)
+            health = health_aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(health, server)
+            await health.set("", health_pb2.HealthCheckResponse.SERVING)
+            addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+            await server.start()
+            servers.append(server)
+            healths.append(health)
+        fleet = Fleet(addresses, grpc.aio.insecure_channel, 0.1, Router())
+        adapters = Adapters(fleet)
+        await fleet.start()
+        try:
+            await until(lambda: len(fleet.serving()) == 2)
+            await adapters.load("sql", "/adapters/sql", timeout=5)
+            assert (len(first.loads), len(second.loads)) == (1, 1)
+
+            async def restart_second() -> None:
+                await healths[1].set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                await until(lambda: not fleet.workers[addresses[1]].serving)
+                second.adapters.clear()  # a fresh process: only its --lora-modules, here none
+                await healths[1].set("", health_pb2.HealthCheckResponse.SERVING)
+                await until(lambda: fleet.workers[addresses[1]].serving)
+
+            await restart_second()
+            await until(lambda: fleet.workers[addresses[1]].has_adapter("sql"))
+            assert "sql" in second.adapters and (len(first.loads), len(second.loads)) == (1, 2)
+            assert {fleet.pick(list(range(20)), adapter="sql").address for _ in range(4)} == set(addresses)
+
+            await adapters.unload("sql", timeout=5)
+            await restart_second()
+            await asyncio.sleep(0.3)  # several health checks: nothing is loaded
+            assert not second.adapters and len(second.loads) == 2
+        finally:
+            await fleet.close()
+            for server in servers:
+                await server.stop(None)
+
+    asyncio.run(run())
