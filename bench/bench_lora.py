@@ -6,9 +6,9 @@ each, either all on the base model or spread evenly over the adapters. Decode th
 each stream's first over the time from the step that gave every stream its first token to the last step, so the
 prefills are left out. The ratio is the median of per-round ratios (adapters / base); the target is >= 0.8.
 
-A step with adapter rows runs the layers one by one (the fused CPU decode loop has no LoRA seam) with the SGMV
-kernel after each target matmul; a base-only step keeps the fused loop. The default checkpoint is a random one
-with Qwen3-0.6B's exact config, in bf16.
+Both kinds of step run in the fused CPU decode loop (kernels/decoder.c); a step with adapter rows adds the SGMV
+kernel (kernels/lora.c) after each target matmul. The default checkpoint is a random one with Qwen3-0.6B's exact
+config, in bf16.
 
     python -m bench.bench_lora                 # 0.6B shape, 16 streams over 4 adapters
     python -m bench.bench_lora --quick         # a tiny checkpoint: checks the script works

@@ -213,7 +213,7 @@ def test_steps_with_prompts_equal_the_layer_by_layer_forward_bit_for_bit(prompt_
     real = cpu_decoder.prompt_layers
 
     def spy(*args):
-        prompts = args[-1].struct
+        prompts = args[7].struct
         slots = ctypes.cast(prompts.key_slots, ctypes.POINTER(ctypes.c_void_p))
         lens = ctypes.cast(prompts.lens, ctypes.POINTER(ctypes.c_int32))
         steps.append((prompts.count, prompts.decodes, sum(slots[i] is not None for i in range(prompts.count)),

@@ -97,12 +97,16 @@ class CountingFusedDecode:
     def takes_prompts(self, *args):
         return self.inner.takes_prompts(*args)
 
+    def takes_lora(self):
+        return self.inner.takes_lora()
+
     def __call__(self, *args):
         self.calls += 1
         return self.inner(*args)
 
 
-def test_base_steps_keep_the_fused_decode_loop_and_adapter_steps_leave_it(setup):
+def test_base_steps_and_adapter_steps_take_the_fused_decode_loop(setup):
+    """In bf16; tests/unit/test_lora_fused_decode.py checks the loop's adapter steps bit for bit."""
     _, _, path, modules = setup
     config = dict(device="cpu", dtype="bfloat16", num_blocks=64, block_size=4)
     plain = LLMEngine(path, EngineConfig(**config))
@@ -114,4 +118,4 @@ def test_base_steps_keep_the_fused_decode_loop_and_adapter_steps_leave_it(setup)
     assert base == run(plain, [(PROMPTS[0], "")])[0] and fused.calls >= LENGTH - 1
     before = fused.calls
     adapted = run(lora, [(PROMPTS[0], "all8"), (PROMPTS[1], "mixed16")])
-    assert fused.calls == before and adapted[0] != base
+    assert fused.calls >= before + LENGTH - 1 and adapted[0] != base

@@ -3,6 +3,8 @@
 The C loop calls the same matmul, norm and attention kernels as the layer-by-layer forward, through
 function pointers taken from their libraries here, and rounds the ops torch did (adds, SiLU, the
 gate product) as torch does: the fused step's hidden states equal the unfused step's bit for bit.
+A step with LoRA adapter rows adds their products after each target matmul with lora.c's SGMV, the
+kernel the unfused path's add_lora calls.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ class Kernels(ctypes.Structure):
                 ("small_max_rows", ctypes.c_int), ("amx_min_rows", ctypes.c_int), ("amx_max_rows", ctypes.c_int),
                 ("q8", ctypes.c_void_p), ("q8_amx", ctypes.c_void_p), ("q8_small_max_rows", ctypes.c_int),
                 ("q8_no_amx_max_rows", ctypes.c_int), ("max_rows", ctypes.c_int), ("prefill", ctypes.c_void_p),
-                ("linear_silu", ctypes.c_void_p)]
+                ("linear_silu", ctypes.c_void_p), ("sgmv", ctypes.c_void_p)]
 
 
 class Shape(ctypes.Structure):
@@ -31,13 +33,31 @@ class Shape(ctypes.Structure):
                 ("num_slots", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
+class LoraLinear(ctypes.Structure):
+    """One linear layer's adapter slots (LoraSlots: a, b, part_ends); a None where it has none."""
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("part_ends", ctypes.c_void_p),
+                ("num_parts", ctypes.c_int64), ("width", ctypes.c_int64)]
+
+
+class LoraRows(ctypes.Structure):
+    """A step's adapter rows grouped by slot (LoraBatch)."""
+    _fields_ = [("rows", ctypes.c_void_p), ("starts", ctypes.c_void_p), ("slots", ctypes.c_void_p),
+                ("ranks", ctypes.c_void_p), ("segments", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, batch) -> "LoraRows":
+        """batch: a LoraBatch on the host, its tensors contiguous int64 (as LoraBatch.build makes them)."""
+        return cls(batch.rows.data_ptr(), batch.starts.data_ptr(), batch.slots.data_ptr(), batch.ranks.data_ptr(),
+                   batch.num_segments)
+
+
 class Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "qkv", "qk_norm", "o", "post_norm", "gate_up",
                                                      "down", "k_cache", "v_cache")] + \
                [(name, ctypes.c_int) for name in ("qkv_amx", "o_amx", "gate_up_amx", "down_amx")] + \
                [(name, ctypes.c_void_p) for name in ("qkv_scale", "o_scale", "gate_up_scale", "down_scale")] + \
                [("fp8", ctypes.c_int), ("kv_kind", ctypes.c_int), ("k_scale", ctypes.c_void_p),
-                ("v_scale", ctypes.c_void_p)]
+                ("v_scale", ctypes.c_void_p), ("lora", LoraLinear * 4)]  # qkv, o, gate_up, down
 
 
 class Prompts(ctypes.Structure):
@@ -50,7 +70,7 @@ class Prompts(ctypes.Structure):
 class Step(ctypes.Structure):
     _fields_ = [("rows", ctypes.c_int), ("max_blocks", ctypes.c_int), ("cos", ctypes.c_void_p),
                 ("signed_sin", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("context_lens", ctypes.c_void_p),
-                ("block_tables", ctypes.c_void_p), ("prompts", ctypes.c_void_p)]
+                ("block_tables", ctypes.c_void_p), ("prompts", ctypes.c_void_p), ("lora", ctypes.c_void_p)]
 
 
 def load() -> ctypes.CDLL | None:
@@ -83,15 +103,16 @@ def address(library: ctypes.CDLL, name: str) -> int:
 
 def decode_layers(library: ctypes.CDLL, kernels: Kernels, shape: Shape, layers: ctypes.Array, hidden: torch.Tensor,
                   rope: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, context_lens: torch.Tensor,
-                  block_tables: torch.Tensor) -> None:
+                  block_tables: torch.Tensor, lora: LoraRows | None = None) -> None:
     """Run every layer on hidden, (rows, hidden) contiguous bf16, in place: one new token per row.
 
     rope: (rows, 1, head_dim) bf16 tables; slot_mapping (rows,) int64; context_lens (rows,) int32;
-    block_tables (rows, max_blocks) int32; all contiguous on the CPU.
+    block_tables (rows, max_blocks) int32; all contiguous on the CPU. lora: the step's adapter rows, if any.
     """
     cos, signed_sin = rope
     step = Step(hidden.shape[0], block_tables.shape[1], cos.data_ptr(), signed_sin.data_ptr(),
-                slot_mapping.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), None)
+                slot_mapping.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), None,
+                None if lora is None else ctypes.addressof(lora))
     _run(library, kernels, shape, layers, step, hidden, "decode_layers")
 
 
@@ -119,14 +140,16 @@ class PromptLayout:
 
 
 def prompt_layers(library: ctypes.CDLL, kernels: Kernels, shape: Shape, layers: ctypes.Array, hidden: torch.Tensor,
-                  rope: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, layout: PromptLayout) -> None:
+                  rope: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, layout: PromptLayout,
+                  lora: LoraRows | None = None) -> None:
     """Run every layer on hidden, (rows, hidden) contiguous bf16, in place, for a step with prompts in it.
 
-    rope: (rows, 1, head_dim) bf16 tables; slot_mapping (rows,) int64, contiguous on the CPU.
+    rope: (rows, 1, head_dim) bf16 tables; slot_mapping (rows,) int64, contiguous on the CPU; lora: the step's
+    adapter rows, if any.
     """
     cos, signed_sin = rope
     step = Step(hidden.shape[0], 0, cos.data_ptr(), signed_sin.data_ptr(), slot_mapping.data_ptr(), None, None,
-                ctypes.addressof(layout.struct))
+                ctypes.addressof(layout.struct), None if lora is None else ctypes.addressof(lora))
     _run(library, kernels, shape, layers, step, hidden, "prompt_layers")
 
 

@@ -16,6 +16,10 @@
  * path makes it, and the step's one-row sequences take the decode kernel together. A fresh 128-token
  * prompt of the 0.6B model then prefills in 0.94x the layer-by-layer path's time on one core (its
  * Python, torch's adds and copies between the kernels).
+ *
+ * A step with LoRA adapter rows runs here too: right after each target matmul, before anything reads
+ * its output, lora.c's SGMV (the unfused path's add_lora, called through a pointer like the other
+ * kernels) adds each adapter row's product into it, with the same float32 sums and one rounding.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -54,11 +58,16 @@ typedef int (*prefill_attention_fn)(const uint16_t *q, int64_t q_stride, const u
 /* vnni_linear.c's: F.silu(gate) * up of a gate/up weight's product, its activation on the result tiles. */
 typedef int (*linear_silu_fn)(const uint16_t *x, const uint16_t *w, uint16_t *act, int m, int64_t n, int64_t k);
 
+/* lora.c's lora_sgmv: y (rows, out) += x A^T B^T for each adapter row, grouped by slot; 0, or -1 out of memory. */
+typedef int (*sgmv_fn)(void *y, const void *x, const void *a, const void *b, int bf16, const int64_t *rows,
+                       const int64_t *starts, const int64_t *slots, const int64_t *ranks, int64_t num_segments,
+                       int64_t in, int64_t out, int64_t width, int64_t num_parts, const int64_t *part_ends);
+
 /* The kernels, and the row counts SmallBatchLinear routes to each: AMX from amx_min_rows to
  * amx_max_rows where a weight allows it, the AVX512-BF16 kernel up to small_max_rows. 8-bit weights
  * (a layer with scales) as EightBitLinearMethod routes them: q8 up to q8_small_max_rows, q8_amx from
  * there to amx_max_rows where a weight allows it, else q8 up to q8_no_amx_max_rows. max_rows: the
- * most rows a step may have. */
+ * most rows a step may have. sgmv: LoRA's, where the model has adapter slots. */
 typedef struct {
     linear_fn small, amx;
     norm_fn norm;
@@ -70,6 +79,7 @@ typedef struct {
     int q8_small_max_rows, q8_no_amx_max_rows, max_rows;
     prefill_attention_fn prefill;
     linear_silu_fn linear_silu;
+    sgmv_fn sgmv;
 } Kernels;
 
 typedef struct {
@@ -78,10 +88,26 @@ typedef struct {
     float eps, scale;
 } Shape;
 
+/* One linear layer's adapter slots (model/lora/slots.py LoraSlots): a (slots, num_parts x width, in), b (slots,
+ * width, out), part_ends (num_parts,); a NULL where the layer has none. */
+typedef struct {
+    const uint16_t *a, *b;
+    const int64_t *part_ends;
+    int64_t num_parts, width;
+} LoraLinear;
+
+/* A step's adapter rows grouped by slot (model/lora/batch.py LoraBatch): segment i is rows[starts[i]] ..
+ * rows[starts[i + 1] - 1], in slot slots[i] at rank ranks[i]. */
+typedef struct {
+    const int64_t *rows, *starts, *slots, *ranks;
+    int64_t segments;
+} LoraRows;
+
 /* One layer's weights (bf16, contiguous, as the checkpoint's tensors) and cache; *_amx: whether
  * that weight may take the AMX kernel (its output size a multiple of 32). With 8-bit weights the four
  * matmul weights are bytes, *_scale their scales (NULL for bf16) and fp8 says which format. kv_kind:
- * the cache's (0 bf16; 1 fp8, 2 int8, with k_scale and v_scale: decode steps only, prompts go layer by layer). */
+ * the cache's (0 bf16; 1 fp8, 2 int8, with k_scale and v_scale: decode steps only, prompts go layer by layer).
+ * lora: the adapter slots of qkv, o, gate_up and down, in that order. */
 typedef struct {
     const uint16_t *input_norm, *qkv, *qk_norm, *o, *post_norm, *gate_up, *down;
     uint16_t *k_cache, *v_cache;
@@ -90,6 +116,7 @@ typedef struct {
     int fp8;
     int kv_kind;
     float *k_scale, *v_scale;
+    LoraLinear lora[4];
 } Layer;
 
 /* The sequences of a step with prompts in it. A prompt (more than one new row) is rows starts[i] ..
@@ -108,13 +135,14 @@ typedef struct {
 
 /* One step of `rows` rows. cos, signed_sin: (rows, head_dim) rotary tables; slots: (rows,) cache slots.
  * prompts NULL: every row is a sequence with one new token, context_lens (rows,) and block_tables
- * (rows, max_blocks) theirs; else the step's layout is in prompts. */
+ * (rows, max_blocks) theirs; else the step's layout is in prompts. lora: the adapter rows, NULL where none. */
 typedef struct {
     int rows, max_blocks;
     const uint16_t *cos, *signed_sin;
     const int64_t *slots;
     const int32_t *context_lens, *block_tables;
     const Prompts *prompts;
+    const LoraRows *lora;
 } Step;
 
 static int linear(const Kernels *kn, int amx_ok, const uint16_t *x, const uint16_t *w, const float *scale, int fp8,
@@ -131,6 +159,15 @@ static int linear(const Kernels *kn, int amx_ok, const uint16_t *x, const uint16
     if (amx_ok && kn->amx && m >= kn->amx_min_rows && m <= kn->amx_max_rows) return kn->amx(x, w, out, m, n, k);
     if (m <= kn->small_max_rows) return kn->small(x, w, out, m, n, k);
     return -100; /* the caller checked the rows: unreachable */
+}
+
+/* y (rows, out) += each adapter row's product of x (rows, in), as add_lora does after the layer's matmul:
+ * nothing where the step has no adapter rows or the layer no slots. Returns 0, or -2 out of memory. */
+static int add_lora(const Kernels *kn, const LoraLinear *slots, const LoraRows *lora, uint16_t *y, const uint16_t *x,
+                    int64_t in, int64_t out) {
+    if (!lora || !slots->a) return 0;
+    return kn->sgmv(y, x, slots->a, slots->b, 1, lora->rows, lora->starts, lora->slots, lora->ranks, lora->segments,
+                    in, out, slots->width, slots->num_parts, slots->part_ends) ? -2 : 0;
 }
 
 /* act = bf16(bf16(silu(gate)) * up) for each row of gate_up = [gate | up]: F.silu(gate) * up.
@@ -212,7 +249,8 @@ int run_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int num_
     const int m = st->rows, H = sh->hidden, D = sh->head_dim, Hq = sh->heads, Hkv = sh->kv_heads;
     const int64_t qk_width = (int64_t)(Hq + Hkv) * D, qkv_width = qk_width + (int64_t)Hkv * D;
     const int64_t I = sh->intermediate;
-    if (m < 1 || m > kn->max_rows || I % 16 || (st->prompts && !kn->prefill)) return -1;
+    const LoraRows *lora = st->lora;
+    if (m < 1 || m > kn->max_rows || I % 16 || (st->prompts && !kn->prefill) || (lora && !kn->sgmv)) return -1;
     size_t elems = (size_t)m * (H + qkv_width + qk_width + 3 * (size_t)Hq * D + H + 2 * I + I + H);
     uint16_t *buf = malloc(elems * sizeof(uint16_t));
     if (!buf) return -2;
@@ -224,6 +262,7 @@ int run_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int num_
         const Layer *L = &layers[l];
         kn->norm(hidden, H, 1, L->input_norm, 1, normed, m, H, sh->eps, 1);
         if ((status = linear(kn, L->qkv_amx, normed, L->qkv, L->qkv_scale, L->fp8, qkv, m, qkv_width, H))) break;
+        if ((status = add_lora(kn, &L->lora[0], lora, qkv, normed, H, qkv_width))) break;
         /* q and k heads normalised and rotated as one (rows, Hq + Hkv, D) block, as qwen3.py does. */
         kn->norm_rope(qkv, qkv_width, Hq + Hkv, L->qk_norm, Hq + Hkv, st->cos, st->signed_sin, qk,
                       (int64_t)m * (Hq + Hkv), D, sh->eps, 1);
@@ -233,17 +272,22 @@ int run_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int num_
             break;
         if ((status = attend(kn, sh, L, st, qkv, qk, q, attn))) break;
         if ((status = linear(kn, L->o_amx, attn, L->o, L->o_scale, L->fp8, o, m, H, (int64_t)Hq * D))) break;
+        if ((status = add_lora(kn, &L->lora[1], lora, o, attn, (int64_t)Hq * D, H))) break;
         add_rows(hidden, o, (int64_t)m * H);
         kn->norm(hidden, H, 1, L->post_norm, 1, normed, m, H, sh->eps, 1);
-        if (kn->linear_silu && !L->gate_up_scale) { /* as VnniLinearMethod.apply_silu_and_mul: the same bits */
+        /* As VnniLinearMethod.apply_silu_and_mul, the same bits; not with adapter rows, whose products go in
+         * before the activation (as MergedColumnParallelLinear.silu_and_mul declines them). */
+        if (kn->linear_silu && !L->gate_up_scale && !(lora && L->lora[2].a)) {
             if ((status = kn->linear_silu(normed, L->gate_up, act, m, I, H))) break;
         } else {
             if ((status = linear(kn, L->gate_up_amx, normed, L->gate_up, L->gate_up_scale, L->fp8, gate_up, m, 2 * I,
                                  H)))
                 break;
+            if ((status = add_lora(kn, &L->lora[2], lora, gate_up, normed, H, 2 * I))) break;
             if ((status = silu_and_mul(gate_up, act, m, I))) break;
         }
         if ((status = linear(kn, L->down_amx, act, L->down, L->down_scale, L->fp8, down, m, H, I))) break;
+        if ((status = add_lora(kn, &L->lora[3], lora, down, act, I, H))) break;
         add_rows(hidden, down, (int64_t)m * H);
     }
     free(buf);

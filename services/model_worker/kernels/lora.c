@@ -78,13 +78,22 @@ static void dot4_bf16(const uint16_t *x, const int64_t *rows, const uint16_t *w,
     }
 }
 
+/* How many blocks ahead the expand fetches B. A block reads `rank` rows of B `out` apart, for every segment in
+ * turn: more strided streams than the hardware prefetcher follows, so without this each block waited on memory.
+ * The 0.6B model's 112 expands of 16 rows over 4 rank-16 adapters took 8.5 ms a step, 4.7 ms with it (one thread). */
+#define EXPAND_PREFETCH_BLOCKS 4
+
 /* One segment's rows over a whole block of LANES outputs, bf16: the block's B values widened once, then for each
  * row its rank multiply-adds of 16 lanes, added into y with one rounding. */
 static void expand_block_bf16(uint16_t *y, const uint16_t *b, const float *shrunk, const int64_t *rows,
                               int64_t first, int64_t last, int64_t rank, int64_t out, int64_t shrunk_width,
                               int64_t part_column, int64_t o0) {
     __m512 w[rank > 0 ? rank : 1];
-    for (int64_t k = 0; k < rank; k++) w[k] = load_bf16(b + k * out);
+    for (int64_t k = 0; k < rank; k++) {
+        /* A hint, never a fault: past the end of b it fetches nothing useful and harms nothing. */
+        _mm_prefetch((const char *)(b + k * out + EXPAND_PREFETCH_BLOCKS * LANES), _MM_HINT_T0);
+        w[k] = load_bf16(b + k * out);
+    }
     int64_t m = first;
     /* Four rows at once: four independent chains of multiply-adds instead of one chain's latency per row. */
     for (; m + 4 <= last; m += 4) {

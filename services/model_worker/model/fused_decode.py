@@ -11,6 +11,8 @@ too: a fresh 128-token prompt then prefills in 0.94x the time. Anything it does 
 (more decode rows than the matmul kernels take, plain or 8-bit weights with prompts in the step,
 prompts over an 8-bit KV cache, another attention backend) runs the layers as before. Decode steps take
 8-bit KV caches (fp8, int8) too: the same cache write and decode kernels, with the layer's scales.
+Steps with LoRA adapter rows run here too, each target matmul followed by lora.c's SGMV as the
+layers' add_lora calls it (under tensor parallelism there is no fused loop: those run layer by layer).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import logging
 
 import torch
 
-from services.model_worker.kernels import cpu_attention, cpu_decoder
+from services.model_worker.kernels import cpu_attention, cpu_decoder, cpu_lora
 from services.model_worker.model.layers.attention.cpu_paged import CpuPagedAttention
 from services.model_worker.model.layers.attention.kv_quant import is_8bit, scales_of
 from services.model_worker.model.layers.attention.metadata import AttentionMetadata
@@ -73,7 +75,7 @@ class FusedDecode:
         # route by rows, up to max_rows). A switch, so benchmarks can run those steps layer by layer.
         self.prompts = self.vnni is not None and self.q8 is None
         self._layers: tuple | None = None     # (cache key, ctypes array, tensors it points into)
-        self._kernels: tuple | None = None    # (attention backend, Kernels)
+        self._kernels: tuple | None = None    # ((attention backend, LoRA kernel), Kernels)
 
     @classmethod
     def build(cls, model: Qwen3Model, library: ctypes.CDLL | None) -> "FusedDecode | None":
@@ -116,15 +118,24 @@ class FusedDecode:
                 and isinstance(meta.backend, CpuPagedAttention) and meta.backend.prefill_library is not None
                 and self.shape["head_dim"] % 32 == 0 and hidden.dtype == torch.bfloat16 and hidden.is_contiguous())
 
+    @staticmethod
+    def takes_lora() -> bool:
+        """Steps with adapter rows: where lora.c builds, the kernel the layers' add_lora would call (else they
+        take the torch SGMV, whose sums this loop does not repeat)."""
+        return cpu_lora.load() is not None
+
     def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> None:
         """Every layer on hidden (rows, hidden_size), in place, as the layer-by-layer forward would."""
         array, shape = self._layer_array(kv_caches, meta.block_size)
+        state = self.model.lora
+        batch = state.batch if state is not None else None
         kernels = self._kernel_table(meta.backend)
+        lora = cpu_decoder.LoraRows.of(batch) if batch is not None else None
         rope = tuple(t.contiguous() for t in rope)
         if meta.max_query_len == 1:
             cpu_decoder.decode_layers(self.library, kernels, shape, array, hidden, rope, meta.slot_mapping.contiguous(),
-                                      meta.context_lens.contiguous(), meta.block_tables.contiguous())
+                                      meta.context_lens.contiguous(), meta.block_tables.contiguous(), lora)
             return
         layout = meta.prefill
         prompts = [(start, n, None if slots is None else slots.contiguous())
@@ -134,11 +145,13 @@ class FusedDecode:
                                                  meta.context_lens[seqs].contiguous(),
                                                  meta.block_tables[seqs].contiguous())
         cpu_decoder.prompt_layers(self.library, kernels, shape, array, hidden, rope, meta.slot_mapping.contiguous(),
-                                  prompt_layout)
+                                  prompt_layout, lora)
 
     def _kernel_table(self, backend: CpuPagedAttention) -> cpu_decoder.Kernels:
         attention_library = backend.library
-        if self._kernels is None or self._kernels[0] is not backend:
+        # The LoRA kernel where the model has adapter slots: a worker without them never builds lora.c.
+        sgmv_library = cpu_lora.load() if self.model.lora is not None else None
+        if self._kernels is None or self._kernels[0][0] is not backend or self._kernels[0][1] is not sgmv_library:
             address = cpu_decoder.address
             amx = address(self.amx_library, "amx_linear") if self.amx_library is not None else None
             small = address(self.small_library, "small_batch_linear") if self.small_library is not None else None
@@ -162,14 +175,17 @@ class FusedDecode:
                 address(self.norm_library, "rms_norm_rope"), address(attention_library, "write_kv_quant"),
                 address(attention_library, "paged_decode_attention_kv"), SmallBatchLinearMethod.MAX_ROWS,
                 SmallBatchLinearMethod.AMX_MIN_ROWS, amx_max_rows, q8, q8_amx, EightBitLinearMethod.GEMV_MAX_ROWS,
-                EightBitLinearMethod.NO_AMX_MAX_ROWS, max_rows, prefill, linear_silu)
-            self._kernels = (backend, table)
+                EightBitLinearMethod.NO_AMX_MAX_ROWS, max_rows, prefill, linear_silu,
+                address(sgmv_library, "lora_sgmv") if sgmv_library is not None else None)
+            self._kernels = ((backend, sgmv_library), table)
         return self._kernels[1]
 
     def _layer_array(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> tuple:
         """(ctypes Layer array, Shape), built once for these caches; the tensors it points into are kept alive."""
+        # The adapter slots are allocated once, with the model's LoraState: their tensors never move.
         key = tuple((cache[0].data_ptr(), cache[1].data_ptr(), cache[0].shape, cache[0].dtype,
-                     *(s.data_ptr() for s in scales_of(cache).values())) for cache in kv_caches) + (block_size,)
+                     *(s.data_ptr() for s in scales_of(cache).values())) for cache in kv_caches) + \
+            (block_size, self.model.lora)
         if self._layers is None or self._layers[0] != key:
             array, kept = (cpu_decoder.Layer * len(self.model.layers))(), []
             for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
@@ -202,12 +218,26 @@ class FusedDecode:
                     extra = [None] * 4 + [0]
                 scale_ptrs = [s.data_ptr() for s in kv_scales] if kv_kind else [None, None]
                 kept.extend(s for s in kv_scales if s is not None)
+                lora = [_lora_linear(m.lora, kept) for m in linears]
                 array[i] = cpu_decoder.Layer(*(t.data_ptr() for t in tensors), k_cache.data_ptr(), v_cache.data_ptr(),
-                                             *flags, *extra, kv_kind, *scale_ptrs)
+                                             *flags, *extra, kv_kind, *scale_ptrs, (cpu_decoder.LoraLinear * 4)(*lora))
             num_slots = kv_caches[0][0].shape[1]
             shape = cpu_decoder.Shape(num_slots=num_slots, block_size=block_size, **self.shape)
             self._layers = (key, (array, shape), kept)
         return self._layers[1]
+
+
+def _lora_linear(slots, kept: list) -> cpu_decoder.LoraLinear:
+    """A linear layer's adapter slots (LoraSlots, or None: none) as decoder.c reads them; what it points into
+    is added to kept."""
+    if slots is None:
+        return cpu_decoder.LoraLinear()
+    if not (slots.a.dtype == slots.b.dtype == torch.bfloat16 and slots.a.is_contiguous() and slots.b.is_contiguous()):
+        raise ValueError("the fused decode loop needs contiguous bf16 adapter slots")
+    ends = torch.tensor(slots.part_ends, dtype=torch.int64)
+    kept.extend((slots.a, slots.b, ends))
+    return cpu_decoder.LoraLinear(slots.a.data_ptr(), slots.b.data_ptr(), ends.data_ptr(), len(slots.part_ends),
+                                  slots.b.shape[1])
 
 
 def use_activation_kernel(model: torch.nn.Module, library: ctypes.CDLL) -> int:

@@ -137,8 +137,8 @@ class Qwen3Model(nn.Module):
         # bf16 on CPU: every layer of a decode step (on VNNI weights, of any step) in one C call where it
         # applies (fused_decode.py).
         self.fused_decode = None
-        # LoRA's step state (model/lora/slots.py LoraState) where adapters are enabled: the fused loop has no LoRA
-        # seam, so a step with adapter rows runs layer by layer.
+        # LoRA's step state (model/lora/slots.py LoraState) where adapters are enabled: the fused loop adds the
+        # adapter rows' products as the layers do, where lora.c builds; else those steps run layer by layer.
         self.lora = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -146,7 +146,7 @@ class Qwen3Model(nn.Module):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, hidden.dtype)
         fused = self.fused_decode
-        if fused is not None and (self.lora is None or self.lora.batch is None) and (
+        if fused is not None and (self.lora is None or self.lora.batch is None or fused.takes_lora()) and (
                 fused.takes(hidden, meta) or fused.takes_prompts(hidden, meta, kv_caches)):
             self.fused_decode(hidden, rope, kv_caches, meta)  # the same layers, in place, in one call
             return self.norm(hidden)

@@ -37,7 +37,7 @@ class LoraModel:
                 linear.lora = LoraSlots(linear, parts, self.state, dtype, device, split_input)
                 slots.append(linear.lora)
             self.layers.append(slots)
-        # The fused decode loop has no LoRA seam: steps with adapter rows run layer by layer.
+        # The layers and the fused decode loop (model/fused_decode.py) read the step's rows from here.
         model.model.lora = self.state
         # Tensor parallelism, rank 0: tells the other ranks each slot's change (slot, folder or None), so they
         # read the same folder into their shards of the same slot.
