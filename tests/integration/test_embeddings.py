@@ -148,3 +148,37 @@ def test_rerank_scores_are_transformers_sigmoid_of_yes_minus_no(served):
         scored = gateway_pb2_grpc.GatewayServiceStub(channel).Score(
             gateway_pb2.ScoreRequest(query=query, documents=TEXTS), timeout=60)
     assert max(abs(a - b) for a, b in zip(scored.scores, want)) <= 1e-5
+
+
+def served_name(stack) -> str:
+    with openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        return c.models.list().data[0].id
+
+
+def test_langchain_openai_embeddings(served):
+    """LangChain's OpenAIEmbeddings, as its docs point it at an OpenAI-compatible server: the texts go as they are
+    (check_embedding_ctx_length off; on, it would tokenize them with OpenAI's own vocabulary first)."""
+    from langchain_openai import OpenAIEmbeddings
+
+    model, tokenizer, _, stack = served
+    embeddings = OpenAIEmbeddings(model=served_name(stack), base_url=stack.http_url + "/v1", api_key="unused",
+                                  check_embedding_ctx_length=False, max_retries=0)
+    documents = embeddings.embed_documents(TEXTS)
+    query = embeddings.embed_query(TEXTS[1])
+    for text, got in zip([*TEXTS, TEXTS[1]], [*documents, query]):
+        assert cosine(got, last_hidden(model, tokenizer(text)["input_ids"])) >= 0.99999
+
+
+def test_cohere_client_rerank(served):
+    """Cohere's own client (v2 rerank, at /v2/rerank): indices ranked by the reference scores, cut to top_n."""
+    import cohere
+
+    model, tokenizer, _, stack = served
+    query = "What is the capital of China?"
+    want = reference_scores(model, tokenizer, query, TEXTS)
+    client = cohere.ClientV2(api_key="unused", base_url=stack.http_url, timeout=60)
+    reply = client.rerank(model=served_name(stack), query=query, documents=TEXTS, top_n=2)
+    order = sorted(range(len(TEXTS)), key=lambda i: -want[i])
+    assert [r.index for r in reply.results] == order[:2]
+    for r in reply.results:
+        assert abs(r.relevance_score - want[r.index]) <= 1e-5
