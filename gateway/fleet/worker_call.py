@@ -9,9 +9,11 @@ import grpc
 from gateway.fleet.fleet_metrics import RETRIED, ROUTED
 from gateway.fleet.worker_stream import ResumePolicy
 from gateway.fleet.workers import RECHECK_S, Fleet, Worker
-from rpcserver.errors import Unavailable
+from rpcserver.errors import FailedPrecondition, Unavailable
 
 log = logging.getLogger(__name__)
+
+KINDS = {"Embed": "embed", "Score": "score"}  # each method's kind of request (Worker.serves)
 
 
 async def call_worker(fleet: Fleet, resume: ResumePolicy, method: str, request, route_ids: list[int],
@@ -28,7 +30,7 @@ async def call_worker(fleet: Fleet, resume: ResumePolicy, method: str, request, 
     request_id = request.request_id
     attempt, retries = request, 0
     while True:
-        worker = await _next_worker(fleet, resume, route_ids, failed, deadline, adapter)
+        worker = await _next_worker(fleet, resume, route_ids, failed, deadline, adapter, KINDS[method])
         if retries:  # a worker may still hold the attempt that failed: the next one gets an id of its own
             attempt = type(request)()
             attempt.CopyFrom(request)
@@ -52,7 +54,7 @@ async def call_worker(fleet: Fleet, resume: ResumePolicy, method: str, request, 
 
 
 async def _next_worker(fleet: Fleet, resume: ResumePolicy, route_ids: list[int], failed: dict[str, int],
-                       deadline: float | None, adapter: str) -> Worker:
+                       deadline: float | None, adapter: str, kind: str) -> Worker:
     """A serving worker, leaving out those that failed the call until a health check has seen them since; after
     a failure, waits for one to serve, within the resume wait and the deadline."""
     give_up = time.monotonic() + resume.wait_s
@@ -61,9 +63,11 @@ async def _next_worker(fleet: Fleet, resume: ResumePolicy, route_ids: list[int],
     while True:
         exclude = tuple(address for address, checks in failed.items()
                         if (w := fleet.workers.get(address)) is None or w.checks <= checks)
-        worker = fleet.pick(route_ids, exclude=exclude, adapter=adapter)
+        worker = fleet.pick(route_ids, exclude=exclude, adapter=adapter, kind=kind)
         if worker is not None:
             return worker
+        if (why := fleet.unserved(kind)) is not None:
+            raise FailedPrecondition(why)
         if not failed:
             if adapter and fleet.serving():
                 raise Unavailable(f"no serving model worker has the LoRA adapter {adapter!r} loaded now; "

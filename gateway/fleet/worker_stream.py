@@ -13,7 +13,7 @@ from gateway.fleet.fleet_metrics import RESUMED, RETRIED, ROUTED
 from gateway.fleet.step_stream import CallSteps
 from gateway.fleet.worker_mux import CallBroken, MuxRequest, WorkerMux
 from gateway.fleet.workers import RECHECK_S, Fleet, Worker
-from rpcserver.errors import Unavailable
+from rpcserver.errors import FailedPrecondition, Unavailable
 from rpcserver.pieces import GRPC_MESSAGE_BYTES
 from vllm_v0.worker.v1 import worker_pb2
 
@@ -196,6 +196,8 @@ class WorkerStream:
             worker = self.fleet.pick(ids, exclude=exclude, adapter=adapter)
             if worker is not None:
                 return worker
+            if (why := self.fleet.unserved("generate")) is not None:
+                raise FailedPrecondition(why)
             if not failed:
                 if adapter and self.fleet.serving():
                     raise Unavailable(f"no serving model worker has the LoRA adapter {adapter!r} loaded now (the "

@@ -114,6 +114,16 @@ class Worker:
         """Whether it serves `adapter` ("" is the base model, which every worker serves), as it last reported."""
         return not adapter or (self.info is not None and any(a.name == adapter for a in self.info.adapters))
 
+    def serves(self, kind: str) -> bool:
+        """Whether it takes requests of `kind` ("generate", "embed" or "score"), as it last reported: its --runner,
+        and a checkpoint without lm_head, which embeds only. Unknown until it first answers."""
+        info = self.info
+        if info is None:
+            return True
+        if kind == "generate":
+            return info.runner != "pooling" and not info.embeddings_only
+        return info.runner != "generate" and (kind == "embed" or not info.embeddings_only)
+
     async def refresh_info(self, timeout: float = 5.0) -> worker_pb2.GetInfoResponse:
         """Its facts now; the adapters it has loaded change while it serves."""
         self.info = await self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=timeout)
@@ -292,10 +302,12 @@ class Fleet:
         """Whether any worker listed `adapter` when it last answered, serving now or not (one restarting)."""
         return any(w.info is not None and w.has_adapter(adapter) for w in self.workers.values())
 
-    def pick(self, prompt_ids: list[int], exclude: tuple[str, ...] = (), adapter: str = "") -> Worker | None:
-        """The worker for this prompt among those serving that have `adapter` ("": the base model), leaving out
-        `exclude` (already tried)."""
-        candidates = [w for w in self.serving() if w.address not in exclude and w.has_adapter(adapter)]
+    def pick(self, prompt_ids: list[int], exclude: tuple[str, ...] = (), adapter: str = "",
+             kind: str = "generate") -> Worker | None:
+        """The worker for this prompt among those serving requests of `kind` (Worker.serves) that have `adapter`
+        ("": the base model), leaving out `exclude` (already tried)."""
+        candidates = [w for w in self.serving()
+                      if w.address not in exclude and w.has_adapter(adapter) and w.serves(kind)]
         hashes_by_size: dict[int, list[bytes]] = {}
         for w in candidates:
             if w.block_size and w.block_size not in hashes_by_size:
@@ -305,6 +317,17 @@ class Fleet:
         hashes = next(iter(hashes_by_size.values()), [])
         view = self.router.pick([w.view() for w in candidates], hashes)
         return self.workers[view.address] if view is not None else None
+
+    def unserved(self, kind: str) -> str | None:
+        """Why no worker can take requests of `kind` where none that has answered serves it (their --runner, or
+        a checkpoint without lm_head); None where one does, or none has answered yet."""
+        known = [w for w in self.workers.values() if w.info is not None]
+        if not known or any(w.serves(kind) for w in known):
+            return None
+        what = {"generate": "generation", "embed": "Embed", "score": "Score (reranking)"}[kind]
+        return (f"no model worker serves {what}: "
+                + ", ".join(f"{w.address} runs --runner {w.info.runner or 'auto'}"
+                            + (" on a checkpoint without lm_head" if w.info.embeddings_only else "") for w in known))
 
     async def close(self) -> None:
         for task in (self._resolver, self._mover):

@@ -17,7 +17,7 @@ from services.model_worker.config.engine import EngineConfig, SchedulerLimits, S
 from services.model_worker.config.model import ConfigError
 from services.model_worker.core.client import EngineClient
 from services.model_worker.core.process import CoreStartError
-from services.model_worker.config.engine import (CPU_STEP_TOKENS, GPU_STEP_TOKENS, SCHEDULING_POLICIES,
+from services.model_worker.config.engine import (CPU_STEP_TOKENS, GPU_STEP_TOKENS, RUNNERS, SCHEDULING_POLICIES,
                                                  default_step_tokens)
 from services.model_worker.host import cpu_affinity
 from services.model_worker.server.metrics import EngineCollector, observe_step
@@ -132,6 +132,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a PEFT adapter folder to load at start under NAME (repeatable; needs --enable-lora)")
     add_flag(parser, "--max-loras", 4, "LoRA adapters resident at once; loading one more evicts an idle one")
     add_flag(parser, "--max-lora-rank", 16, "the highest adapter rank (r) served; each slot is sized for it")
+    parser.add_argument("--runner", default="auto", choices=RUNNERS,
+                        help="what this worker serves: auto, Generate and pooling (Embed, Score) alike; generate, "
+                             "Generate only; pooling, Embed and Score only, a worker kept for embeddings beside "
+                             "generating ones (the gateway routes each kind only to workers that serve it)")
     add_auth_flags(parser)  # for deployments without mTLS; the gateway sends its --downstream-api-key
     args = parser.parse_args(argv)
     check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--stats-interval", 0, None), ("--step-timeout", 0, None),
@@ -159,7 +163,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         vnni_weights=None if args.vnni_weights else False,  # on: where the CPU and compiler allow
         grammar_compile_timeout_s=args.grammar_compile_timeout,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        lora_modules=tuple(args.lora_modules),
+        lora_modules=tuple(args.lora_modules), runner=args.runner,
         limits=SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting,
                                args.scheduling_policy),
         speculative=SpeculativeConfig(

@@ -112,7 +112,10 @@ class FakeFleet:
     def serving(self) -> list[FakeWorker]:
         return [w for w in self.workers.values() if w.serving]
 
-    def pick(self, prompt_ids, exclude=(), adapter=""):
+    def unserved(self, kind):
+        return None
+
+    def pick(self, prompt_ids, exclude=(), adapter="", kind="generate"):
         candidates = [w for w in self.serving() if w.address not in exclude]
         if not candidates:
             return None

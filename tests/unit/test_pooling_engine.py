@@ -270,6 +270,24 @@ def test_bare_decoder_without_head(tmp_path):
     assert_scores(reference, batch[0], whole_engine.pool(batch[:1], PoolingParams.score(YES_NO))[0])
 
 
+def test_runner_leaves_out_a_kind(pair):
+    """--runner pooling serves Embed and Score and refuses generation; --runner generate the reverse."""
+    reference, path = pair
+    pooling = make_engine(path, runner="pooling")
+    batch = prompts(19, 2)
+    for prompt, values in zip(batch, pooling.pool(batch, PoolingParams.embed())):
+        assert_embeds(reference, prompt, values)
+    assert_scores(reference, batch[0], pooling.pool(batch[:1], PoolingParams.score(YES_NO))[0])
+    with pytest.raises(FailedPrecondition, match="--runner pooling"):
+        pooling.add_request("g", [1, 2, 3], SamplingParams(max_tokens=2))
+    generate = make_engine(path, runner="generate")
+    with pytest.raises(FailedPrecondition, match="--runner generate"):
+        generate.add_pooling_request("e", [1, 2, 3], PoolingParams.embed())
+    assert generate.generate([[1, 2, 3]], greedy(4)) == make_engine(path).generate([[1, 2, 3]], greedy(4))
+    with pytest.raises(ValueError, match="runner must be one of auto, generate, pooling"):
+        make_engine(path, runner="embed")
+
+
 def test_lora_adapter(pair, tmp_path):
     """A pooling request may name a LoRA adapter: its embedding and scores are the adapted model's (peft's), in
     the same steps as the base model's."""

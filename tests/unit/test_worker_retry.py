@@ -69,8 +69,11 @@ class FakeFleet:
         self.workers = {w.address: w for w in workers}
         self.on_wait, self.waits = on_wait, 0
 
-    def pick(self, prompt_ids, exclude=(), adapter=""):
+    def pick(self, prompt_ids, exclude=(), adapter="", kind="generate"):
         return next((w for w in self.workers.values() if w.address not in exclude and w.serving), None)
+
+    def unserved(self, kind):
+        return None
 
     async def wait_for_change(self, timeout):
         self.waits += 1

@@ -54,6 +54,7 @@ class SchedulerLimits:
 SPECULATIVE_METHODS = ("ngram", "draft")
 
 # --kv-cache-dtype: auto (the model's dtype) or an 8-bit cache; fp8_e4m3 is vLLM's name for fp8.
+RUNNERS = ("auto", "generate", "pooling")  # --runner
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 KV_CACHE_ALIASES = {"fp8_e4m3": "fp8"}
 
@@ -157,6 +158,9 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # What the worker serves (vLLM's --runner): "auto" generation and pooling (Embed, Score) alike, "generate"
+    # generation only, "pooling" Embed and Score only (a worker kept for embeddings beside generating ones).
+    runner: str = "auto"
     limits: SchedulerLimits = None  # type: ignore[assignment]
     speculative: SpeculativeConfig = None  # type: ignore[assignment]
 
@@ -186,6 +190,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout_s}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         self._check_lora()
 
     def _check_lora(self) -> None:

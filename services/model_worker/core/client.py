@@ -23,7 +23,7 @@ from services.model_worker.core.resumes import Resumes
 from services.model_worker.distributed.parallel import check_divisible
 from services.model_worker.engine.adapters import NOT_ENABLED
 from services.model_worker.engine.llm_engine import StepOutput
-from services.model_worker.engine.pooling import PoolingOutput, PoolingParams, check_head, check_input
+from services.model_worker.engine.pooling import PoolingOutput, PoolingParams, check_input, check_served
 from services.model_worker.executor.random_draws import fresh_seed
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class EngineClient:
             raise Unavailable("the worker is shutting down; retry on another worker")
         if self._streams.has_request(request_id):
             raise InvalidArgument(f"request id {request_id!r} is already generating; use a unique id")
-        check_head((self.info or {}).get("has_lm_head", True))
+        check_served((self.info or {}).get("has_lm_head", True), self.config.runner)
         if adapter:
             self.check_adapter(adapter)
         limit = self.config.limits.max_waiting
@@ -238,7 +238,7 @@ class EngineClient:
 
     def _check_pooling(self, prompts: list[list[int]], pooling: PoolingParams, adapter: str) -> None:
         """InvalidArgument naming the first thing wrong with a pooling call, checked here without a trip to the core."""
-        check_head((self.info or {}).get("has_lm_head", True), pooling)
+        check_served((self.info or {}).get("has_lm_head", True), self.config.runner, pooling)
         if adapter:
             self.check_adapter(adapter)
         if not prompts:

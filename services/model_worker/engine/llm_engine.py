@@ -18,7 +18,7 @@ from services.model_worker.distributed.parallel import check_divisible
 from services.model_worker.engine.adapters import AdapterRegistry
 from services.model_worker.engine.block_manager import BlockManager
 from services.model_worker.engine.pooling import (
-    POOLING_SAMPLING, PoolingOutput, PoolingParams, check_head, check_input, pool_rows)
+    POOLING_SAMPLING, PoolingOutput, PoolingParams, check_input, check_served, pool_rows)
 from services.model_worker.engine.scheduler import Scheduler
 from services.model_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from services.model_worker.engine.speculator import Speculator
@@ -149,7 +149,7 @@ class LLMEngine:
         output_ids: the tokens a broken stream of this request already generated; the sequence computes them
         with the prompt as one prefill and goes on after them (worker.proto's GenerateRequest.output_token_ids).
         seed: the seed of its draws when params has none. adapter: the LoRA adapter's name; "": the base model."""
-        check_head(self.has_lm_head)
+        check_served(self.has_lm_head, self.engine_config.runner)
         if request_id in self._seqs:
             raise InvalidArgument(f"request id {request_id!r} is already in use")
         if not prompt_ids:
@@ -224,7 +224,7 @@ class LLMEngine:
         """The prompt-only request as a sequence; InvalidArgument naming what is wrong with it."""
         if request_id in self._seqs:
             raise InvalidArgument(f"request id {request_id!r} is already in use")
-        check_head(self.has_lm_head, pooling)
+        check_served(self.has_lm_head, self.engine_config.runner, pooling)
         check_input(prompt_ids, self.config.vocab_size, self.max_model_len)
         pooling.validate(self.config.vocab_size, self.config.hidden_size)
         seq = Sequence(request_id, prompt_ids, POOLING_SAMPLING, 1, frozenset())

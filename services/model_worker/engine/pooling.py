@@ -58,8 +58,15 @@ class PoolingParams:
             raise InvalidArgument(f"pooling kind must be {EMBED!r} or {SCORE!r}, got {self.kind!r}")
 
 
-def check_head(has_lm_head: bool, pooling: PoolingParams | None = None) -> None:
-    """FailedPrecondition where a request (pooling None: a generation) needs logits the checkpoint cannot give."""
+def check_served(has_lm_head: bool, runner: str, pooling: PoolingParams | None = None) -> None:
+    """FailedPrecondition where this worker does not serve the request (pooling None: a generation): its --runner
+    leaves that kind out, or it needs logits the checkpoint cannot give."""
+    if pooling is None and runner == "pooling":
+        raise FailedPrecondition("this model worker runs with --runner pooling: it serves Embed and Score, not "
+                                 "generation")
+    if pooling is not None and runner == "generate":
+        raise FailedPrecondition("this model worker runs with --runner generate: it serves generation, not Embed or "
+                                 "Score")
     if not has_lm_head and (pooling is None or pooling.kind != EMBED):
         raise FailedPrecondition(NO_HEAD)
 

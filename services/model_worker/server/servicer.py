@@ -167,5 +167,6 @@ class ModelWorkerServicer(worker_pb2_grpc.ModelWorkerServiceServicer):
             speculative_accepted_tokens=stats.get("spec_accepted", 0),
             speculative_acceptance_rate=stats.get("spec_acceptance_rate", 0.0),
             adapters=[worker_pb2.AdapterInfo(**a) for a in engine.adapters.values()],
-            hidden_size=engine.model_config.hidden_size, embeddings_only=not info.get("has_lm_head", True))
+            hidden_size=engine.model_config.hidden_size, embeddings_only=not info.get("has_lm_head", True),
+            runner=engine.config.runner)
 

@@ -224,7 +224,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "device", "max_context", "vocab_size", "eos_token_ids", "running", "waiting", "kv_blocks_used", "kv_blocks_free", "block_size", "prefix_cache_hit_rate", "tokens_after_cancel", "max_logprobs", "speculative_method", "speculative_proposed_tokens", "speculative_accepted_tokens", "speculative_acceptance_rate", "adapters", "hidden_size", "embeddings_only")
+    __slots__ = ("model", "dtype", "device", "max_context", "vocab_size", "eos_token_ids", "running", "waiting", "kv_blocks_used", "kv_blocks_free", "block_size", "prefix_cache_hit_rate", "tokens_after_cancel", "max_logprobs", "speculative_method", "speculative_proposed_tokens", "speculative_accepted_tokens", "speculative_acceptance_rate", "adapters", "hidden_size", "embeddings_only", "runner")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class GetInfoResponse(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -267,7 +268,8 @@ class GetInfoResponse(_message.Message):
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
     hidden_size: int
     embeddings_only: bool
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., tokens_after_cancel: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., speculative_method: _Optional[str] = ..., speculative_proposed_tokens: _Optional[int] = ..., speculative_accepted_tokens: _Optional[int] = ..., speculative_acceptance_rate: _Optional[float] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., hidden_size: _Optional[int] = ..., embeddings_only: _Optional[bool] = ...) -> None: ...
+    runner: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., tokens_after_cancel: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., speculative_method: _Optional[str] = ..., speculative_proposed_tokens: _Optional[int] = ..., speculative_accepted_tokens: _Optional[int] = ..., speculative_acceptance_rate: _Optional[float] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., hidden_size: _Optional[int] = ..., embeddings_only: _Optional[bool] = ..., runner: _Optional[str] = ...) -> None: ...
 
 class WatchLoadRequest(_message.Message):
     __slots__ = ()
