@@ -169,6 +169,19 @@ def test_langchain_openai_embeddings(served):
         assert cosine(got, last_hidden(model, tokenizer(text)["input_ids"])) >= 0.99999
 
 
+def test_llama_index_openai_like_embeddings(served):
+    """LlamaIndex's client for OpenAI-compatible embedding servers, documents in a batch and a query."""
+    from llama_index.embeddings.openai_like import OpenAILikeEmbedding
+
+    model, tokenizer, _, stack = served
+    embeddings = OpenAILikeEmbedding(model_name=served_name(stack), api_base=stack.http_url + "/v1",
+                                     api_key="unused", max_retries=0)
+    documents = embeddings.get_text_embedding_batch(TEXTS)
+    query = embeddings.get_query_embedding(TEXTS[2])
+    for text, got in zip([*TEXTS, TEXTS[2]], [*documents, query]):
+        assert cosine(got, last_hidden(model, tokenizer(text)["input_ids"])) >= 0.99999
+
+
 def test_cohere_client_rerank(served):
     """Cohere's own client (v2 rerank, at /v2/rerank): indices ranked by the reference scores, cut to top_n."""
     import cohere
