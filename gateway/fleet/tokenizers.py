@@ -8,11 +8,10 @@ import time
 from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.fleet.fleet_metrics import RESUMED
+from gateway.fleet.members import Member, MemberSet
 from gateway.fleet.worker_stream import ResumePolicy
-from gateway.fleet.workers import DNS_PREFIX, NOT_SERVING, SERVING, UNREACHABLE, wanted_addresses
 from rpcserver.errors import Unavailable
 from vllm_v0.tokenizer.v1 import tokenizer_pb2_grpc
 
@@ -22,58 +21,24 @@ log = logging.getLogger(__name__)
 RETIRE_GRACE_S = 10.0
 
 
-class Tokenizer:
+class Tokenizer(Member):
     """One tokenizer service: its channel and stub, and its health, checked every interval or at once on demand."""
+
+    kind = "tokenizer"
+    log = log
 
     def __init__(self, address: str, channel: grpc.aio.Channel, interval: float,
                  on_change: Callable[[], None] = lambda: None):
-        self.address = address
-        self.channel = channel
+        super().__init__(address, channel, interval, on_change)
         self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-        self._health = health_pb2_grpc.HealthStub(channel)
-        self.interval = interval
-        self.on_change = on_change
-        self.state = UNREACHABLE
-        self._watch: asyncio.Task | None = None
-
-    @property
-    def serving(self) -> bool:
-        return self.state == SERVING
-
-    def start(self) -> None:
-        self._watch = asyncio.create_task(self._watch_health(), name=f"watch {self.address}")
 
     async def check_now(self) -> bool:
         """Check its health at once (a call to it failed) rather than at the next interval; whether it serves."""
-        self._set(await self._check())
+        self._set_state(await self._check())
         return self.serving
 
-    async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
-        await self.channel.close()
 
-    async def _check(self) -> str:
-        try:
-            reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-        except grpc.aio.AioRpcError:
-            return UNREACHABLE
-        return SERVING if reply.status == health_pb2.HealthCheckResponse.SERVING else NOT_SERVING
-
-    def _set(self, state: str) -> None:
-        if state != self.state:
-            (log.info if state == SERVING else log.warning)("tokenizer %s: %s -> %s", self.address, self.state, state)
-            self.state = state
-            self.on_change()
-
-    async def _watch_health(self) -> None:
-        while True:
-            self._set(await self._check())
-            await asyncio.sleep(self.interval)
-
-
-class TokenizerPool:
+class TokenizerPool(MemberSet[Tokenizer]):
     """Every tokenizer the --tokenizer-addr targets stand for, kept in step with DNS, behind the stub's surface.
 
     Encode, Decode and GetInfo go to the serving tokenizers in turn; one that fails UNAVAILABLE is checked at
@@ -82,27 +47,20 @@ class TokenizerPool:
     serve. Any other status is the request's own and is passed on. DecodeBatches opens on a serving one.
     """
 
+    kind = "tokenizer"
+    log = log
+
     def __init__(self, targets: list[str], open_channel: Callable[[str], grpc.aio.Channel], interval: float,
                  resume: ResumePolicy = ResumePolicy()):
-        self.targets = targets
-        self.open_channel = open_channel
-        self.interval = interval
+        super().__init__(targets, open_channel, interval)
         self.resume = resume
         self.tokenizers: dict[str, Tokenizer] = {}
-        self.changed = asyncio.Event()  # set whenever a tokenizer joins, leaves or changes state
         self._turn = itertools.count()
         self._decoding: Tokenizer | None = None  # where the last DecodeBatches call was opened
-        self._resolver: asyncio.Task | None = None
-        self._retiring: set[asyncio.Task] = set()  # the loop holds tasks only weakly
-        self._unresolved: set[str] = set()  # targets whose last lookup failed: said once, not every interval
 
-    async def start(self) -> None:
-        await self._resolve()
-        if any(t.startswith(DNS_PREFIX) for t in self.targets):
-            self._resolver = asyncio.create_task(self._resolve_every_interval(), name="resolve tokenizers")
-
-    def serving(self) -> list[Tokenizer]:
-        return [t for t in self.tokenizers.values() if t.serving]
+    @property
+    def members(self) -> dict[str, Tokenizer]:
+        return self.tokenizers
 
     def pick(self, avoid: Tokenizer | None = None) -> Tokenizer | None:
         """A serving tokenizer, each in turn; `avoid` (one a call just failed on) only while no other serves."""
@@ -152,15 +110,6 @@ class TokenizerPool:
         self._decoding = tokenizer
         return tokenizer.stub.DecodeBatches(), tokenizer.address
 
-    async def close(self) -> None:
-        if self._resolver is not None:
-            self._resolver.cancel()
-        for task in self._retiring:
-            task.cancel()
-        await asyncio.gather(*(t.close() for t in self.tokenizers.values()))
-        await asyncio.gather(*self._retiring, return_exceptions=True)
-        self.tokenizers.clear()
-
     def _any(self) -> Tokenizer:
         if not self.tokenizers:
             raise Unavailable(f"no tokenizer service: {', '.join(self.targets)} names none yet; retry shortly")
@@ -196,32 +145,9 @@ class TokenizerPool:
                 log.warning("%s: tokenizer %s is unavailable; retrying on %s", method, failed.address,
                             tokenizer.address)
 
-    def _changed(self) -> None:
-        self.changed.set()
+    def _join(self, address: str) -> Tokenizer:
+        return Tokenizer(address, self.open_channel(address), self.interval, self._changed)
 
-    async def _resolve(self) -> None:
-        wanted = await wanted_addresses(self.targets, self.tokenizers, self._unresolved)
-        for address in [a for a in self.tokenizers if a not in wanted]:
-            log.info("tokenizer %s: no longer in %s; removing it", address, ", ".join(self.targets))
-            task = asyncio.create_task(self._retire(self.tokenizers.pop(address)), name=f"retire {address}")
-            self._retiring.add(task)
-            task.add_done_callback(self._retiring.discard)
-            self._changed()
-        for address in wanted:
-            if address not in self.tokenizers:
-                tokenizer = Tokenizer(address, self.open_channel(address), self.interval, self._changed)
-                self.tokenizers[address] = tokenizer
-                tokenizer.start()
-                self._changed()
-
-    async def _retire(self, tokenizer: Tokenizer) -> None:
-        """Close a removed tokenizer's channel once calls already on it have had time to end (or the pool closes)."""
-        try:
-            await asyncio.sleep(RETIRE_GRACE_S)
-        finally:
-            await tokenizer.close()
-
-    async def _resolve_every_interval(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            await self._resolve()
+    async def _wait_to_retire(self, tokenizer: Tokenizer) -> None:
+        """Calls already on a removed tokenizer have a while to end."""
+        await asyncio.sleep(RETIRE_GRACE_S)

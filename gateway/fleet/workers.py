@@ -4,21 +4,21 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import socket
 import time
 from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from gateway.fleet.block_hash import prompt_block_hashes
+from gateway.fleet.members import NOT_SERVING, SERVING, Member, MemberSet
+# Imported from here as well: the states a worker is in, and how its targets are read.
+from gateway.fleet.members import DNS_PREFIX, UNREACHABLE, parse_targets, resolve, wanted_addresses  # noqa: F401
 from gateway.fleet.router import Router, WorkerView
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-SERVING, NOT_SERVING, UNREACHABLE = "serving", "not_serving", "unreachable"
-DNS_PREFIX = "dns:///"
 # While a stream waits for a worker to serve it again, the workers not serving are checked this often, rather
 # than every --health-interval: the wait ends as soon as one is back.
 RECHECK_S = 0.2
@@ -28,62 +28,16 @@ RECHECK_S = 0.2
 STRANDED_S = 0.5
 
 
-def parse_targets(values: list[str] | str) -> list[str]:
-    """--worker-addr values (repeatable, each comma-separated) as one list without repeats."""
-    values = [values] if isinstance(values, str) else values
-    targets: list[str] = []
-    for value in values:
-        for target in value.split(","):
-            if (target := target.strip()) and target not in targets:
-                targets.append(target)
-    return targets
-
-
-async def resolve(target: str) -> list[str]:
-    """The addresses a target stands for: a dns:/// entry every address its name has now, else itself."""
-    if not target.startswith(DNS_PREFIX):
-        return [target]
-    host, _, port = target[len(DNS_PREFIX):].rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"a dns:/// worker address needs host:port, got {target!r}")
-    infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    addresses = {(f"[{ip}]" if family == socket.AF_INET6 else ip) + f":{port}"
-                 for family, _, _, _, (ip, *_) in infos}
-    return sorted(addresses)
-
-
-async def wanted_addresses(targets: list[str], known, unresolved: set[str]) -> list[str]:
-    """Every address the targets stand for now, without repeats. A dns:/// target whose lookup fails keeps
-    the `known` addresses until it resolves again; `unresolved` holds such targets, so each failure and
-    each recovery is logged once."""
-    wanted: list[str] = []
-    for target in targets:
-        try:
-            wanted.extend(a for a in await resolve(target) if a not in wanted)
-        except OSError as e:  # keep what it stood for until the name resolves again
-            if target not in unresolved:
-                log.warning("cannot resolve %s (%s); keeping its last addresses until it resolves", target, e)
-                unresolved.add(target)
-            wanted.extend(a for a in known if a not in wanted and target.startswith(DNS_PREFIX))
-            continue
-        if target in unresolved:
-            log.info("%s resolves again", target)
-            unresolved.discard(target)
-    return wanted
-
-
-class Worker:
+class Worker(Member):
     """One worker: its channel, a health check every interval (or at once when woken), and its load stream."""
+
+    kind = "worker"
+    log = log
 
     def __init__(self, address: str, channel: grpc.aio.Channel, interval: float,
                  on_change: Callable[[], None] = lambda: None):
-        self.address = address
-        self.channel = channel
+        super().__init__(address, channel, interval, on_change)
         self.stub = worker_pb2_grpc.ModelWorkerServiceStub(channel)
-        self._health = health_pb2_grpc.HealthStub(channel)
-        self.interval = interval
-        self.on_change = on_change
-        self.state = UNREACHABLE
         self.info: worker_pb2.GetInfoResponse | None = None
         self.load = worker_pb2.LoadUpdate()  # the latest load the worker reported
         self.blocks: set[bytes] = set()       # block hashes its prefix cache holds, as it reported them
@@ -93,17 +47,12 @@ class Worker:
         self.checks = 0  # health checks done: a stream it failed tries it again only after a later one
         self.on_checked: Callable[[], None] = lambda: None
         self._wake = asyncio.Event()
-        self._watch: asyncio.Task | None = None
         self._follow: asyncio.Task | None = None
         self._status: asyncio.Task | None = None
         self._serving = asyncio.Event()  # set while state is SERVING: the Watch stream is open then
 
-    @property
-    def serving(self) -> bool:
-        return self.state == SERVING
-
     def start(self) -> None:
-        self._watch = asyncio.create_task(self._watch_health(), name=f"watch {self.address}")
+        super().start()
         self._status = asyncio.create_task(self._watch_status(), name=f"status {self.address}")
 
     def wake(self) -> None:
@@ -133,20 +82,13 @@ class Worker:
         # The worker's own count is the truth across gateways, but lags a burst this gateway has just sent it.
         return WorkerView(self.address, max(self.load.running + self.load.waiting, self.in_flight), self.blocks)
 
-    async def close(self) -> None:
-        tasks = [t for t in (self._watch, self._follow, self._status) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await self.channel.close()
+    def _tasks(self) -> list[asyncio.Task | None]:
+        return [self._watch, self._follow, self._status]
 
     async def _check(self) -> str:
-        try:
-            reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-        except grpc.aio.AioRpcError:
-            return UNREACHABLE
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            return NOT_SERVING
+        state = await super()._check()
+        if state != SERVING:
+            return state
         # Fetched at every check: its loaded adapters change at runtime (through any gateway in front of it).
         try:
             await self.refresh_info()
@@ -159,10 +101,8 @@ class Worker:
 
     def _set_state(self, state: str) -> None:
         if state != self.state:
-            (log.info if state == SERVING else log.warning)("worker %s: %s -> %s", self.address, self.state, state)
-            self.state = state
             (self._serving.set if state == SERVING else self._serving.clear)()
-            self.on_change()
+        super()._set_state(state)
 
     async def _watch_health(self) -> None:
         while True:
@@ -220,34 +160,29 @@ class Worker:
         self.load = update
 
 
-class Fleet:
+class Fleet(MemberSet[Worker]):
     """Every worker the --worker-addr targets stand for, kept in step with DNS, and the router over them."""
+
+    kind = "worker"
+    log = log
 
     def __init__(self, targets: list[str], open_channel: Callable[[str], grpc.aio.Channel], interval: float,
                  router: Router):
-        self.targets = targets
-        self.open_channel = open_channel
-        self.interval = interval
+        super().__init__(targets, open_channel, interval)
         self.router = router
         self.workers: dict[str, Worker] = {}
-        self._resolver: asyncio.Task | None = None
-        # The event loop holds tasks only weakly: without this set a retiring worker's task could be
-        # collected mid-wait, leaving its channel open for good.
-        self._retiring: set[asyncio.Task] = set()
-        self.changed = asyncio.Event()  # set whenever a worker joins, leaves or changes state
-        # Targets whose last lookup failed: said once, not every interval (a Kubernetes headless Service
-        # has no address at all until its first worker is ready, which can take many minutes).
-        self._unresolved: set[str] = set()
         self._waiters: list[asyncio.Future] = []  # wait_for_change's, woken by any state change or check
         self._mover: asyncio.Task | None = None
         # Called with each worker that comes to serve (it joined, or is back from a restart): Adapters loads the
         # adapters it lacks there.
         self.on_serving: list[Callable[[Worker], None]] = []
 
+    @property
+    def members(self) -> dict[str, Worker]:
+        return self.workers
+
     async def start(self) -> None:
-        await self._resolve()
-        if any(t.startswith(DNS_PREFIX) for t in self.targets):
-            self._resolver = asyncio.create_task(self._resolve_every_interval(), name="resolve workers")
+        await super().start()
         self._mover = asyncio.create_task(self._move_stranded(), name="move stranded streams")
 
     async def wait_for_change(self, timeout: float) -> None:
@@ -286,9 +221,6 @@ class Fleet:
                 for stream in list(worker.streams):
                     if now - stream.last_step >= STRANDED_S:
                         stream.move()
-
-    def serving(self) -> list[Worker]:
-        return [w for w in self.workers.values() if w.serving]
 
     def adapters(self) -> dict[str, worker_pb2.AdapterInfo]:
         """The LoRA adapters the serving workers have loaded, by name (as the first worker to list one has it)."""
@@ -330,17 +262,12 @@ class Fleet:
                             + (" on a checkpoint without lm_head" if w.info.embeddings_only else "") for w in known))
 
     async def close(self) -> None:
-        for task in (self._resolver, self._mover):
-            if task is not None:
-                task.cancel()
-        for task in self._retiring:
-            task.cancel()  # closes the worker at once rather than after its streams
-        await asyncio.gather(*(w.close() for w in self.workers.values()))
-        await asyncio.gather(*self._retiring, return_exceptions=True)
-        self.workers.clear()
+        if self._mover is not None:
+            self._mover.cancel()
+        await super().close()
 
     def _changed(self) -> None:
-        self.changed.set()
+        super()._changed()
         self._notify()
 
     def _worker_changed(self, worker: Worker) -> None:
@@ -349,33 +276,13 @@ class Fleet:
             for listener in self.on_serving:
                 listener(worker)
 
-    async def _resolve(self) -> None:
-        wanted = await wanted_addresses(self.targets, self.workers, self._unresolved)
-        for address in [a for a in self.workers if a not in wanted]:
-            log.info("worker %s: no longer in %s; removing it", address, ", ".join(self.targets))
-            worker = self.workers.pop(address)
-            task = asyncio.create_task(self._retire(worker), name=f"retire {address}")
-            self._retiring.add(task)
-            task.add_done_callback(self._retiring.discard)
-            self._changed()
-        for address in wanted:
-            if address not in self.workers:
-                worker = Worker(address, self.open_channel(address), self.interval)
-                worker.on_change = functools.partial(self._worker_changed, worker)
-                worker.on_checked = self._notify
-                self.workers[address] = worker
-                worker.start()
-                self._changed()
+    def _join(self, address: str) -> Worker:
+        worker = Worker(address, self.open_channel(address), self.interval)
+        worker.on_change = functools.partial(self._worker_changed, worker)
+        worker.on_checked = self._notify
+        return worker
 
-    async def _retire(self, worker: Worker) -> None:
-        """Close a removed worker's channel once the streams this gateway has on it are done (or the fleet closes)."""
-        try:
-            while worker.in_flight:
-                await asyncio.sleep(self.interval)
-        finally:
-            await worker.close()
-
-    async def _resolve_every_interval(self) -> None:
-        while True:
+    async def _wait_to_retire(self, worker: Worker) -> None:
+        """Until the streams this gateway has on a removed worker are done."""
+        while worker.in_flight:
             await asyncio.sleep(self.interval)
-            await self._resolve()

@@ -165,7 +165,7 @@ def test_a_name_that_does_not_resolve_keeps_its_workers_and_is_reported_once(cap
         target = "dns:///no-worker-is-ready.invalid:50053"  # .invalid never resolves (RFC 2606)
         fleet = Fleet([target], open_channel=lambda address: None, interval=0.01, router=Router())
         fleet.workers["10.0.0.7:50053"] = Worker("10.0.0.7:50053", _NoChannel(), 0.01)
-        with caplog.at_level(logging.WARNING, logger="gateway.fleet.workers"):
+        with caplog.at_level(logging.WARNING, logger="gateway.fleet.members"):
             for _ in range(3):
                 await fleet._resolve()
         assert list(fleet.workers) == ["10.0.0.7:50053"]

@@ -197,7 +197,7 @@ def test_a_dns_target_stands_for_every_address_it_resolves_to_each_interval(monk
     async def resolve(target):
         return answers[0] if len(answers) == 1 else answers.pop(0)
 
-    monkeypatch.setattr("gateway.fleet.workers.resolve", resolve)  # wanted_addresses looks names up
+    monkeypatch.setattr("gateway.fleet.members.resolve", resolve)  # wanted_addresses looks names up
 
     async def main():
         pool = TokenizerPool(["dns:///tokenizer:50052"], grpc.aio.insecure_channel, interval=0.05)
