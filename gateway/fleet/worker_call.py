@@ -8,8 +8,7 @@ import grpc
 
 from gateway.fleet.fleet_metrics import RETRIED, ROUTED
 from gateway.fleet.worker_stream import ResumePolicy
-from gateway.fleet.workers import RECHECK_S, Fleet, Worker
-from rpcserver.errors import FailedPrecondition, Unavailable
+from gateway.fleet.workers import Fleet, next_worker
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ async def call_worker(fleet: Fleet, resume: ResumePolicy, method: str, request, 
     request_id = request.request_id
     attempt, retries = request, 0
     while True:
-        worker = await _next_worker(fleet, resume, route_ids, failed, deadline, adapter, KINDS[method])
+        worker = await next_worker(fleet, route_ids, failed, resume.wait_s, deadline, adapter, KINDS[method])
         if retries:  # a worker may still hold the attempt that failed: the next one gets an id of its own
             attempt = type(request)()
             attempt.CopyFrom(request)
@@ -51,30 +50,3 @@ async def call_worker(fleet: Fleet, resume: ResumePolicy, method: str, request, 
                         request_id, worker.address, e.details(), retries, resume.max_resumes)
         finally:
             worker.in_flight -= 1
-
-
-async def _next_worker(fleet: Fleet, resume: ResumePolicy, route_ids: list[int], failed: dict[str, int],
-                       deadline: float | None, adapter: str, kind: str) -> Worker:
-    """A serving worker, leaving out those that failed the call until a health check has seen them since; after
-    a failure, waits for one to serve, within the resume wait and the deadline."""
-    give_up = time.monotonic() + resume.wait_s
-    if deadline is not None:
-        give_up = min(give_up, deadline)
-    while True:
-        exclude = tuple(address for address, checks in failed.items()
-                        if (w := fleet.workers.get(address)) is None or w.checks <= checks)
-        worker = fleet.pick(route_ids, exclude=exclude, adapter=adapter, kind=kind)
-        if worker is not None:
-            return worker
-        if (why := fleet.unserved(kind)) is not None:
-            raise FailedPrecondition(why)
-        if not failed:
-            if adapter and fleet.serving():
-                raise Unavailable(f"no serving model worker has the LoRA adapter {adapter!r} loaded now; "
-                                  "retry shortly")
-            raise Unavailable("no model worker is serving; retry shortly")
-        left = give_up - time.monotonic()
-        if left <= 0:
-            raise Unavailable(f"no model worker could take the request after its worker failed (waited "
-                              f"{resume.wait_s:g} s, within the request's deadline); retry shortly")
-        await fleet.wait_for_change(min(left, RECHECK_S))

@@ -12,8 +12,8 @@ import grpc
 from gateway.fleet.fleet_metrics import RESUMED, RETRIED, ROUTED
 from gateway.fleet.step_stream import CallSteps
 from gateway.fleet.worker_mux import CallBroken, MuxRequest, WorkerMux
-from gateway.fleet.workers import RECHECK_S, Fleet, Worker
-from rpcserver.errors import FailedPrecondition, Unavailable
+from gateway.fleet.workers import Fleet, Worker, next_worker
+from rpcserver.errors import Unavailable
 from rpcserver.pieces import GRPC_MESSAGE_BYTES
 from vllm_v0.worker.v1 import worker_pb2
 
@@ -183,28 +183,7 @@ class WorkerStream:
         return work
 
     async def _next_worker(self, failed: dict[str, int]) -> Worker:
-        """A serving worker for the request, leaving out those that failed it until a health check has seen
-        them since; after a failure, waits for one to serve, within the resume wait and the deadline."""
-        ids = [*self.work.prompt_token_ids, *self.generated]  # cached blocks of both count for routing
-        adapter = self.work.adapter  # only workers that have it loaded can go on with it
-        give_up = time.monotonic() + self.resume.wait_s
-        if self.deadline is not None:
-            give_up = min(give_up, self.deadline)
-        while True:
-            exclude = tuple(address for address, checks in failed.items()
-                            if (w := self.fleet.workers.get(address)) is None or w.checks <= checks)
-            worker = self.fleet.pick(ids, exclude=exclude, adapter=adapter)
-            if worker is not None:
-                return worker
-            if (why := self.fleet.unserved("generate")) is not None:
-                raise FailedPrecondition(why)
-            if not failed:
-                if adapter and self.fleet.serving():
-                    raise Unavailable(f"no serving model worker has the LoRA adapter {adapter!r} loaded now (the "
-                                      "ones that had it are not serving); retry shortly")
-                raise Unavailable("no model worker is serving; retry shortly")
-            left = give_up - time.monotonic()
-            if left <= 0:
-                raise Unavailable(f"no model worker could go on with the request after its worker failed (waited "
-                                  f"{self.resume.wait_s:g} s, within the request's deadline); retry shortly")
-            await self.fleet.wait_for_change(min(left, RECHECK_S))
+        """A serving worker for the request (workers.next_worker): only workers that have its adapter loaded can
+        go on with it, and the cached blocks of its prompt and of the tokens generated so far count for routing."""
+        return await next_worker(self.fleet, [*self.work.prompt_token_ids, *self.generated], failed,
+                                 self.resume.wait_s, self.deadline, self.work.adapter)

@@ -15,6 +15,7 @@ from gateway.fleet.members import NOT_SERVING, SERVING, Member, MemberSet
 # Imported from here as well: the states a worker is in, and how its targets are read.
 from gateway.fleet.members import DNS_PREFIX, UNREACHABLE, parse_targets, resolve, wanted_addresses  # noqa: F401
 from gateway.fleet.router import Router, WorkerView
+from rpcserver.errors import FailedPrecondition, Unavailable
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -286,3 +287,32 @@ class Fleet(MemberSet[Worker]):
         """Until the streams this gateway has on a removed worker are done."""
         while worker.in_flight:
             await asyncio.sleep(self.interval)
+
+
+async def next_worker(fleet: Fleet, route_ids: list[int], failed: dict[str, int], wait_s: float,
+                      deadline: float | None, adapter: str = "", kind: str = "generate") -> Worker:
+    """A serving worker for a request of `kind` (Worker.serves) with `adapter`, routed by `route_ids`, leaving out
+    those in `failed` (address -> its health checks done when it failed the request) until a check has seen them
+    since. With none: FailedPrecondition where no worker serves the kind at all; Unavailable at once before any
+    failure, else after waiting for one to serve, at most `wait_s` and never past `deadline` (time.monotonic())."""
+    give_up = time.monotonic() + wait_s
+    if deadline is not None:
+        give_up = min(give_up, deadline)
+    while True:
+        exclude = tuple(address for address, checks in failed.items()
+                        if (w := fleet.workers.get(address)) is None or w.checks <= checks)
+        worker = fleet.pick(route_ids, exclude=exclude, adapter=adapter, kind=kind)
+        if worker is not None:
+            return worker
+        if (why := fleet.unserved(kind)) is not None:
+            raise FailedPrecondition(why)
+        if not failed:
+            if adapter and fleet.serving():
+                raise Unavailable(f"no serving model worker has the LoRA adapter {adapter!r} loaded now (the "
+                                  "ones that had it are not serving); retry shortly")
+            raise Unavailable("no model worker is serving; retry shortly")
+        left = give_up - time.monotonic()
+        if left <= 0:
+            raise Unavailable(f"no model worker could go on with the request after its worker failed (waited "
+                              f"{wait_s:g} s, within the request's deadline); retry shortly")
+        await fleet.wait_for_change(min(left, RECHECK_S))
