@@ -252,10 +252,11 @@ class Fleet(MemberSet[Worker]):
         return self.workers[view.address] if view is not None else None
 
     def unserved(self, kind: str) -> str | None:
-        """Why no worker can take requests of `kind` where none that has answered serves it (their --runner, or
-        a checkpoint without lm_head); None where one does, or none has answered yet."""
+        """Why no worker can take requests of `kind` where every worker has answered GetInfo and none serves it
+        (their --runner, or a checkpoint without lm_head); None where one does, or one has not answered yet: it
+        may serve the kind, and refusing for good (FAILED_PRECONDITION) while a worker starts would be wrong."""
         known = [w for w in self.workers.values() if w.info is not None]
-        if not known or any(w.serves(kind) for w in known):
+        if not known or len(known) < len(self.workers) or any(w.serves(kind) for w in known):
             return None
         what = {"generate": "generation", "embed": "Embed", "score": "Score (reranking)"}[kind]
         return (f"no model worker serves {what}: "

@@ -62,6 +62,21 @@ def test_a_kind_no_worker_serves_is_refused_with_the_reason():
     asyncio.run(run())
 
 
+def test_no_refusal_while_a_worker_has_not_answered_yet():
+    async def run():
+        fleet = fleet_of(**{"g:1": {"runner": "generate"}})
+        starting = Worker("p:1", grpc.aio.insecure_channel("p:1"), 30.0)  # e.g. a pooling worker still loading
+        fleet.workers[starting.address] = starting
+        try:
+            assert fleet.unserved("embed") is None
+            fleet.workers.pop(starting.address)
+            assert fleet.unserved("embed") == "no model worker serves Embed: g:1 runs --runner generate"
+        finally:
+            await starting.channel.close()
+            await fleet.close()
+    asyncio.run(run())
+
+
 def test_an_embed_call_to_a_fleet_that_only_generates_fails_at_once():
     async def run():
         fleet = fleet_of(**{"g:1": {"runner": "generate"}})
