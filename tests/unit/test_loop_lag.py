@@ -57,6 +57,30 @@ def test_a_blocked_loop_is_counted_logged_and_exported(caplog):
                             for r in warnings)
 
 
+def hold_the_loop_in_a_handler() -> None:
+    time.sleep(BLOCK_S)
+
+
+def test_a_stall_is_logged_with_what_held_the_loop(caplog):
+    async def main():
+        monitor = LoopLagMonitor()
+        monitor.start()
+        try:
+            await next_wake(monitor)
+            hold_the_loop_in_a_handler()
+            await next_wake(monitor)
+            await next_wake(monitor)  # an ordinary wake after it: no stack
+        finally:
+            await monitor.stop()
+
+    with caplog.at_level(logging.WARNING, logger="rpcserver.loop_lag"):
+        asyncio.run(main())
+    warnings = [r.getMessage() for r in caplog.records if "event loop stalled" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    at = warnings[0].split("the loop thread was at:\n", 1)[1]
+    assert "hold_the_loop_in_a_handler" in at and "time.sleep(BLOCK_S)" in at
+
+
 def test_a_lag_under_the_threshold_is_measured_but_not_a_stall(caplog):
     monitor, stalls = LoopLagMonitor(), sample("vllm_v0_event_loop_stalls_total")
     with caplog.at_level(logging.WARNING, logger="rpcserver.loop_lag"):
