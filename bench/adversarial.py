@@ -297,10 +297,26 @@ def run(args) -> dict:
                                          args.timeout, args.seed, core_pid, attacks))
             if stack is not None:
                 result["exited"] = {s.name: s.process.returncode for s in stack.services if s.process.poll() is not None}
+                result["stalls_logged"] = {s.name: entries for s in stack.services
+                                           if (entries := stall_entries(s.log()))}
         finally:
             if stack is not None:
                 stack.stop()
     return result
+
+
+def stall_entries(log: str, keep: int = 3) -> list[str]:
+    """A service log's last `keep` stall warnings, each with the stack the loop thread was at."""
+    entries, current = [], None
+    for line in log.splitlines():
+        if line[:2] == "20" and line[4:5] == "-":  # a record's first line starts with its timestamp
+            current = None
+            if "event loop stalled" in line:
+                current = [line]
+                entries.append(current)
+        elif current is not None:
+            current.append(line)
+    return ["\n".join(entry)[:2000] for entry in entries[-keep:]]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
