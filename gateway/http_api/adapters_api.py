@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 from gateway.core.generation import GenerationCore
 from gateway.fleet.adapters import AdapterCallFailed, Adapters
 from gateway.http_api.openai_errors import HttpError, error_response, grpc_code
-from gateway.http_api.openai_protocol import parse
+from gateway.http_api.openai_protocol import parse_body
 from rpcserver.errors import InvalidArgument
 
 # The worker's status -> the HTTP status and vLLM's error type; others map as every route's errors do.
@@ -57,7 +57,7 @@ def add_adapter_routes(app: FastAPI, core: GenerationCore, read_body: Callable[[
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
         try:
-            body = parse(LoadLoraAdapterRequest, await read_body(request))
+            body = await parse_body(LoadLoraAdapterRequest, await read_body(request))
             if not body.lora_name or not body.lora_path:
                 raise InvalidArgument("Both 'lora_name' and 'lora_path' must be provided.")
             if body.lora_name == model_name():
@@ -71,7 +71,7 @@ def add_adapter_routes(app: FastAPI, core: GenerationCore, read_body: Callable[[
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
         try:
-            body = parse(UnloadLoraAdapterRequest, await read_body(request))
+            body = await parse_body(UnloadLoraAdapterRequest, await read_body(request))
             if not body.lora_name:
                 raise InvalidArgument("'lora_name' must be provided.")
             message = await _adapters(core).unload(body.lora_name, timeout)

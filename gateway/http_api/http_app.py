@@ -27,7 +27,8 @@ from gateway.http_api.openai_protocol import (
     chat_request,
     choice_requests,
     completion_requests,
-    parse,
+    off_loop,
+    parse_body,
 )
 from gateway.http_api.pooling_api import add_pooling_routes
 from gateway.http_api.tokenize_api import add_tokenize_routes
@@ -171,16 +172,23 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
                 raise too_large
         return bytes(body)
 
+    def checked_requests(body: ChatRequest | CompletionRequest, chat: bool, adapter: str) -> list[GenerationRequest]:
+        """The body's requests (one per prompt), each checked before any of them waits on the tokenizer or a
+        worker."""
+        reqs = [chat_request(body)] if chat else completion_requests(body)
+        for req in reqs:
+            req.adapter = adapter
+            core.check(req)
+        return reqs
+
     async def generate(request: Request, chat: bool) -> JSONResponse | StreamingResponse:
         deadline = Deadline(request_timeout_s)
         choices = None
         try:
-            body = parse(ChatRequest if chat else CompletionRequest, await read_body(request))
+            raw = await read_body(request)
+            body = await parse_body(ChatRequest if chat else CompletionRequest, raw)
             adapter = check_model(body.model)
-            reqs = [chat_request(body)] if chat else completion_requests(body)
-            for req in reqs:  # every prompt, before any of them waits on the tokenizer or a worker
-                req.adapter = adapter
-                core.check(req)
+            reqs = await off_loop(len(raw), checked_requests, body, chat, adapter)
             want_logprobs = reqs[0].logprobs is not None
             request_id = request.headers.get("x-request-id", "")
             check_request_id(request_id)  # the gRPC request_id's rule
@@ -205,8 +213,10 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
             options = body.stream_options
             usage = options is not None and options.include_usage
             continuous = usage and options.continuous_usage_stats
-            return StreamingResponse(stream_events(fmt, choices, firsts, usage, continuous), media_type="text/event-stream",
+            return StreamingResponse(stream_events(fmt, choices, firsts, usage, continuous),
+                                     media_type="text/event-stream",
                                      headers={"cache-control": "no-cache", "x-request-id": request_id})
+
         async def collect() -> None:
             for index, delta in firsts:
                 fmt.add(index, delta)

@@ -1,8 +1,9 @@
 """OpenAI request bodies (completions and chat) and their translation into GenerationRequests."""
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import UnionType
 from typing import Any, Union, get_args, get_origin
 
@@ -139,6 +140,25 @@ class DetokenizeRequest(BaseModel):
 # Every top-level field of a request body: an error message that starts with one names it.
 FIELD_NAMES = (frozenset(CompletionRequest.model_fields) | frozenset(ChatRequest.model_fields)
                | frozenset(TokenizeRequest.model_fields) | frozenset(DetokenizeRequest.model_fields))
+
+
+# Over this size a body is parsed, and made into requests, on a thread. A megabyte of tools is tens of
+# milliseconds of Python objects, more with the collections they set off; on the loop that time would be every
+# other stream's too. On a thread it still holds the GIL inside each C call, but the loop gets it between them.
+LARGE_BODY_BYTES = 64 * 1024
+
+
+async def off_loop(size: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args): at once for a body of `size` bytes up to LARGE_BODY_BYTES, on a thread past it (the thread hop
+    costs more than a small body's parse)."""
+    if size <= LARGE_BODY_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+async def parse_body(model: type[BaseModel], body: bytes) -> Any:
+    """parse(), off the event loop for a large body."""
+    return await off_loop(len(body), parse, model, body)
 
 
 def parse(model: type[BaseModel], body: bytes) -> Any:

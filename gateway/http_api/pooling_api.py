@@ -16,7 +16,7 @@ from gateway.core.request_id import check_request_id, new_request_id
 from gateway.core.scoring import ScoringCore
 from gateway.http_api.disconnect import until_disconnect
 from gateway.http_api.openai_errors import error_response, grpc_code
-from gateway.http_api.openai_protocol import parse, refuse_unknown_fields
+from gateway.http_api.openai_protocol import parse_body, refuse_unknown_fields
 from gateway.http_api.pooling_protocol import (
     EmbeddingsBody,
     RerankBody,
@@ -45,7 +45,7 @@ def add_pooling_routes(app: FastAPI, embedding: EmbeddingCore, scoring: ScoringC
         record = PoolingRecord(kind, new_request_id())
         error = None
         try:
-            body = parse(body_type, await read_body(request))
+            body = await parse_body(body_type, await read_body(request))
             refuse_unknown_fields(body)
             adapter = check_model(body.model) or ""
             request_id = request.headers.get("x-request-id", "")

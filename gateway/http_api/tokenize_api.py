@@ -8,7 +8,14 @@ from fastapi import FastAPI, Request
 from gateway.core.generation import GenerationCore
 from gateway.core.validation import GenerationRequest, check_for_worker
 from gateway.http_api.openai_errors import error_response
-from gateway.http_api.openai_protocol import ChatRequest, DetokenizeRequest, TokenizeRequest, chat_request, parse
+from gateway.http_api.openai_protocol import (
+    ChatRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_request,
+    off_loop,
+    parse_body,
+)
 from rpcserver.errors import InvalidArgument
 from vllm_v0.tokenizer.v1 import tokenizer_pb2
 
@@ -29,14 +36,19 @@ def add_tokenize_routes(app: FastAPI, core: GenerationCore, read_body: Callable[
                         timeout: float | None, check_model: Callable[[str], None]) -> None:
     """`timeout`: seconds each tokenizer call may take (the gateway's --http-request-timeout; None: no limit);
     `check_model`: the generation routes' check of a body's `model` (an unknown one is a 404)."""
+    def checked_request(body: TokenizeRequest) -> GenerationRequest:
+        req = tokenize_request(body)
+        core.check(req)
+        return req
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         try:
-            body = parse(TokenizeRequest, await read_body(request))
+            raw = await read_body(request)
+            body = await parse_body(TokenizeRequest, raw)
             check_model(body.model)
-            req = tokenize_request(body)
             # Invalid on its face: a 400 at once, even while no worker serves (the limits wait for one).
-            core.check(req)
+            req = await off_loop(len(raw), checked_request, body)
             limits = core.limits()
             check_for_worker(req, limits)
             add_special_tokens = body.add_special_tokens
@@ -50,7 +62,7 @@ def add_tokenize_routes(app: FastAPI, core: GenerationCore, read_body: Callable[
     @app.post("/detokenize")
     async def detokenize(request: Request):
         try:
-            body = parse(DetokenizeRequest, await read_body(request))
+            body = await parse_body(DetokenizeRequest, await read_body(request))
             check_model(body.model)
             if any(token < 0 for token in body.tokens):
                 raise InvalidArgument("tokens must be token ids >= 0")

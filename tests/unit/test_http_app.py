@@ -214,3 +214,43 @@ def test_http_deadline_ends_a_stalled_request(demo_tokenizer, stream):
     assert error["type"] == "timeout" and "--http-request-timeout" in error["message"], error
     assert 0 < downstreams.streams[0].timeout <= 0.5
     assert downstreams.streams[0].cancelled
+
+
+def test_a_large_body_is_parsed_and_checked_off_the_event_loop(make_client, monkeypatch):
+    """A megabyte of tools is tens of milliseconds of Python objects: past LARGE_BODY_BYTES it is parsed, made
+    into requests and checked on a thread, and the loop serves every other stream meanwhile."""
+    from gateway.http_api import http_app, openai_protocol
+
+    on_loop = []
+
+    def running_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+            return True
+        except RuntimeError:
+            return False
+
+    def spy(fn):
+        def call(*args):
+            on_loop.append((fn.__name__, running_loop()))
+            return fn(*args)
+        call.__name__ = fn.__name__
+        return call
+
+    monkeypatch.setattr(openai_protocol, "parse", spy(openai_protocol.parse))
+    monkeypatch.setattr(http_app, "chat_request", spy(http_app.chat_request))
+    client, downstreams = make_client()
+    tool = {"type": "function", "function": {"name": "t", "description": "d" * 200,
+                                             "parameters": {"type": "object", "properties": {}}}}
+    for tools in (1, 400):
+        on_loop.clear()
+        body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "tools": [tool] * tools}
+        assert (len(json.dumps(body)) > openai_protocol.LARGE_BODY_BYTES) == (tools == 400)
+        reply = client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        assert on_loop == [("parse", tools == 1), ("chat_request", tools == 1)]
+    too_long = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0,
+                "tools": [tool] * 400}
+    reply = client.post("/v1/chat/completions", json=too_long)  # refused on the thread: the same error object
+    assert reply.status_code == 400 and "max_tokens" in reply.json()["error"]["message"]
