@@ -47,6 +47,9 @@ def fleet(checkpoint, tmp_path_factory):
             service.start()
         for service in services:
             wait_serving(service.address, timeout=120)
+        # The gateway serves once one worker does; groups spread over both only once it has heard from both.
+        wait_for(lambda: [w.state for w in gateway_info(gateway).values()] == ["serving"] * 2, timeout=60,
+                 what="both workers serving at the gateway")
         yield tokenizer, workers, gateway
     finally:
         for service in reversed(services):
