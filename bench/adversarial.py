@@ -47,6 +47,7 @@ from vllm_v0.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 GOOD_GRPC = {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION"}
 GOOD_HTTP = {200, 400, 404, 413, 422, 429}
 STALL_S = 0.25
+LAG_BOUNDS_S = (0.05, 0.1)  # the loop-lag histogram's buckets below STALL_S, reported without failing
 RESTARTS = "vllm_v0_worker_engine_core_restarts"
 LOOP_LAG = "vllm_v0_event_loop_lag_seconds"
 NEIGHBOUR_PROMPTS = ["The capital of France is", "你好，世界！今天天气", "def fibonacci(n):", "Emoji time 🎉🚀 and"]
@@ -218,12 +219,16 @@ async def harness(addresses: dict[str, str], http_url: str, metrics: dict[str, s
     await tokenizer_channel.close()
 
     stalls, missing = {}, []
+    lags = {f"{round(bound * 1000)}ms": {} for bound in LAG_BOUNDS_S}  # below the failing bound: how close it came
     for name in metrics:
         b, a = stalls_over(before[name], STALL_S), stalls_over(after[name], STALL_S)
         if a is None:
             missing.append(f"{name}: {LOOP_LAG}")
-        else:
-            stalls[name] = a - (b or 0)
+            continue
+        stalls[name] = a - (b or 0)
+        for bound in LAG_BOUNDS_S:
+            lags[f"{round(bound * 1000)}ms"][name] = ((stalls_over(after[name], bound) or 0.0)
+                                                      - (stalls_over(before[name], bound) or 0.0))
     restarts = None
     if "worker" in metrics:
         if f"{RESTARTS}_total" in after["worker"]:
@@ -240,7 +245,8 @@ async def harness(addresses: dict[str, str], http_url: str, metrics: dict[str, s
         "by_attack": {name: dict(counts) for name, counts in sorted(tally.by_attack.items())},
         "unclear_statuses": sum(tally.bad.values()), "internal": statuses["INTERNAL"] + statuses["500"],
         "bad": dict(tally.bad), "bad_examples": tally.bad_examples, "examples": tally.examples,
-        "core_restarts": restarts, "loop_stalls_over_250ms": stalls, "metrics_missing": missing,
+        "core_restarts": restarts, "loop_stalls_over_250ms": stalls,
+        "loop_lags_over": lags, "metrics_missing": missing,
         "neighbours": dict(tally.neighbours), "first_broken_neighbour": tally.first_broken, "health_after": health,
     }
 
