@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.model_worker.host.cpu_affinity import inherited_by_children
+from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,6 +71,23 @@ def wait_serving(address: str, timeout: float = 120.0, credentials: grpc.Channel
             time.sleep(0.2)
     raise TimeoutError(f"{address} did not reach {health_pb2.HealthCheckResponse.ServingStatus.Name(want)} "
                        f"in {timeout} s")
+
+
+def gateway_info(gateway: Service) -> dict[str, gateway_pb2.WorkerStatus]:
+    """The gateway's own view of its workers (its GetInfo), by address."""
+    with grpc.insecure_channel(gateway.address) as channel:
+        info = gateway_pb2_grpc.GatewayServiceStub(channel).GetInfo(gateway_pb2.GetInfoRequest(), timeout=5)
+    return {w.address: w for w in info.workers}
+
+
+def wait_workers_serving(gateway: Service, count: int, timeout: float = 60.0) -> None:
+    """Until the gateway reports `count` workers serving. It serves once one worker does; a test that spreads
+    requests over several, or routes by what each serves, needs it to have heard from all of them."""
+    deadline = time.monotonic() + timeout
+    while (states := [w.state for w in gateway_info(gateway).values()]) != ["serving"] * count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the gateway's workers are {states} after {timeout} s, not {count} serving")
+        time.sleep(0.1)
 
 
 @dataclass

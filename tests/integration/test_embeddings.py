@@ -84,6 +84,13 @@ def cosine(a, b) -> float:
                                                  torch.as_tensor(b, dtype=torch.float64), dim=0).item()
 
 
+def assert_last_hidden(model, tokenizer, texts: list[str], embeddings: list) -> None:
+    """Each embedding is transformers' last-token hidden state of its text, normalised."""
+    assert len(embeddings) == len(texts)
+    for text, got in zip(texts, embeddings):
+        assert cosine(got, last_hidden(model, tokenizer(text)["input_ids"])) >= 0.99999
+
+
 def test_embeddings_are_transformers_last_token_normalised(served, client):
     model, tokenizer, _, _ = served
     reply = client.embeddings.create(model="", input=TEXTS)
@@ -165,8 +172,7 @@ def test_langchain_openai_embeddings(served):
                                   check_embedding_ctx_length=False, max_retries=0)
     documents = embeddings.embed_documents(TEXTS)
     query = embeddings.embed_query(TEXTS[1])
-    for text, got in zip([*TEXTS, TEXTS[1]], [*documents, query]):
-        assert cosine(got, last_hidden(model, tokenizer(text)["input_ids"])) >= 0.99999
+    assert_last_hidden(model, tokenizer, [*TEXTS, TEXTS[1]], [*documents, query])
 
 
 def test_llama_index_openai_like_embeddings(served):
@@ -178,8 +184,7 @@ def test_llama_index_openai_like_embeddings(served):
                                      api_key="unused", max_retries=0)
     documents = embeddings.get_text_embedding_batch(TEXTS)
     query = embeddings.get_query_embedding(TEXTS[2])
-    for text, got in zip([*TEXTS, TEXTS[2]], [*documents, query]):
-        assert cosine(got, last_hidden(model, tokenizer(text)["input_ids"])) >= 0.99999
+    assert_last_hidden(model, tokenizer, [*TEXTS, TEXTS[2]], [*documents, query])
 
 
 def test_cohere_client_rerank(served):

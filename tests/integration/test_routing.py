@@ -11,7 +11,7 @@ import pytest
 
 from gateway.fleet.block_hash import prompt_block_hashes
 from services.tokenizer.core import TokenizerCore
-from tests.integration.stack import Service, free_port, wait_serving
+from tests.integration.stack import Service, free_port, gateway_info, wait_serving, wait_workers_serving
 from vllm_v0.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -47,19 +47,11 @@ def fleet(checkpoint, tmp_path_factory):
             service.start()
         for service in services:
             wait_serving(service.address, timeout=120)
-        # The gateway serves once one worker does; groups spread over both only once it has heard from both.
-        wait_for(lambda: [w.state for w in gateway_info(gateway).values()] == ["serving"] * 2, timeout=60,
-                 what="both workers serving at the gateway")
+        wait_workers_serving(gateway, 2)  # groups spread over both only once the gateway has heard from both
         yield tokenizer, workers, gateway
     finally:
         for service in reversed(services):
             service.stop()
-
-
-def gateway_info(gateway: Service) -> dict[str, gateway_pb2.WorkerStatus]:
-    with grpc.insecure_channel(gateway.address) as channel:
-        info = gateway_pb2_grpc.GatewayServiceStub(channel).GetInfo(gateway_pb2.GetInfoRequest(), timeout=5)
-    return {w.address: w for w in info.workers}
 
 
 def worker_blocks(worker: Service) -> set[bytes]:

@@ -9,9 +9,8 @@ import grpc
 import openai
 import pytest
 
-from tests.integration.stack import Service, free_port, wait_serving
+from tests.integration.stack import Service, free_port, wait_serving, wait_workers_serving
 from tests.integration.test_metrics import scrape, value
-from tests.integration.test_routing import gateway_info, wait_for
 from vllm_v0.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -34,9 +33,7 @@ def split(checkpoint, tmp_path):
             service.start()
         for service in everything:
             wait_serving(service.address, timeout=120)
-        # The gateway serves once one worker does; each kind's routing needs it to have heard from both.
-        wait_for(lambda: [w.state for w in gateway_info(gateway).values()] == ["serving"] * 2, timeout=60,
-                 what="both workers serving at the gateway")
+        wait_workers_serving(gateway, 2)  # each kind's routing needs the gateway to have heard from both
         yield workers, f"http://127.0.0.1:{http_port}/v1"
     finally:
         for service in reversed(everything):
