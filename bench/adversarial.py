@@ -219,16 +219,13 @@ async def harness(addresses: dict[str, str], http_url: str, metrics: dict[str, s
     await tokenizer_channel.close()
 
     stalls, missing = {}, []
-    lags = {f"{round(bound * 1000)}ms": {} for bound in LAG_BOUNDS_S}  # below the failing bound: how close it came
+    lags = {bound: {} for bound in LAG_BOUNDS_S}  # below the failing bound: how close the run came to it
     for name in metrics:
-        b, a = stalls_over(before[name], STALL_S), stalls_over(after[name], STALL_S)
-        if a is None:
+        if stalls_over(after[name], STALL_S) is None:
             missing.append(f"{name}: {LOOP_LAG}")
             continue
-        stalls[name] = a - (b or 0)
-        for bound in LAG_BOUNDS_S:
-            lags[f"{round(bound * 1000)}ms"][name] = ((stalls_over(after[name], bound) or 0.0)
-                                                      - (stalls_over(before[name], bound) or 0.0))
+        for bound, counts in [(STALL_S, stalls), *lags.items()]:
+            counts[name] = stalls_over(after[name], bound) - (stalls_over(before[name], bound) or 0)
     restarts = None
     if "worker" in metrics:
         if f"{RESTARTS}_total" in after["worker"]:
@@ -245,8 +242,8 @@ async def harness(addresses: dict[str, str], http_url: str, metrics: dict[str, s
         "by_attack": {name: dict(counts) for name, counts in sorted(tally.by_attack.items())},
         "unclear_statuses": sum(tally.bad.values()), "internal": statuses["INTERNAL"] + statuses["500"],
         "bad": dict(tally.bad), "bad_examples": tally.bad_examples, "examples": tally.examples,
-        "core_restarts": restarts, "loop_stalls_over_250ms": stalls,
-        "loop_lags_over": lags, "metrics_missing": missing,
+        "core_restarts": restarts, "loop_stalls_over_250ms": stalls, "metrics_missing": missing,
+        "loop_lags_over": {f"{round(bound * 1000)}ms": counts for bound, counts in lags.items()},
         "neighbours": dict(tally.neighbours), "first_broken_neighbour": tally.first_broken, "health_after": health,
     }
 

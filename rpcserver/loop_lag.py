@@ -44,7 +44,7 @@ class LoopLagMonitor:
         self._task: asyncio.Task | None = None
         self._asked: float | None = None  # when the monitor's current sleep should end (time.monotonic())
         self._seen: tuple[float, str] | None = None  # (that sleep's end, the loop thread's stack during its stall)
-        self._done = threading.Event()
+        self._done: threading.Event | None = None  # set to end the thread started with the task
 
     def start(self) -> None:
         if self._task is None:
