@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.core.deltas import Delta
 from gateway.core.embedding import EmbeddingCore
-from gateway.core.generation import GenerationCore, SharedEncodes
+from gateway.core.generation import GenerationCore, PromptEncode, SharedEncodes
 from gateway.core.metrics import RequestRecord
 from gateway.core.request_id import check_request_id, new_request_id
 from gateway.core.scoring import ScoringCore
@@ -55,7 +55,7 @@ class Deadline:
 
 
 async def recorded(core: GenerationCore, req: GenerationRequest, record: RequestRecord,
-                   with_pieces: bool, deadline: Deadline, encodes: SharedEncodes) -> AsyncIterator[Delta]:
+                   with_pieces: bool, deadline: Deadline, encodes: PromptEncode) -> AsyncIterator[Delta]:
     """The core's deltas for one choice, with its log line and metrics written however it ends.
 
     The deadline reaches every downstream call, as a gRPC caller's does: past it the worker's
@@ -195,12 +195,13 @@ def create_app(core: GenerationCore, model_name: Callable[[], str], is_serving: 
             request_id = request_id or new_request_id()
             # Choice p * n + i is prompt p's i-th, as OpenAI numbers them.
             per_choice = [r for req in reqs for r in choice_requests(req, body.n)]
-            encodes = SharedEncodes()  # a prompt is encoded once for its n choices, and for its repeats
+            shared = SharedEncodes()  # a prompt is encoded once for its n choices, and for its repeats
+            encodes = [shared.prompt() for _ in reqs]
             streams = []
             for index, r in enumerate(per_choice):
                 prompt = _logged_prompt(r) if log_prompts else None
                 record = RequestRecord(request_id if len(per_choice) == 1 else f"{request_id}-{index}", prompt)
-                streams.append(recorded(core, r, record, want_logprobs, deadline, encodes))
+                streams.append(recorded(core, r, record, want_logprobs, deadline, encodes[index // body.n]))
             choices = Choices(streams)
             fmt = ResponseFormat(chat, adapter or model_name(), len(per_choice), want_logprobs,
                                  choices_per_prompt=body.n)
