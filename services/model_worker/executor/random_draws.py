@@ -36,7 +36,7 @@ import random
 import torch
 
 from services.model_worker.executor.transfer import upload
-from services.model_worker.kernels import cpu_random_draws
+from services.model_worker.kernels import cpu_argmax, cpu_random_draws
 
 SAMPLE, ACCEPT, RESIDUAL, DRAFT = range(4)
 NUM_STREAMS = 4
@@ -66,12 +66,24 @@ def seed_words(seed: int) -> tuple[int, int]:
 def draw_words(draws: list[tuple[int, int] | None], stream: int, device: torch.device) -> torch.Tensor:
     """(R, 3) int64 rows (s0, s1, w) for each row's (seed, counter) in `stream`, in one copy to the device.
     A row without a key (None) gets a fresh seed: an unseeded draw that nothing needs to repeat."""
+    if None in draws:
+        draws = [draw if draw is not None else (fresh_seed(), 0) for draw in draws]
+    if draws:
+        seeds, counters = zip(*draws)
+        words = cpu_random_draws.words(seeds, counters, stream, NUM_STREAMS)
+        if words is not None:
+            return upload(words, device)
+    return upload(_words_reference(draws, stream), device)
+
+
+def _words_reference(draws: list[tuple[int, int]], stream: int) -> torch.Tensor:
+    """draw_words's rows in Python: the reference for the kernel, and the path for what it does not take."""
     words = []
     for draw in draws:
-        seed, counter = draw if draw is not None else (fresh_seed(), 0)
+        seed, counter = draw
         words += seed_words(seed & _MASK64)
         words.append((counter * NUM_STREAMS + stream) & _MASK32)
-    return upload(torch.tensor(words, dtype=torch.long).view(-1, 3), device)
+    return torch.tensor(words, dtype=torch.long).view(-1, 3)
 
 
 def fresh_seed() -> int:
@@ -85,6 +97,25 @@ def exponential(words: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     ids = token_ids if token_ids.dim() == 2 else token_ids.unsqueeze(0)
     out = _kernel_draw(words, ids, exponential=True)
     return out if out is not None else uniform_reference(words, ids).log_().neg_()
+
+
+def race(candidates: torch.Tensor, words: torch.Tensor, token_ids: torch.Tensor | None,
+         temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """(R,) int64: each row's column of argmax_t exp(x_t - max) / E_t, the exponential race over x = candidates /
+    temperature ((R, W), -inf where masked out; temperature (R, 1) float32 or None for none), with E_t the variate
+    of the row's words for token_ids[.., t] ((W,) or (R, W); None: the column is the token id). exp(x - max) is
+    each token's probability times the row's normalizer, which does not move the argmax. One pass in C on the CPU;
+    the same arithmetic in torch elsewhere (its exp may differ from the kernel's in the last bit)."""
+    if candidates.device.type == "cpu":
+        ids = None if token_ids is None else token_ids if token_ids.dim() == 2 else token_ids.unsqueeze(0)
+        out = cpu_random_draws.race(candidates, words, ids, temperature)
+        if out is not None:
+            return out
+    x = candidates.float() if temperature is None else candidates / temperature
+    if token_ids is None:
+        token_ids = torch.arange(x.shape[1], device=x.device)
+    weights = (x - x.amax(dim=-1, keepdim=True)).exp_()
+    return cpu_argmax.argmax(weights.div_(exponential(words, token_ids)))  # the lowest column among equal maxima
 
 
 def uniform(words: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,8 @@ its token.
 
 No host sync and no per-row launch: sample() returns device tensors (read back by to_host()); the params
 become device columns once per batch composition (sampling_columns.py), reused while the same rows come
-back in the same order; off the CPU every masked row goes through one sort (truncation.py).
+back in the same order; off the CPU every masked row goes through one sort (truncation.py). On the CPU the race
+is one C pass over each row (random_draws.race), reading bf16 logits and dividing by the temperature itself.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class Sampler:
         if not columns.sampled_rows and not columns.adjusts:
             # The common case, every step: argmax in the logits' own dtype (widening is exact).
             return _with_logprobs(logits, columns, cpu_argmax.argmax(logits))
-        scores = penalise(logits.float(), columns, penalties)
+        # The race reads bf16 itself; penalties and masks work in float32.
+        scores = penalise(logits.float(), columns, penalties) if columns.adjusts else logits
         if not columns.sampled_rows:
             return _with_logprobs(logits, columns, cpu_argmax.argmax(scores))
         words = random_draws.draw_words([draws[i] for i in columns.sampled_rows], random_draws.SAMPLE,
@@ -160,20 +162,21 @@ def penalise(logits: torch.Tensor, columns: Columns, penalties: PenaltyRows | No
 
 
 def _draw(
-    scores: torch.Tensor,  # (S, V) float32: the sampled rows, penalties applied
+    scores: torch.Tensor,  # (S, V) bf16 or float32: the sampled rows, penalties applied
     columns: Columns,
     words: torch.Tensor,  # (S, 3): the rows' draw words (random_draws.draw_words)
     batched: bool,
 ) -> torch.Tensor:
     token_ids = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
-    for group in truncate(scores / columns.temperature, columns, batched):
-        ids = columns.vocab_ids if group.ids is None else group.ids
-        noise = random_draws.exponential(words[group.rows], ids)
-        # exp(logit - max): each token's probability times the row's normalizer, which does not move the argmax.
-        weights = (group.candidates - group.candidates.amax(dim=-1, keepdim=True)).exp_()
-        choice = cpu_argmax.argmax(weights.div_(noise)).unsqueeze(1)  # the lowest id among equal maxima, as torch's
-        chosen = choice if group.ids is None else group.ids.gather(1, choice)
-        token_ids.index_copy_(0, group.rows, chosen.squeeze(1))
+    if columns.plain_rows:  # no mask: the race divides by the temperature as it reads each logit
+        rows = columns.plain
+        every = len(columns.plain_rows) == scores.shape[0]
+        token_ids.index_copy_(0, rows, random_draws.race(scores if every else scores[rows], words[rows], None,
+                                                         columns.temperature if every else columns.temperature[rows]))
+    if columns.masked_rows:
+        for group in truncate(scores / columns.temperature, columns, batched):
+            choice = random_draws.race(group.candidates, words[group.rows], group.ids).unsqueeze(1)
+            token_ids.index_copy_(0, group.rows, group.ids.gather(1, choice).squeeze(1))
     return token_ids
 
 

@@ -108,10 +108,6 @@ class Columns:
     def by_k_index(self) -> dict[int, torch.Tensor]:
         return {k: self._long(rows) for k, rows in self.by_k.items()}
 
-    @cached_property
-    def vocab_ids(self) -> torch.Tensor:
-        return torch.arange(self.vocab, device=self.device)
-
     # -- logprobs -----------------------------------------------------------------------------------
 
     @cached_property

@@ -1,8 +1,8 @@
 """The top_k, top_p and min_p masks over temperature-scaled logits (their semantics: sampler.py's docstring).
 
-Rows come back in groups, each with its candidates: the whole vocabulary in order where a row has no mask,
-else its tokens sorted by logit (the lower id first among equal ones), -inf where masked out. Two ways to
-group, the same tokens kept either way:
+The masked rows (those with a top_k, top_p or min_p; the others draw from their whole row) come back in
+groups, each with its candidates: its tokens sorted by logit (the lower id first among equal ones), -inf where
+masked out. Two ways to group, the same tokens kept either way:
   - batched (off the CPU): every masked row in one full-vocabulary sort; no host read, no per-row work,
     and no shape that depends on the values, so a step never waits for the device.
   - grouped (the CPU): rows with a top_k take a topk(k + 1), grouped by their own k (the k + 1-th value
@@ -23,23 +23,18 @@ from services.model_worker.executor.sampling_columns import Columns
 class Group:
     rows: torch.Tensor  # (R,) int64: the group's rows among the sampled rows
     candidates: torch.Tensor  # (R, W) scaled logits, -inf where masked out
-    ids: torch.Tensor | None  # (R, W) int64: their token ids; None: W is the vocabulary, in order
+    ids: torch.Tensor  # (R, W) int64: their token ids
 
 
 def truncate(scaled: torch.Tensor, columns: Columns, batched: bool) -> list[Group]:
-    """scaled: (S, V) float32, the sampled rows' logits over their temperatures. batched: the GPU's grouping
-    on a CPU too (off the CPU it is the only one)."""
-    groups = []
-    if columns.plain_rows:
-        plain = scaled if len(columns.plain_rows) == scaled.shape[0] else scaled[columns.plain]
-        groups.append(Group(columns.plain, plain, None))
+    """The masked rows' groups. scaled: (S, V) float32, the sampled rows' logits over their temperatures.
+    batched: the GPU's grouping on a CPU too (off the CPU it is the only one)."""
     if not columns.masked_rows:
-        return groups
+        return []
     if batched or scaled.device.type != "cpu":
         values, ids = scaled[columns.masked].sort(dim=-1, descending=True, stable=True)
-        groups.append(Group(columns.masked, mask_sorted(values, *columns.masked_columns), ids))
-        return groups
-    return groups + _grouped(scaled, columns)
+        return [Group(columns.masked, mask_sorted(values, *columns.masked_columns), ids)]
+    return _grouped(scaled, columns)
 
 
 def _grouped(scaled: torch.Tensor, columns: Columns) -> list[Group]:
@@ -94,11 +89,10 @@ def _lower_ids_first(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Ten
 def masked_logits(scaled: torch.Tensor, columns: Columns, batched: bool = False) -> torch.Tensor:
     """(S, V): the scaled logits with -inf on every token a row cannot draw, laid out over the vocabulary."""
     out = torch.full_like(scaled, float("-inf"))
+    if columns.plain_rows:
+        out.index_copy_(0, columns.plain, scaled[columns.plain])
     for group in truncate(scaled, columns, batched):
-        if group.ids is None:
-            out.index_copy_(0, group.rows, group.candidates)
-        else:
-            spread = torch.full((group.rows.shape[0], scaled.shape[1]), float("-inf"), device=scaled.device)
-            out.index_copy_(0, group.rows, spread.scatter_(1, group.ids, group.candidates))
+        spread = torch.full((group.rows.shape[0], scaled.shape[1]), float("-inf"), device=scaled.device)
+        out.index_copy_(0, group.rows, spread.scatter_(1, group.ids, group.candidates))
     return out
 
