@@ -115,6 +115,37 @@ def test_profiling_runs_the_largest_step_and_reports_what_it_measured(tmp_path, 
     assert memory == GpuMemory(total=80 * GIB, free=60 * GIB, weights=100 * MIB, peak_activations=47 * MIB)
 
 
+def test_profiling_counts_the_penalty_state_and_a_penalised_draw(tmp_path, monkeypatch):
+    """The penalty state's rows (allocated lazily by the engine, kept after) exist while the profiled step runs,
+    with the state's own shapes, and the draw reads them as a penalised batch of --max-num-seqs rows does."""
+    from services.model_worker.config.engine import SchedulerLimits
+    from services.model_worker.executor.penalty_state import PenaltyState
+    engine, profile = profiling_engine(tmp_path, monkeypatch)
+    monkeypatch.setattr(profile, "score_rows", lambda logits, targets, top: None)
+    draws = []
+    monkeypatch.setattr(engine, "sampler", lambda logits, params, penalties, keys: draws.append((params, penalties)))
+    limits = SchedulerLimits(max_num_seqs=6, max_num_batched_tokens=64)
+    profile.profile_step_memory(engine.model, engine.sampler, engine.config, engine.device, torch.float32, 16, limits)
+    [(params, penalties)] = draws
+    assert len(params) == 6 and all(p.has_penalties and p.repetition_penalty != 1.0 and p.presence_penalty
+                                    and p.frequency_penalty for p in params)
+    state = PenaltyState(6, engine.device)
+    state.rows([_Penalised()], engine.config.vocab_size, None)  # what the engine allocates at its first one
+    for profiled, kept in ((penalties.seen, state.seen), (penalties.counts, state.counts)):
+        assert (profiled.shape, profiled.dtype) == (kept.shape, kept.dtype)
+    assert penalties.rows is None and penalties.slots.tolist() == list(range(6))
+
+
+class _Penalised:
+    """The little of a Sequence PenaltyState reads, for one with a presence penalty in slot 0."""
+    has_penalties = True
+    slot = 0
+    num_preemptions = 0
+    num_pending = 0
+    prompt_ids = [1, 2]
+    output_ids = []
+
+
 @pytest.mark.parametrize("max_len, lengths", [(None, [512, 512, 76]), (300, [300, 300, 300, 200])])
 def test_a_profiling_step_longer_than_a_sequence_is_several_prompts(tmp_path, monkeypatch, max_len, lengths):
     """--max-num-batched-tokens past the rotary table (512 positions here) or --max-model-len: the warm-up

@@ -6,7 +6,9 @@ measured by a warm-up forward of --max-num-batched-tokens tokens, a sampler pass
 rows, and the prompt-logprobs scoring of a chunk whose every row is a scored prompt position (logits
 for --max-num-batched-tokens rows: about 620 MB in bf16 at 2,048 rows of Qwen3's vocabulary): the
 largest step the scheduler can form, so a full step can never run the GPU out of memory after the
-cache has taken the rest.
+cache has taken the rest. The sampler pass is penalised, over the penalty state's rows (penalty_state.py: 5
+bytes a slot and token, 194 MB at 256 slots of Qwen3's vocabulary), which the engine allocates at its first
+penalised step and keeps: the peak counts them and the gathers a penalised step makes.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from services.model_worker.config.model import ConfigError, Qwen3Config
 from services.model_worker.config.sampling import MAX_LOGPROBS, SamplingParams
 from services.model_worker.executor.kv_cache import KVCache
 from services.model_worker.executor.model_runner import ModelRunner
+from services.model_worker.executor.penalty_state import PenaltyRows, allocate_rows
 from services.model_worker.executor.prompt_logprobs import score_rows
 from services.model_worker.executor.sampler import Sampler
 from services.model_worker.executor.step_inputs import StepInputs
@@ -79,8 +82,8 @@ def blocks_from_budget(budget_bytes: int, bytes_per_block: int, max_model_len: i
 def profile_step_memory(model, sampler: Sampler, config: Qwen3Config, device: torch.device, dtype: torch.dtype,
                         block_size: int, limits: SchedulerLimits, max_len: int | None = None,
                         kv_cache_dtype: str = "auto") -> GpuMemory:
-    """A prefill of max_num_batched_tokens tokens, then logits and a top-p draw for max_num_seqs rows, then
-    prompt logprobs scored over all max_num_batched_tokens rows.
+    """A prefill of max_num_batched_tokens tokens, then logits and a penalised top-p draw for max_num_seqs rows,
+    then prompt logprobs scored over all max_num_batched_tokens rows.
 
     The prefill is prompts of max_len tokens (the longest a sequence may be; default the model's
     max_position_embeddings) and one with the rest: no position past the rotary table, which on a GPU
@@ -113,14 +116,18 @@ def profile_step_memory(model, sampler: Sampler, config: Qwen3Config, device: to
     # A step's logits are one tensor: the scored prompt rows stay alive while the sampler runs.
     scored = model.compute_logits(hidden[:1].expand(tokens, -1))
     logits = model.compute_logits(hidden[:1].expand(limits.max_num_seqs, -1))
+    penalties = None
     if logits is not None:  # None on tensor-parallel ranks other than 0, which never sample
         score_rows(scored, [0] * tokens, [MAX_LOGPROBS] * tokens)
         logits = logits.float()
-        params = [SamplingParams(temperature=1.0, top_p=0.9, logprobs=MAX_LOGPROBS)] * limits.max_num_seqs
-        sampler(logits, params, None, [None] * len(params))
+        rows = limits.max_num_seqs
+        penalties = PenaltyRows(None, torch.arange(rows, device=device), *allocate_rows(rows, logits.shape[1], device))
+        params = [SamplingParams(temperature=1.0, top_p=0.9, logprobs=MAX_LOGPROBS, repetition_penalty=1.1,
+                                 presence_penalty=0.5, frequency_penalty=0.5)] * rows
+        sampler(logits, params, penalties, [None] * rows)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - weights - cache_bytes
-    del cache, runner, hidden, logits, scored
+    del cache, runner, hidden, logits, scored, penalties
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return GpuMemory(total=total, free=free, weights=weights, peak_activations=peak)

@@ -49,6 +49,13 @@ class PenaltyRows:
                    torch.arange(len(rows), device=device), seen, counts)
 
 
+def allocate_rows(max_seqs: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """PenaltyState's seen and counts rows, zeroed. On a GPU the KV cache is sized with them counted
+    (kv_sizing.profile_step_memory allocates them the same way), although the state allocates them lazily."""
+    return (torch.zeros(max_seqs, vocab, dtype=torch.bool, device=device),
+            torch.zeros(max_seqs, vocab, dtype=torch.float32, device=device))
+
+
 class PenaltyState:
     """Per slot, the seen and counts rows of the penalised sequence running there; allocated when a penalised
     sequence first samples (max_seqs x vocab x 5 bytes: 194 MB at 256 slots of Qwen3's vocabulary)."""
@@ -77,8 +84,7 @@ class PenaltyState:
         if not rows:
             return None
         if self.seen is None:
-            self.seen = torch.zeros(self.max_seqs, vocab, dtype=torch.bool, device=self.device)
-            self.counts = torch.zeros(self.max_seqs, vocab, dtype=torch.float32, device=self.device)
+            self.seen, self.counts = allocate_rows(self.max_seqs, vocab, self.device)
         stale = [seqs[i] for i in rows if not self.holds(seqs[i])]
         if stale:
             self.rebuild(stale, pending_ids)
