@@ -52,9 +52,10 @@ def checkpoint(request, tmp_path_factory):
     return path
 
 
-def make_engine(checkpoint, fused: bool) -> LLMEngine:
-    return LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=256, block_size=8,
-                                              fused_decode=fused))
+def make_engine(checkpoint, fused: bool, max_num_seqs: int = 64) -> LLMEngine:
+    return LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=4 * max(64, max_num_seqs),
+                                              block_size=8, fused_decode=fused,
+                                              limits=SchedulerLimits(max_num_seqs=max_num_seqs)))
 
 
 def hidden_states(engine: LLMEngine, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
@@ -72,16 +73,18 @@ def step_meta(query_lens: list[int], backend) -> AttentionMetadata:
                                    torch.device("cpu"), backend)
 
 
-@pytest.mark.parametrize("batch", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 9, 130])
 def test_fused_steps_equal_the_layer_by_layer_forward_bit_for_bit(checkpoint, batch, monkeypatch):
     """1-2 rows take the AVX512-BF16 matmul kernel, 3 and more the AMX one where the CPU has it (else
-    up to 4, and 5 and 9 rows run layer by layer in both engines)."""
-    prompts = [random_prompt(3 + 4 * i, seed=batch * 10 + i) for i in range(batch)]
-    plain = hidden_states(make_engine(checkpoint, False), prompts, 6)
+    up to 4, and 5 and 9 rows run layer by layer in both engines); weights in VNNI order take every count,
+    130 included."""
+    # Short prompts in a large batch, so that all of them run in one decode step.
+    prompts = [random_prompt(3 + 4 * i if batch < 10 else 1 + i % 2, seed=batch * 10 + i) for i in range(batch)]
+    plain = hidden_states(make_engine(checkpoint, False, max_num_seqs=batch), prompts, 6)
     calls = []
     real = cpu_decoder.decode_layers
     monkeypatch.setattr(cpu_decoder, "decode_layers", lambda *args: (calls.append(args[4].shape[0]), real(*args))[1])
-    engine = make_engine(checkpoint, True)
+    engine = make_engine(checkpoint, True, max_num_seqs=batch)
     fused = hidden_states(engine, prompts, 6)
     assert len(fused) == len(plain) and all(torch.equal(a, b) for a, b in zip(fused, plain))
     if batch <= engine.model.model.fused_decode.max_rows:
@@ -119,8 +122,11 @@ def test_it_takes_pure_decode_steps_of_few_rows_on_the_c_attention_kernel(checkp
     assert not fused.takes(hidden(4), meta([1, 3]))                      # a prompt chunk in the step
     assert not fused.takes(hidden(2), meta([1, 1], TorchAttention()))   # another attention backend
     assert not fused.takes(hidden(2).float(), meta([1, 1]))
-    rows = fused.max_rows + 1
-    assert not fused.takes(hidden(rows), meta([1] * rows))
+    if fused.prompts:  # weights in VNNI order: one kernel at every row count, past the AMX kernel's 128
+        assert fused.takes(hidden(300), meta([1] * 300))
+    else:
+        rows = fused.max_rows + 1
+        assert not fused.takes(hidden(rows), meta([1] * rows))
 
 
 def test_the_c_loop_refuses_more_rows_than_its_matmul_kernels_take(library):

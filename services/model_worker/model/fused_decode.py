@@ -74,6 +74,8 @@ class FusedDecode:
         # Steps with prompts: on VNNI weights, whose kernel takes any row count (bf16 only: the 8-bit kernels
         # route by rows, up to max_rows). A switch, so benchmarks can run those steps layer by layer.
         self.prompts = self.vnni is not None and self.q8 is None
+        if self.prompts:  # and decode steps of any size too, as the layers would run them on the same kernel
+            self.max_rows = 2 ** 30
         self._layers: tuple | None = None     # (cache key, ctypes array, tensors it points into)
         self._kernels: tuple | None = None    # ((attention backend, LoRA kernel), Kernels)
 
@@ -165,7 +167,7 @@ class FusedDecode:
                 q8 = address(self.q8.w8a8, "w8a8_linear")  # every row count; without AMX, never q8_amx
             amx_max_rows = EightBitLinearMethod.AMX_MAX_ROWS if self.q8 is not None else SmallBatchLinearMethod.AMX_MAX_ROWS
             max_rows, prefill, linear_silu = self.max_rows, None, None
-            if self.prompts:  # vnni_linear at every row count: takes() and takes_prompts() bound the steps
+            if self.prompts:  # vnni_linear at every row count
                 amx_max_rows = max_rows = 2 ** 30
                 linear_silu = address(self.vnni, "vnni_linear_silu")
                 if backend.prefill_library is not None:
