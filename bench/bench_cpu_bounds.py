@@ -1,0 +1,128 @@
+"""What one core of this CPU can do at most, and how close our bf16 engine comes to it, in one run: the rate
+a core streams memory and its peak bf16 multiply-add rate (cpu_bounds.c), then our one-stream decode (bytes
+of weights read a second) and a prompt's prefill (matmul FLOPs a second) on the random Qwen3-0.6B checkpoint.
+
+A decode step of one stream reads every weight once, so its tok/s times the weights' bytes can never pass the
+streaming rate; a prefill's matmuls can never pass the peak multiply rate. Any engine on this core, vLLM's
+included, is held by the same bounds: a ratio against a peer that needs more than the bound allows cannot
+be met at the same precision. Run it on one core, nothing else running:
+    taskset -c 1 python -m bench.bench_cpu_bounds
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import pathlib
+import random
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.bench_engine import DEFAULT_CHECKPOINT, ensure_checkpoint, run_ours  # noqa: E402
+from bench.cpu_kind import cpu_kind  # noqa: E402
+from services.model_worker.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from services.model_worker.kernels import build  # noqa: E402
+
+SOURCE = pathlib.Path(__file__).with_name("cpu_bounds.c")
+PEAK_ITERATIONS = 20_000_000
+FLOPS_PER_ITERATION = 12 * 16 * 2 * 2  # cpu_bounds.c: accumulators x lanes x pairs x (multiply, add)
+
+
+def load() -> ctypes.CDLL:
+    library = build.load(SOURCE, "cpu bounds")
+    if library is None:
+        raise SystemExit("cpu_bounds.c did not build (gcc is needed)")
+    library.read_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    library.read_sum.restype = ctypes.c_int64
+    library.bf16_dot_peak.argtypes = [ctypes.c_int64]
+    library.bf16_dot_peak.restype = ctypes.c_float
+    return library
+
+
+def read_rate(library: ctypes.CDLL, buffer: torch.Tensor) -> float:
+    """GB/s of one pass over the buffer."""
+    start = time.perf_counter()
+    library.read_sum(buffer.data_ptr(), buffer.numel())
+    return buffer.numel() / (time.perf_counter() - start) / 1e9
+
+
+def peak_rate(library: ctypes.CDLL) -> float:
+    """GFLOP/s of bf16 multiply-adds in registers."""
+    start = time.perf_counter()
+    library.bf16_dot_peak(PEAK_ITERATIONS)
+    return PEAK_ITERATIONS * FLOPS_PER_ITERATION / (time.perf_counter() - start) / 1e9
+
+
+def model_sizes(engine: LLMEngine, prompt_tokens: int) -> tuple[int, float]:
+    """(bytes of weights one decode step reads, matmul FLOPs of a prompt of prompt_tokens tokens). The head
+    (tied to the embedding here) is read once a step and multiplies only the prompt's last row; the embedding
+    table is otherwise only indexed."""
+    layers = engine.model.model.layers
+    head = engine.config.vocab_size * engine.config.hidden_size
+    layer_params = sum(p.numel() for p in layers.parameters())
+    matmul_params = sum(p.numel() for name, p in layers.named_parameters() if "norm" not in name)
+    return (layer_params + head) * 2, 2.0 * matmul_params * prompt_tokens + 2.0 * head
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=DEFAULT_CHECKPOINT)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prefill-tokens", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--buffer-gb", type=float, default=1.2, help="the streamed buffer: about the weights' size")
+    parser.add_argument("--bounds-only", action="store_true", help="skip the engine")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    library = load()
+    if not library.has_bf16_dot():
+        print("no AVX512-BF16 on this CPU: the multiply bound is not measured")
+    buffer = torch.ones(int(args.buffer_gb * 1e9), dtype=torch.uint8)
+    engine = sizes = None
+    if not args.bounds_only:
+        ensure_checkpoint(args.checkpoint_dir, "qwen3-0.6b")
+        engine = LLMEngine(args.checkpoint_dir, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=64,
+                                                             enable_prefix_caching=False))
+        sizes = model_sizes(engine, args.prefill_tokens)
+    rng = random.Random(0)
+    rows = {"read GB/s": [], "peak GFLOP/s": [], "decode GB/s": [], "prefill GFLOP/s": []}
+    read_rate(library, buffer)  # first touch of the pages
+    for r in range(args.rounds):  # each measure in turn, so the machine's drift falls on all of them
+        rows["read GB/s"].append(read_rate(library, buffer))
+        if library.has_bf16_dot():
+            rows["peak GFLOP/s"].append(peak_rate(library))
+        if engine is not None:
+            decode = run_ours(engine, [rng.randrange(1000, 100000) for _ in range(16)], args.decode_tokens)
+            prefill = run_ours(engine, [rng.randrange(1000, 100000) for _ in range(args.prefill_tokens)], 1)
+            rows["decode GB/s"].append(decode.decode_tps * sizes[0] / 1e9)
+            rows["prefill GFLOP/s"].append(sizes[1] / prefill.ttft / 1e9)
+        print(f"round {r + 1}: " + ", ".join(f"{name} {values[-1]:.1f}" for name, values in rows.items() if values))
+    medians = {name: statistics.median(values) for name, values in rows.items() if values}
+    best = {name: max(values) for name, values in rows.items() if values}
+    print(f"\n{cpu_kind()} CPU, one core:")
+    for name in medians:
+        print(f"  {name:>16}: median {medians[name]:8.1f}, best {best[name]:8.1f}")
+    shares = {}
+    if "decode GB/s" in medians:
+        shares["decode / read bound"] = medians["decode GB/s"] / best["read GB/s"]
+        print(f"  decode reads {sizes[0] / 1e9:.2f} GB a token: {medians['decode GB/s'] / best['read GB/s']:.2f} of the "
+              f"best streaming rate, so at most {best['read GB/s'] * 1e9 / sizes[0]:.1f} tok/s on this core")
+    if "prefill GFLOP/s" in medians and "peak GFLOP/s" in medians:
+        shares["prefill / multiply bound"] = medians["prefill GFLOP/s"] / best["peak GFLOP/s"]
+        print(f"  a {args.prefill_tokens}-token prompt's matmuls are {sizes[1] / 1e9:.1f} GFLOP: the whole prefill runs at "
+              f"{shares['prefill / multiply bound']:.2f} of the peak multiply rate, so it takes at least "
+              f"{sizes[1] / best['peak GFLOP/s'] / 1e6:.0f} ms here")
+    print(json.dumps({"bench": "cpu_bounds", "cpu_kind": cpu_kind(), "rounds": rows, "medians": medians,
+                      "best": best, "shares": shares,
+                      "decode_bytes": sizes[0] if sizes else None, "prefill_flops": sizes[1] if sizes else None}))
+
+
+if __name__ == "__main__":
+    main()
