@@ -7,6 +7,12 @@ streaming rate; a prefill's matmuls can never pass the peak multiply rate. Any e
 included, is held by the same bounds: a ratio against a peer that needs more than the bound allows cannot
 be met at the same precision. Run it on one core, nothing else running:
     taskset -c 1 python -m bench.bench_cpu_bounds
+
+--streams N also runs bench_peers' mixed workload in process (N streams at once, prompts 32-512 tokens,
+outputs 32-128, greedy) and holds each step against its own bound: the larger of its matmul FLOPs at the
+peak rate and its bytes (the weights, and the cached keys and values its decoding rows read) at the
+streaming rate. Attention's arithmetic and every other cost are left out, so the bound is below what any
+engine can take.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import torch  # noqa: E402
 
 from bench.bench_engine import DEFAULT_CHECKPOINT, ensure_checkpoint, run_ours  # noqa: E402
 from bench.cpu_kind import cpu_kind  # noqa: E402
+from services.model_worker.config.sampling import SamplingParams  # noqa: E402
 from services.model_worker.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from services.model_worker.kernels import build  # noqa: E402
 
@@ -79,6 +86,8 @@ def main(argv=None) -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--buffer-gb", type=float, default=1.2, help="the streamed buffer: about the weights' size")
     parser.add_argument("--bounds-only", action="store_true", help="skip the engine")
+    parser.add_argument("--streams", type=int, default=0, help="also the mixed workload of this many streams")
+    parser.add_argument("--seed", type=int, default=0, help="the mixed workload's prompts and lengths")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     library = load()
@@ -88,7 +97,7 @@ def main(argv=None) -> None:
     engine = sizes = None
     if not args.bounds_only:
         ensure_checkpoint(args.checkpoint_dir, "qwen3-0.6b")
-        engine = LLMEngine(args.checkpoint_dir, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=64,
+        engine = LLMEngine(args.checkpoint_dir, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=64 + 48 * args.streams,
                                                              enable_prefix_caching=False))
         sizes = model_sizes(engine, args.prefill_tokens)
     rng = random.Random(0)
@@ -119,9 +128,70 @@ def main(argv=None) -> None:
         print(f"  a {args.prefill_tokens}-token prompt's matmuls are {sizes[1] / 1e9:.1f} GFLOP: the whole prefill runs at "
               f"{shares['prefill / multiply bound']:.2f} of the peak multiply rate, so it takes at least "
               f"{sizes[1] / best['peak GFLOP/s'] / 1e6:.0f} ms here")
+    mixed = None
+    if engine is not None and args.streams:
+        mixed = mixed_workload(engine, args.streams, random.Random(args.seed), best["read GB/s"] * 1e9,
+                               best["peak GFLOP/s"] * 1e9)
+        print(f"\n{args.streams} streams in process ({mixed['prompt_tokens']} prompt tokens, {mixed['output_tokens']} "
+              f"output tokens): {mixed['seconds']:.2f} s, {mixed['tok_s']:.1f} tok/s; the steps' bounds sum to "
+              f"{mixed['bound_seconds']:.2f} s ({mixed['bound_tok_s']:.1f} tok/s at most)")
+        for kind in ("prefill", "decode"):
+            part = mixed[kind]
+            print(f"  {kind:>7} steps: {part['steps']:4d}, {part['seconds']:.2f} s against a bound of "
+                  f"{part['bound_seconds']:.2f} s ({part['bound_seconds'] / part['seconds']:.2f} of it)")
     print(json.dumps({"bench": "cpu_bounds", "cpu_kind": cpu_kind(), "rounds": rows, "medians": medians,
-                      "best": best, "shares": shares,
+                      "best": best, "shares": shares, "mixed": mixed,
                       "decode_bytes": sizes[0] if sizes else None, "prefill_flops": sizes[1] if sizes else None}))
+
+
+def mixed_workload(engine: LLMEngine, streams: int, rng: random.Random, bytes_per_s: float,
+                   flops_per_s: float) -> dict:
+    """The workload's wall time and each step's, split into steps with prompt tokens and pure decode steps,
+    beside the sum of the steps' bounds."""
+    config = engine.config
+    layers = engine.model.model.layers
+    matmul_params = sum(p.numel() for name, p in layers.named_parameters() if "norm" not in name)
+    head = config.vocab_size * config.hidden_size
+    weight_bytes = (sum(p.numel() for p in layers.parameters()) + head) * 2
+    kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    requests = [([rng.randrange(1000, 100000) for _ in range(rng.randint(32, 512))], rng.randint(32, 128))
+                for _ in range(streams)]
+    for i, (prompt, output) in enumerate(requests):
+        engine.add_request(f"mixed-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True))
+    batches = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        batch = schedule()
+        if batch:  # contexts before the step: what its decoding rows' attention reads
+            batches.append((list(batch.num_tokens), [len(seq) for seq in batch.seqs]))
+        return batch
+
+    engine.scheduler.schedule = recorded
+    parts = {kind: {"steps": 0, "seconds": 0.0, "bound_seconds": 0.0} for kind in ("prefill", "decode")}
+    output_tokens = 0
+    start = time.perf_counter()
+    try:
+        while engine.has_work():
+            before, step_start = len(batches), time.perf_counter()
+            outputs = engine.step()
+            seconds = time.perf_counter() - step_start
+            output_tokens += len(outputs)
+            if len(batches) == before:
+                continue
+            tokens, contexts = batches[-1]
+            flops = 2.0 * matmul_params * sum(tokens) + 2.0 * head * len(outputs)
+            read = weight_bytes + sum(c * kv_bytes_per_token for n, c in zip(tokens, contexts) if n == 1)
+            part = parts["prefill" if any(n > 1 for n in tokens) else "decode"]
+            part["steps"] += 1
+            part["seconds"] += seconds
+            part["bound_seconds"] += max(flops / flops_per_s, read / bytes_per_s)
+    finally:
+        engine.scheduler.schedule = schedule
+    seconds = time.perf_counter() - start
+    bound = sum(part["bound_seconds"] for part in parts.values())
+    return {"prompt_tokens": sum(len(p) for p, _ in requests), "output_tokens": output_tokens, "seconds": seconds,
+            "tok_s": output_tokens / seconds, "bound_seconds": bound, "bound_tok_s": output_tokens / bound, **parts}
 
 
 if __name__ == "__main__":
