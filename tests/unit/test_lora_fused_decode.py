@@ -1,5 +1,6 @@
 """Steps with LoRA adapter rows in the fused CPU loop (kernels/decoder.c): bit for bit the layer-by-layer forward,
-base rows beside two adapters of different ranks, in decode steps and (on VNNI weights) steps with prompts."""
+base rows beside two adapters of different ranks, in decode steps and (on weights whose kernel takes every row count)
+steps with prompts."""
 from __future__ import annotations
 
 import pytest
@@ -83,7 +84,8 @@ def spy_on_the_loop(monkeypatch) -> list[tuple[str, int]]:
 @pytest.mark.parametrize("weights", WEIGHTS)
 def test_adapter_steps_in_the_fused_loop_equal_the_layer_by_layer_forward_bit_for_bit(adapters, weights,
                                                                                        monkeypatch):
-    """VNNI weights take every step here (prompts too); plain bf16 and int8 weights the decode steps."""
+    """VNNI weights, and int8 weights times int8 activations (on VNNI or AMX-INT8), take every step here (prompts
+    too); plain bf16 weights the decode steps."""
     plain_hidden, plain_tokens = run(make_engine(adapters, False, weights), ARRIVALS)
     calls = spy_on_the_loop(monkeypatch)
     engine = make_engine(adapters, True, weights)
@@ -93,7 +95,8 @@ def test_adapter_steps_in_the_fused_loop_equal_the_layer_by_layer_forward_bit_fo
     assert tokens == plain_tokens
     assert tokens[0] != tokens[1], "the same prompt on the base and on an adapter: else LoRA was never applied"
     assert ("decode_layers", 2) in calls  # decode steps with both adapters' rows ran in the loop
-    if weights == "vnni":
+    if weights == "vnni" or engine.model.model.fused_decode.prompts:
+        assert engine.model.model.fused_decode.prompts
         assert ("prompt_layers", 2) in calls  # prompt chunks (some over cached keys) with adapter rows
     else:
         assert not any(name == "prompt_layers" for name, _ in calls)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.model_worker.config.engine import EngineConfig
+from services.model_worker.config.engine import EngineConfig, SchedulerLimits
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.engine.llm_engine import LLMEngine
 from services.model_worker.kernels import build, cpu_q8_linear
@@ -280,10 +280,11 @@ def test_the_engine_flag_turns_the_int8_activations_off(tmp_path):
 
 
 @needs_vnni
-@pytest.mark.parametrize("batch", [2, 6, 12])
+@pytest.mark.parametrize("batch", [2, 6, 12, 20])
 def test_without_amx_int8_fused_decode_takes_vnni_steps_and_equals_the_layers(tmp_path, monkeypatch, batch):
-    """Where only VNNI is there, the fused loop takes decode steps of up to 16 rows, every matmul on the VNNI kernel
-    as the layers route it: the hidden states are the layer-by-layer ones, bit for bit."""
+    """Where only VNNI is there, the fused loop takes decode steps of any size (12 rows and past the bf16 kernels'
+    16 included), every matmul on the VNNI kernel as the layers route it: the hidden states are the
+    layer-by-layer ones, bit for bit."""
     from services.model_worker.kernels import cpu_decoder
     from tests.unit.test_fused_decode import hidden_states
 
@@ -292,7 +293,7 @@ def test_without_amx_int8_fused_decode_takes_vnni_steps_and_equals_the_layers(tm
                     head_dim=32, hidden_size=128, intermediate_size=192)
 
     def engine(fused: bool) -> LLMEngine:
-        return LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=64, block_size=8,
+        return LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=256, block_size=8,
                                                 fused_decode=fused, quantization="int8"))
 
     prompts = [random_prompt(3 + 4 * i, seed=40 + i) for i in range(batch)]
@@ -302,7 +303,37 @@ def test_without_amx_int8_fused_decode_takes_vnni_steps_and_equals_the_layers(tm
     monkeypatch.setattr(cpu_decoder, "decode_layers", lambda *args: (calls.append(args[4].shape[0]), real(*args))[1])
     fused_engine = engine(True)
     linear = fused_engine.model.model.layers[0].mlp.down_proj
-    assert linear.w8a8_vnni and not linear.w8a8_amx and fused_engine.model.model.fused_decode.max_rows == 16
+    assert linear.w8a8_vnni and not linear.w8a8_amx and fused_engine.model.model.fused_decode.max_rows == 2 ** 30
     fused = hidden_states(fused_engine, prompts, 4)
     assert calls == [batch] * 3
+    assert len(fused) == len(plain) and all(torch.equal(a, b) for a, b in zip(fused, plain))
+
+
+@needs_vnni
+@pytest.mark.parametrize("scenario", ["fresh prompts together", "chunked beside decodes", "a prefix-cache hit"])
+def test_without_amx_int8_steps_with_prompts_run_in_the_c_loop_and_equal_the_layers(tmp_path, monkeypatch, scenario):
+    """int8 weights times int8 activations take every row count, so steps with prompts run in the fused loop as
+    bf16 VNNI weights do: fresh prompts, chunks over cached keys beside decoding rows, a prefix-cache hit; the
+    hidden states are the layer-by-layer ones, bit for bit."""
+    from services.model_worker.kernels import cpu_decoder
+    from tests.unit.test_fused_decode import SCENARIOS, staggered_hidden
+
+    load_without_amx_int8(monkeypatch)
+    make_checkpoint(tmp_path, eos_token_id=(), num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=32, hidden_size=128, intermediate_size=192)
+    budget, arrivals = SCENARIOS[scenario]
+
+    def engine(fused: bool) -> LLMEngine:
+        return LLMEngine(tmp_path, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=256, block_size=8,
+                                                fused_decode=fused, quantization="int8",
+                                                limits=SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=budget)))
+
+    plain = staggered_hidden(engine(False), arrivals, 5)
+    steps = []
+    real = cpu_decoder.prompt_layers
+    monkeypatch.setattr(cpu_decoder, "prompt_layers", lambda *args: steps.append(args[4].shape[0]) or real(*args))
+    fused_engine = engine(True)
+    assert fused_engine.model.model.fused_decode.prompts
+    fused = staggered_hidden(fused_engine, arrivals, 5)
+    assert steps, "no step with prompts went through the C loop"
     assert len(fused) == len(plain) and all(torch.equal(a, b) for a, b in zip(fused, plain))

@@ -11,8 +11,8 @@
  * calls; for every one of the 65,536 bf16 inputs it equals torch's F.silu bit for bit (tested).
  * The fused step's hidden states equal the unfused step's bit for bit (tested).
  *
- * A step with prompts in it (on weights in VNNI order, whose kernel takes any row count) runs here
- * too: each prompt's attention is prefill_attention.c's call on its own rows, as the layer-by-layer
+ * A step with prompts in it (on kernels that take any row count: bf16 weights in VNNI order, or int8
+ * weights times int8 activations) runs here too: each prompt's attention is prefill_attention.c's call on its own rows, as the layer-by-layer
  * path makes it, and the step's one-row sequences take the decode kernel together. A fresh 128-token
  * prompt of the 0.6B model then prefills in 0.94x the layer-by-layer path's time on one core (its
  * Python, torch's adds and copies between the kernels).

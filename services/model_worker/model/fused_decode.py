@@ -71,9 +71,10 @@ class FusedDecode:
         self.shape = dict(hidden=first.input_layernorm.weight.shape[0], heads=attn.num_heads,
                           kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=mlp.intermediate_size,
                           eps=first.input_layernorm.eps, scale=attn.scale)
-        # Steps with prompts: on VNNI weights, whose kernel takes any row count (bf16 only: the 8-bit kernels
-        # route by rows, up to max_rows). A switch, so benchmarks can run those steps layer by layer.
-        self.prompts = self.vnni is not None and self.q8 is None
+        # Steps with prompts, on kernels that take any row count: bf16 weights in VNNI order, or int8 weights times
+        # int8 activations (w8a8_linear.c, on VNNI or AMX-INT8). fp8, and int8 with bf16 activations, route by rows
+        # up to max_rows. A switch, so benchmarks can run those steps layer by layer.
+        self.prompts = (self.vnni is not None and self.q8 is None) or self.w8a8_amx or self.w8a8_vnni
         if self.prompts:  # and decode steps of any size too, as the layers would run them on the same kernel
             self.max_rows = 2 ** 30
         self._layers: tuple | None = None     # (cache key, ctypes array, tensors it points into)
@@ -166,10 +167,12 @@ class FusedDecode:
             elif self.w8a8_vnni:
                 q8 = address(self.q8.w8a8, "w8a8_linear")  # every row count; without AMX, never q8_amx
             amx_max_rows = EightBitLinearMethod.AMX_MAX_ROWS if self.q8 is not None else SmallBatchLinearMethod.AMX_MAX_ROWS
+            q8_no_amx_max_rows = EightBitLinearMethod.NO_AMX_MAX_ROWS
             max_rows, prefill, linear_silu = self.max_rows, None, None
-            if self.prompts:  # vnni_linear at every row count
-                amx_max_rows = max_rows = 2 ** 30
-                linear_silu = address(self.vnni, "vnni_linear_silu")
+            if self.prompts:  # vnni_linear, or w8a8_linear, at every row count
+                amx_max_rows = max_rows = q8_no_amx_max_rows = 2 ** 30
+                if self.q8 is None:
+                    linear_silu = address(self.vnni, "vnni_linear_silu")
                 if backend.prefill_library is not None:
                     prefill = address(backend.prefill_library, "prefill_attention")
             table = cpu_decoder.Kernels(
@@ -177,7 +180,7 @@ class FusedDecode:
                 address(self.norm_library, "rms_norm_rope"), address(attention_library, "write_kv_quant"),
                 address(attention_library, "paged_decode_attention_kv"), SmallBatchLinearMethod.MAX_ROWS,
                 SmallBatchLinearMethod.AMX_MIN_ROWS, amx_max_rows, q8, q8_amx, EightBitLinearMethod.GEMV_MAX_ROWS,
-                EightBitLinearMethod.NO_AMX_MAX_ROWS, max_rows, prefill, linear_silu,
+                q8_no_amx_max_rows, max_rows, prefill, linear_silu,
                 address(sgmv_library, "lora_sgmv") if sgmv_library is not None else None)
             self._kernels = ((backend, sgmv_library), table)
         return self._kernels[1]
