@@ -2,7 +2,7 @@
 layer, in one engine on the random Qwen3-0.6B checkpoint, in turns: what the C loop saves a prefill.
 
 The engine's FusedDecode takes prefill and mixed steps where the weights are in VNNI order, or in int8 with int8
-activations (--quantization int8); its `prompts`
+activations (--quantization int8), over any cache (--kv-cache-dtype); its `prompts`
 switch sends them layer by layer instead, through the same kernels. Per round, each case runs once each way
 (the first flipped every round) on the same fresh prompts:
   - prefill N: one fresh prompt of N tokens, one output token (the time to the first token);
@@ -59,12 +59,13 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--quantization", choices=("none", "int8"), default="none",
                         help="int8: weights and activations in int8 (w8a8_linear.c), which also take every row count")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "int8"), default="auto",
+                        help="an 8-bit cache: the loop dequantizes a prompt's keys as the layers gather them")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     ensure_checkpoint(args.checkpoint_dir, "qwen3-0.6b")
-    quantization = None if args.quantization == "none" else args.quantization
     engine = LLMEngine(args.checkpoint_dir, EngineConfig(device="cpu", dtype="bfloat16", enable_prefix_caching=False,
-                                                         quantization=quantization))
+                                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
     fused = engine.model.model.fused_decode
     if fused is None or not fused.prompts:
         raise SystemExit("the fused loop takes no step with prompts here (it needs bf16 weights in VNNI order, or "

@@ -193,9 +193,9 @@ def staggered_hidden(engine: LLMEngine, arrivals: dict[int, list[list[int]]], ne
     return captured
 
 
-def prompt_engine(checkpoint, fused: bool, budget: int = 2048) -> LLMEngine:
+def prompt_engine(checkpoint, fused: bool, budget: int = 2048, kv_cache_dtype: str = "auto") -> LLMEngine:
     return LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=256, block_size=8,
-                                              fused_decode=fused,
+                                              fused_decode=fused, kv_cache_dtype=kv_cache_dtype,
                                               limits=SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=budget)))
 
 
@@ -238,6 +238,22 @@ def test_steps_with_prompts_equal_the_layer_by_layer_forward_bit_for_bit(prompt_
         assert any(decodes for _, decodes, _, _ in steps) and any(cached for _, _, cached, _ in steps)
     else:  # the hit: its 6 new rows over 24 cached keys and their own, beside the first request's last decode
         assert steps[-1] == (1, 1, 1, [6])
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_steps_with_prompts_over_an_8bit_cache_equal_the_layer_by_layer_forward(prompt_checkpoint, scenario, kind,
+                                                                                   monkeypatch):
+    """An 8-bit cache's keys, a fresh prompt's own included, are dequantized in the loop as the layers gather
+    them: the same hidden states, bit for bit, and the steps with prompts run in the C loop."""
+    budget, arrivals = SCENARIOS[scenario]
+    plain = staggered_hidden(prompt_engine(prompt_checkpoint, False, budget, kind), arrivals, 5)
+    steps = []
+    real = cpu_decoder.prompt_layers
+    monkeypatch.setattr(cpu_decoder, "prompt_layers", lambda *args: steps.append(args[4].shape[0]) or real(*args))
+    fused = staggered_hidden(prompt_engine(prompt_checkpoint, True, budget, kind), arrivals, 5)
+    assert steps, "no step with prompts went through the C loop"
+    assert len(fused) == len(plain) and all(torch.equal(a, b) for a, b in zip(fused, plain))
 
 
 def test_steps_with_prompts_stay_layer_by_layer_where_the_c_loop_cannot_take_them(prompt_checkpoint, checkpoint):

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kv8.h"
 #include "silu.h"
 
 #if defined(__AVX512F__)
@@ -106,7 +107,8 @@ typedef struct {
 /* One layer's weights (bf16, contiguous, as the checkpoint's tensors) and cache; *_amx: whether
  * that weight may take the AMX kernel (its output size a multiple of 32). With 8-bit weights the four
  * matmul weights are bytes, *_scale their scales (NULL for bf16) and fp8 says which format. kv_kind:
- * the cache's (0 bf16; 1 fp8, 2 int8, with k_scale and v_scale: decode steps only, prompts go layer by layer).
+ * the cache's (0 bf16; 1 fp8, 2 int8, with k_scale and v_scale; a prompt's keys are dequantized for the prefill
+ * kernel, as the layer-by-layer path gathers them).
  * lora: the adapter slots of qkv, o, gate_up and down, in that order. */
 typedef struct {
     const uint16_t *input_norm, *qkv, *qk_norm, *o, *post_norm, *gate_up, *down;
@@ -202,6 +204,47 @@ int decoder_supported(void) {
 #endif
 }
 
+/* n rows of an 8-bit cache at slots, every KV head, as kv_quant.dequantize gives them back: bf16(float32(q) *
+ * scale), the scale fp8's one per layer or int8's of the row. Row j of head g goes to out + (j * Hkv + g) * D,
+ * where the prefill kernel reads a prompt's own rows. */
+static void dequantize_rows(const uint8_t *cache, const float *scales, int kind, const int64_t *slots, int n,
+                            int Hkv, int64_t num_slots, int D, uint16_t *out) {
+    const int fp8 = kind == KV_FP8;
+    for (int j = 0; j < n; j++)
+        for (int g = 0; g < Hkv; g++) {
+            const int64_t at = (int64_t)g * num_slots + slots[j];
+            const uint8_t *q = cache + at * D;
+            const float s = fp8 ? scales[0] : scales[at];
+            uint16_t *dst = out + ((int64_t)j * Hkv + g) * D;
+            int d = 0;
+#if defined(__AVX512F__)
+            /* widen8x16 gives fp8 as 2^-8 of its value: times 256 is exact, so one rounding, at the scale. */
+            const __m512 scale = _mm512_set1_ps(s), unit = _mm512_set1_ps(fp8 ? 256.0f : 1.0f);
+            for (; d + 16 <= D; d += 16)
+                store_bf16(dst + d, round_bf16x16(_mm512_mul_ps(_mm512_mul_ps(widen8x16(q + d, fp8), unit), scale)));
+#endif
+            for (; d < D; d++) dst[d] = f32_to_bf16((fp8 ? e4m3_to_f32(q[d]) : (float)(int8_t)q[d]) * s);
+        }
+}
+
+/* One prompt's attention over an 8-bit cache: its keys and values (its own rows, written to the cache a moment
+ * ago, or the cached tokens before it) dequantized to bf16 as the layer-by-layer path gathers them, then the
+ * prefill kernel over them as a prompt's own rows. Returns 0, -2 out of memory, or the kernel's status. */
+static int attend_8bit(const Kernels *kn, const Shape *sh, const Layer *L, const int64_t *slots, const uint16_t *q,
+                       int64_t q_stride, uint16_t *out, int64_t out_stride, int lq, int lk) {
+    const int D = sh->head_dim, Hkv = sh->kv_heads;
+    const int64_t width = (int64_t)Hkv * D;
+    uint16_t *keys = malloc(sizeof(uint16_t) * 2 * (size_t)lk * width);
+    if (!keys) return -2;
+    uint16_t *values = keys + (size_t)lk * width;
+    dequantize_rows((const uint8_t *)L->k_cache, L->k_scale, L->kv_kind, slots, lk, Hkv, sh->num_slots, D, keys);
+    dequantize_rows((const uint8_t *)L->v_cache, L->v_scale, L->kv_kind, slots, lk, Hkv, sh->num_slots, D, values);
+    const int status = kn->prefill(q, q_stride, keys, width, values, width, NULL, 0, out, out_stride, lq, lk,
+                                   sh->heads, Hkv, D, sh->scale);
+    free(keys);
+    return status;
+}
+
 /* One layer's attention of the step into attn (rows, Hq * D): q and k normalised and rotated in qk
  * (rows, (Hq + Hkv) * D), v in qkv after them; q: scratch of 2 * rows * Hq * D values. The decode
  * kernel takes (rows, Hq, D) contiguous, so the one-row sequences' q heads are copied side by side
@@ -229,10 +272,14 @@ static int attend(const Kernels *kn, const Shape *sh, const Layer *L, const Step
         for (int i = 0; i < p->decodes; i++)
             memcpy(attn + p->decode_rows[i] * width, out + i * width, sizeof(uint16_t) * width);
     }
-    if (p->count && L->kv_kind) return -1; /* the prefill kernel reads bf16 caches only */
     for (int i = 0; i < p->count && status == 0; i++) {
         const int64_t r = p->starts[i];
         const int64_t *slots = p->key_slots[i];
+        if (L->kv_kind) { /* a fresh prompt's own rows are in the cache already, at its rows' slots */
+            status = attend_8bit(kn, sh, L, slots ? slots : st->slots + r, qk + r * qk_width, qk_width, attn + r * width,
+                                 width, p->lens[i], p->keys[i]);
+            continue;
+        }
         const uint16_t *k = slots ? L->k_cache : qk + r * qk_width + width;
         const uint16_t *v = slots ? L->v_cache : qkv + r * qkv_width + qk_width;
         status = kn->prefill(qk + r * qk_width, qk_width, k, slots ? 0 : qk_width, v, slots ? 0 : qkv_width, slots,

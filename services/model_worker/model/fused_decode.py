@@ -23,7 +23,7 @@ import torch
 
 from services.model_worker.kernels import cpu_attention, cpu_decoder, cpu_lora
 from services.model_worker.model.layers.attention.cpu_paged import CpuPagedAttention
-from services.model_worker.model.layers.attention.kv_quant import is_8bit, scales_of
+from services.model_worker.model.layers.attention.kv_quant import scales_of
 from services.model_worker.model.layers.attention.metadata import AttentionMetadata
 from services.model_worker.model.layers.linear import SmallBatchLinearMethod
 from services.model_worker.model.layers.quant.eight_bit import SCALE, EightBitLinearMethod
@@ -113,11 +113,11 @@ class FusedDecode:
                 and 1 <= hidden.shape[0] <= self.max_rows and hidden.dtype == torch.bfloat16
                 and hidden.is_contiguous() and meta.context_lens.shape[0] == hidden.shape[0])
 
-    def takes_prompts(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_caches=None) -> bool:
-        """A step with prompts in it (alone, or beside decoding sequences), on VNNI weights, the C attention
-        kernels for both, bf16 rows, and a bf16 cache (the prefill kernel reads no 8-bit rows)."""
-        eight_bit = kv_caches is not None and is_8bit(kv_caches[0][0])
-        return (self.prompts and not eight_bit and meta.max_query_len > 1 and meta.prefill is not None
+    def takes_prompts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A step with prompts in it (alone, or beside decoding sequences), on weights whose kernels take every row
+        count, the C attention kernels for both and bf16 rows; an 8-bit cache's rows are dequantized for the
+        prefill kernel in the loop, as the layers gather them."""
+        return (self.prompts and meta.max_query_len > 1 and meta.prefill is not None
                 and isinstance(meta.backend, CpuPagedAttention) and meta.backend.prefill_library is not None
                 and self.shape["head_dim"] % 32 == 0 and hidden.dtype == torch.bfloat16 and hidden.is_contiguous())
 

@@ -147,7 +147,7 @@ class Qwen3Model(nn.Module):
         rope = self.rotary_emb(positions, hidden.dtype)
         fused = self.fused_decode
         if fused is not None and (self.lora is None or self.lora.batch is None or fused.takes_lora()) and (
-                fused.takes(hidden, meta) or fused.takes_prompts(hidden, meta, kv_caches)):
+                fused.takes(hidden, meta) or fused.takes_prompts(hidden, meta)):
             self.fused_decode(hidden, rope, kv_caches, meta)  # the same layers, in place, in one call
             return self.norm(hidden)
         for layer, cache in zip(self.layers, kv_caches):
