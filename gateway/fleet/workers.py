@@ -49,6 +49,8 @@ class Worker(Member):
         self.on_checked: Callable[[], None] = lambda: None
         self._wake = asyncio.Event()
         self._follow: asyncio.Task | None = None
+        self._follow_started = -float("inf")  # time.monotonic() of the last load stream's start
+        self._follows_load = True  # False once it answered WatchLoad with UNIMPLEMENTED, until it stops serving
         self._status: asyncio.Task | None = None
         self._serving = asyncio.Event()  # set while state is SERVING: the Watch stream is open then
 
@@ -103,6 +105,8 @@ class Worker(Member):
     def _set_state(self, state: str) -> None:
         if state != self.state:
             (self._serving.set if state == SERVING else self._serving.clear)()
+            if state != SERVING:
+                self._follows_load = True  # it may come back as another build, which streams its load
         super()._set_state(state)
 
     async def _watch_health(self) -> None:
@@ -111,7 +115,8 @@ class Worker(Member):
             self.checks += 1
             self._set_state(state)
             self.on_checked()
-            if state == SERVING and (self._follow is None or self._follow.done()):
+            if state == SERVING and self._may_follow():
+                self._follow_started = time.monotonic()
                 self._follow = asyncio.create_task(self._follow_load(), name=f"load {self.address}")
             try:
                 await asyncio.wait_for(self._wake.wait(), self.interval)
@@ -141,12 +146,25 @@ class Worker(Member):
             finally:
                 call.cancel()
 
+    def _may_follow(self) -> bool:
+        """Whether to open a load stream now: none is open, and the last one began an interval ago or more. A
+        stream that ends at once (a worker without WatchLoad, or refusing it) would else reopen at every check its
+        end wakes: a loop of calls with no pause. A long-lived stream that ends reopens at once."""
+        if not self._follows_load or (self._follow is not None and not self._follow.done()):
+            return False
+        return time.monotonic() - self._follow_started >= self.interval
+
     async def _follow_load(self) -> None:
         try:
             async for update in self.stub.WatchLoad(worker_pb2.WatchLoadRequest()):
                 self.apply(update)
         except grpc.aio.AioRpcError as e:
-            log.debug("worker %s: load stream ended: %s", self.address, e.code().name)
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._follows_load = False
+                log.info("worker %s streams no load (WatchLoad: UNIMPLEMENTED): it is routed without its cache "
+                         "state", self.address)
+            else:
+                log.debug("worker %s: load stream ended: %s", self.address, e.code().name)
         finally:
             self.blocks = set()  # no longer known; a new stream starts from a snapshot
             self.wake()  # a load stream ends when the worker drains or dies: find out which at once
