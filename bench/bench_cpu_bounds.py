@@ -97,7 +97,8 @@ def main(argv=None) -> None:
     engine = sizes = None
     if not args.bounds_only:
         ensure_checkpoint(args.checkpoint_dir, "qwen3-0.6b")
-        engine = LLMEngine(args.checkpoint_dir, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=64 + 48 * args.streams,
+        engine = LLMEngine(args.checkpoint_dir, EngineConfig(device="cpu", dtype="bfloat16",
+                                                             num_blocks=64 + 48 * args.streams,
                                                              enable_prefix_caching=False))
         sizes = model_sizes(engine, args.prefill_tokens)
     rng = random.Random(0)
@@ -121,12 +122,12 @@ def main(argv=None) -> None:
     shares = {}
     if "decode GB/s" in medians:
         shares["decode / read bound"] = medians["decode GB/s"] / best["read GB/s"]
-        print(f"  decode reads {sizes[0] / 1e9:.2f} GB a token: {medians['decode GB/s'] / best['read GB/s']:.2f} of the "
-              f"best streaming rate, so at most {best['read GB/s'] * 1e9 / sizes[0]:.1f} tok/s on this core")
+        print(f"  decode reads {sizes[0] / 1e9:.2f} GB a token: {shares['decode / read bound']:.2f} of the best "
+              f"streaming rate, so at most {best['read GB/s'] * 1e9 / sizes[0]:.1f} tok/s on this core")
     if "prefill GFLOP/s" in medians and "peak GFLOP/s" in medians:
         shares["prefill / multiply bound"] = medians["prefill GFLOP/s"] / best["peak GFLOP/s"]
-        print(f"  a {args.prefill_tokens}-token prompt's matmuls are {sizes[1] / 1e9:.1f} GFLOP: the whole prefill runs at "
-              f"{shares['prefill / multiply bound']:.2f} of the peak multiply rate, so it takes at least "
+        print(f"  a {args.prefill_tokens}-token prompt's matmuls are {sizes[1] / 1e9:.1f} GFLOP: the whole prefill "
+              f"runs at {shares['prefill / multiply bound']:.2f} of the peak multiply rate, so it takes at least "
               f"{sizes[1] / best['peak GFLOP/s'] / 1e6:.0f} ms here")
     mixed = None
     if engine is not None and args.streams:

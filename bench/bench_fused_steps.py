@@ -65,7 +65,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     ensure_checkpoint(args.checkpoint_dir, "qwen3-0.6b")
     engine = LLMEngine(args.checkpoint_dir, EngineConfig(device="cpu", dtype="bfloat16", enable_prefix_caching=False,
-                                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
+                                                         quantization=args.quantization,
+                                                         kv_cache_dtype=args.kv_cache_dtype))
     fused = engine.model.model.fused_decode
     if fused is None or not fused.prompts:
         raise SystemExit("the fused loop takes no step with prompts here (it needs bf16 weights in VNNI order, or "

@@ -12,8 +12,9 @@
  * The fused step's hidden states equal the unfused step's bit for bit (tested).
  *
  * A step with prompts in it (on kernels that take any row count: bf16 weights in VNNI order, or int8
- * weights times int8 activations) runs here too: each prompt's attention is prefill_attention.c's call on its own rows, as the layer-by-layer
- * path makes it, and the step's one-row sequences take the decode kernel together. A fresh 128-token
+ * weights times int8 activations) runs here too: each prompt's attention is prefill_attention.c's call
+ * on its own rows, as the layer-by-layer path makes it, and the step's one-row sequences take the
+ * decode kernel together. A fresh 128-token
  * prompt of the 0.6B model then prefills in 0.94x the layer-by-layer path's time on one core (its
  * Python, torch's adds and copies between the kernels).
  *
@@ -276,8 +277,8 @@ static int attend(const Kernels *kn, const Shape *sh, const Layer *L, const Step
         const int64_t r = p->starts[i];
         const int64_t *slots = p->key_slots[i];
         if (L->kv_kind) { /* a fresh prompt's own rows are in the cache already, at its rows' slots */
-            status = attend_8bit(kn, sh, L, slots ? slots : st->slots + r, qk + r * qk_width, qk_width, attn + r * width,
-                                 width, p->lens[i], p->keys[i]);
+            status = attend_8bit(kn, sh, L, slots ? slots : st->slots + r, qk + r * qk_width, qk_width,
+                                 attn + r * width, width, p->lens[i], p->keys[i]);
             continue;
         }
         const uint16_t *k = slots ? L->k_cache : qk + r * qk_width + width;

@@ -1,16 +1,17 @@
-"""Decode steps through every layer in one C call, where the model and the step allow it; on weights in
-VNNI order, steps with prompts in them too.
+"""Decode steps through every layer in one C call, where the model and the step allow it; on kernels that take any
+row count, steps with prompts in them too.
 
 On CPU in bf16 a decode step's arithmetic already runs in C kernels (matmuls, norms, attention);
 what the layer-by-layer forward adds around them is Python: about 0.2 ms a layer of module calls,
 views, adds and ctypes calls, 5-6 ms of a 0.6B model's step. FusedDecode hands the whole layer
 loop to kernels/decoder.c, which calls the same kernels in the same order and rounds as torch, so
-the hidden states are the same bit for bit. Where the weights are in VNNI order (whose kernel takes
-any row count) and prompts have the C prefill attention kernel, prefill and mixed steps run there
-too: a fresh 128-token prompt then prefills in 0.94x the time. Anything it does not take
-(more decode rows than the matmul kernels take, plain or 8-bit weights with prompts in the step,
-prompts over an 8-bit KV cache, another attention backend) runs the layers as before. Decode steps take
-8-bit KV caches (fp8, int8) too: the same cache write and decode kernels, with the layer's scales.
+the hidden states are the same bit for bit. Where every matmul's kernel takes any row count (bf16 weights
+in VNNI order, or int8 weights times int8 activations) and prompts have the C prefill attention kernel,
+decode steps of any size, prefill and mixed steps run there too: a fresh 128-token prompt then prefills in
+0.94x the time. Over an 8-bit KV cache (fp8, int8) decode steps read it with the layer's scales, and a
+prompt's keys are dequantized from it for the prefill kernel as the layers gather them. Anything it does
+not take (more decode rows than the matmul kernels take, plain bf16, fp8 or int8-with-bf16-activation
+weights with prompts in the step, another attention backend) runs the layers as before.
 Steps with LoRA adapter rows run here too, each target matmul followed by lora.c's SGMV as the
 layers' add_lora calls it (under tensor parallelism there is no fused loop: those run layer by layer).
 """
