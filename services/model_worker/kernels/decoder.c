@@ -14,9 +14,8 @@
  * A step with prompts in it (on kernels that take any row count: bf16 weights in VNNI order, or int8
  * weights times int8 activations) runs here too: each prompt's attention is prefill_attention.c's call
  * on its own rows, as the layer-by-layer path makes it, and the step's one-row sequences take the
- * decode kernel together. A fresh 128-token
- * prompt of the 0.6B model then prefills in 0.94x the layer-by-layer path's time on one core (its
- * Python, torch's adds and copies between the kernels).
+ * decode kernel together. A fresh 128-token prompt of the 0.6B model then prefills in 0.94x the
+ * layer-by-layer path's time on one core (its Python, torch's adds and copies between the kernels).
  *
  * A step with LoRA adapter rows runs here too: right after each target matmul, before anything reads
  * its output, lora.c's SGMV (the unfused path's add_lora, called through a pointer like the other
@@ -230,11 +229,14 @@ static void dequantize_rows(const uint8_t *cache, const float *scales, int kind,
 
 /* One prompt's attention over an 8-bit cache: its keys and values (its own rows, written to the cache a moment
  * ago, or the cached tokens before it) dequantized to bf16 as the layer-by-layer path gathers them, then the
- * prefill kernel over them as a prompt's own rows. Returns 0, -2 out of memory, or the kernel's status. */
+ * prefill kernel over them as a prompt's own rows. Returns 0, -2 out of memory, -3 for a slot outside the caches
+ * (nothing read, as the prefill kernel refuses one it reads through), or the kernel's status. */
 static int attend_8bit(const Kernels *kn, const Shape *sh, const Layer *L, const int64_t *slots, const uint16_t *q,
                        int64_t q_stride, uint16_t *out, int64_t out_stride, int lq, int lk) {
     const int D = sh->head_dim, Hkv = sh->kv_heads;
     const int64_t width = (int64_t)Hkv * D;
+    for (int j = 0; j < lk; j++)
+        if (slots[j] < 0 || slots[j] >= sh->num_slots) return -3;
     uint16_t *keys = malloc(sizeof(uint16_t) * 2 * (size_t)lk * width);
     if (!keys) return -2;
     uint16_t *values = keys + (size_t)lk * width;
