@@ -67,15 +67,21 @@ def peak_rate(library: ctypes.CDLL) -> float:
     return PEAK_ITERATIONS * FLOPS_PER_ITERATION / (time.perf_counter() - start) / 1e9
 
 
-def model_sizes(engine: LLMEngine, prompt_tokens: int) -> tuple[int, float]:
-    """(bytes of weights one decode step reads, matmul FLOPs of a prompt of prompt_tokens tokens). The head
-    (tied to the embedding here) is read once a step and multiplies only the prompt's last row; the embedding
+def weight_counts(engine: LLMEngine) -> tuple[int, int, int]:
+    """(bytes of bf16 weights one decode step reads, the decoder layers' matmul weights, the head's weights). The
+    head (tied to the embedding here) is read once a step and multiplies only the rows that sample; the embedding
     table is otherwise only indexed."""
     layers = engine.model.model.layers
     head = engine.config.vocab_size * engine.config.hidden_size
     layer_params = sum(p.numel() for p in layers.parameters())
     matmul_params = sum(p.numel() for name, p in layers.named_parameters() if "norm" not in name)
-    return (layer_params + head) * 2, 2.0 * matmul_params * prompt_tokens + 2.0 * head
+    return (layer_params + head) * 2, matmul_params, head
+
+
+def model_sizes(engine: LLMEngine, prompt_tokens: int) -> tuple[int, float]:
+    """(bytes of weights one decode step reads, matmul FLOPs of a prompt of prompt_tokens tokens)."""
+    weight_bytes, matmul_params, head = weight_counts(engine)
+    return weight_bytes, 2.0 * matmul_params * prompt_tokens + 2.0 * head
 
 
 def main(argv=None) -> None:
@@ -150,10 +156,7 @@ def mixed_workload(engine: LLMEngine, streams: int, rng: random.Random, bytes_pe
     """The workload's wall time and each step's, split into steps with prompt tokens and pure decode steps,
     beside the sum of the steps' bounds."""
     config = engine.config
-    layers = engine.model.model.layers
-    matmul_params = sum(p.numel() for name, p in layers.named_parameters() if "norm" not in name)
-    head = config.vocab_size * config.hidden_size
-    weight_bytes = (sum(p.numel() for p in layers.parameters()) + head) * 2
+    weight_bytes, matmul_params, head = weight_counts(engine)
     kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
     requests = [([rng.randrange(1000, 100000) for _ in range(rng.randint(32, 512))], rng.randint(32, 128))
                 for _ in range(streams)]
