@@ -184,30 +184,33 @@ static void two_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_
  * line loads and 6 broadcasts, so the products, not the loads, set the pace. Every output adds its
  * input pairs in order from zero, as one_row and two_rows do, and is rounded once the same way: a row
  * gets the same bits whatever rows share its call (a decode step's, a prompt's). The block group's
- * weights (32 k bytes a block) stay in L2 while every row tile passes over them; the first pass
- * streams them from memory, and the second pulls the next group into L2 at the pace it reads its own
- * (a line a block per pair step), so the next group's first pass need not wait on memory. Over the 0.6B
- * model's 112 decoder weights on one core, medians of five passes in turns: 58 ms against 67 ms at 8
- * rows, 62 against 79 at 12, 79 against 102 at 16 and 146 against 165 at 32; alike at 128 and 512. */
+ * weights (32 k bytes a block) stay in L2 while every row tile passes over them, and each tile pulls its
+ * share of the next group into L2, spread evenly over its steps, so the memory streams while the
+ * products run. Before, the first tile of a group waited on memory, and only the second pulled in the
+ * next group: one core multiplied and streamed in turns. Over the 0.6B model's 112 decoder weights on
+ * one core of AMD's Zen 4, medians of five passes in turns with the earlier kernel (the same bits):
+ * 0.79x its time at 12 and 16 rows, 0.74x at 24, 0.85x at 32, 0.91x at 64, 0.94x at 128 and 0.97x at
+ * 512; in the engine, a decode step of 12 or 16 sequences took 0.85x (bench/bench_kernel_revision.py). */
 #define RT_ROWS 6
 #define RT_BLOCKS 4
 #define RT_PREFETCH_PAIRS 16 /* weight lines ahead in each block's stream (1 KB) */
 
 static inline __attribute__((always_inline)) void row_tile(const uint32_t *pairs, int64_t k, const uint16_t *w,
                                                            uint16_t *out, int64_t n, const int rows, const int nb,
-                                                           const uint16_t *next) {
+                                                           const char *next, int64_t next_lines) {
     __m512 acc[RT_ROWS][RT_BLOCKS];
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < nb; b++) acc[r][b] = _mm512_setzero_ps();
     const int64_t steps = k / 2;
+    int64_t due = 0; /* next_lines spread evenly over the steps: a line each time due passes steps */
     for (int64_t p = 0; p < steps; p++) {
         __m512bh line[RT_BLOCKS];
         for (int b = 0; b < nb; b++) {
             const uint16_t *at = w + b * 16 * k + p * 32;
             _mm_prefetch((const char *)(at + RT_PREFETCH_PAIRS * 32), _MM_HINT_T0);
             line[b] = (__m512bh)_mm512_loadu_si512(at);
-            if (next) _mm_prefetch((const char *)(next + b * 16 * k + p * 32), _MM_HINT_T1);
         }
+        for (due += next_lines; due >= steps; due -= steps, next += 64) _mm_prefetch(next, _MM_HINT_T1);
         for (int r = 0; r < rows; r++) {
             const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)pairs[r * steps + p]);
             for (int b = 0; b < nb; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], line[b], pair);
@@ -220,11 +223,13 @@ static inline __attribute__((always_inline)) void row_tile(const uint32_t *pairs
 
 /* row_tile with its row and block counts constants, so each tile's loops unroll into registers. */
 #define ROW_TILE_CASE(r) \
-    case r: nb == RT_BLOCKS ? row_tile(pairs, k, w, out, n, r, RT_BLOCKS, next) \
-          : nb == 2 ? row_tile(pairs, k, w, out, n, r, 2, next) : row_tile(pairs, k, w, out, n, r, 1, next); break;
+    case r: nb == RT_BLOCKS ? row_tile(pairs, k, w, out, n, r, RT_BLOCKS, next, lines) \
+          : nb == 2 ? row_tile(pairs, k, w, out, n, r, 2, next, lines)                  \
+                    : row_tile(pairs, k, w, out, n, r, 1, next, lines);                 \
+        break;
 
 static void row_tile_of(const uint32_t *pairs, int64_t k, const uint16_t *w, uint16_t *out, int64_t n, int rows,
-                        int nb, const uint16_t *next) {
+                        int nb, const char *next, int64_t lines) {
     switch (rows) {
         ROW_TILE_CASE(1) ROW_TILE_CASE(2) ROW_TILE_CASE(3) ROW_TILE_CASE(4) ROW_TILE_CASE(5) ROW_TILE_CASE(6)
     }
@@ -235,15 +240,25 @@ static void avx512_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int
     const uint32_t *pairs = (const uint32_t *)x;
     /* Rows that fit one tile make one pass, which only streams the weights: one block at a time, one
      * stream, as one_row (3-5 rows over the 112 weights: 43-46 ms against 48-52 ms with 4 blocks in
-     * flight, alike at 6). More rows pass over each group of RT_BLOCKS blocks from L2. */
+     * flight, alike at 6). More rows pass over each group of RT_BLOCKS blocks from L2, in tiles of as
+     * even a size as RT_ROWS allows (16 rows as 6 + 5 + 5), each pulling in an even share of the next group. */
     const int group = m <= RT_ROWS ? 1 : RT_BLOCKS;
+    const int tiles = (m + RT_ROWS - 1) / RT_ROWS, tile_rows = (m + tiles - 1) / tiles;
 #pragma omp parallel for schedule(static)
     for (int64_t b0 = 0; b0 < blocks; b0 += group) {
         const int nb = blocks - b0 < group ? (int)(blocks - b0) : group; /* not 3: n is a multiple of 32 */
-        for (int m0 = 0; m0 < m; m0 += RT_ROWS)
+        /* Every tile of this group pulls its share of the next group into L2, so the next group's
+         * first tile finds it there and the memory streams while the products run. */
+        const int64_t next_blocks = group == 1 || b0 + group >= blocks ? 0
+                                    : (blocks - b0 - group < group ? blocks - b0 - group : group);
+        const int64_t next_lines = next_blocks * 16 * k * 2 / 64, share = (next_lines + tiles - 1) / tiles;
+        const char *next = (const char *)(w + (b0 + group) * 16 * k);
+        for (int t = 0, m0 = 0; m0 < m; t++, m0 += tile_rows) {
+            const int64_t from = t * share < next_lines ? t * share : next_lines;
+            const int64_t lines = next_lines - from < share ? next_lines - from : share;
             row_tile_of(pairs + (int64_t)m0 * (k / 2), k, w + b0 * 16 * k, out + (int64_t)m0 * n + b0 * 16, n,
-                        m - m0 < RT_ROWS ? m - m0 : RT_ROWS, nb,
-                        m0 == RT_ROWS && b0 + RT_BLOCKS < blocks ? w + (b0 + RT_BLOCKS) * 16 * k : NULL);
+                        m - m0 < tile_rows ? m - m0 : tile_rows, nb, next + from * 64, lines);
+        }
     }
 }
 
