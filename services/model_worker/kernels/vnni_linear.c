@@ -190,15 +190,25 @@ static void two_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_
  * next group: one core multiplied and streamed in turns. Over the 0.6B model's 112 decoder weights on
  * one core of AMD's Zen 4, medians of five passes in turns with the earlier kernel (the same bits):
  * 0.79x its time at 12 and 16 rows, 0.74x at 24, 0.85x at 32, 0.91x at 64, 0.94x at 128 and 0.97x at
- * 512; in the engine, a decode step of 12 or 16 sequences took 0.85x (bench/bench_kernel_revision.py). */
+ * 512; in the engine, a decode step of 12 or 16 sequences took 0.85x (bench/bench_kernel_revision.py).
+ *
+ * A decode step of 7-20 rows takes tiles of up to RT_WIDE_ROWS rows by two blocks instead (24
+ * accumulators too, 2 line loads and 12 broadcasts a pair step), over groups of two blocks: 7-12 rows
+ * make one pass that streams the weights once, 13-20 two. Against the tiles of six rows by four blocks,
+ * over the 112 weights: 0.86-0.90x the time at 7-20 rows, 1.01x at 24 and 1.02x at 64; in the engine's
+ * decode steps of 8 / 12 / 16 / 24 sequences 0.91x / 0.89x / 0.87x / 1.05x. Past RT_WIDE_MAX the rows
+ * are spread evenly over the tiles (32 rows as 6 + 6 + 5 + 5 + 5 + 5, not five of 6 and one of 2): 0.91x
+ * the time at 32 rows over the weights, 0.95x in the engine's decode steps of 32 sequences. */
 #define RT_ROWS 6
 #define RT_BLOCKS 4
+#define RT_WIDE_ROWS 12 /* rows of a tile over two blocks */
+#define RT_WIDE_MAX 20  /* the most rows that take tiles over two blocks */
 #define RT_PREFETCH_PAIRS 16 /* weight lines ahead in each block's stream (1 KB) */
 
 static inline __attribute__((always_inline)) void row_tile(const uint32_t *pairs, int64_t k, const uint16_t *w,
                                                            uint16_t *out, int64_t n, const int rows, const int nb,
                                                            const char *next, int64_t next_lines) {
-    __m512 acc[RT_ROWS][RT_BLOCKS];
+    __m512 acc[RT_WIDE_ROWS][RT_BLOCKS];
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < nb; b++) acc[r][b] = _mm512_setzero_ps();
     const int64_t steps = k / 2;
@@ -227,11 +237,15 @@ static inline __attribute__((always_inline)) void row_tile(const uint32_t *pairs
           : nb == 2 ? row_tile(pairs, k, w, out, n, r, 2, next, lines)                  \
                     : row_tile(pairs, k, w, out, n, r, 1, next, lines);                 \
         break;
+#define WIDE_TILE_CASE(r) \
+    case r: row_tile(pairs, k, w, out, n, r, 2, next, lines); break;
 
 static void row_tile_of(const uint32_t *pairs, int64_t k, const uint16_t *w, uint16_t *out, int64_t n, int rows,
                         int nb, const char *next, int64_t lines) {
     switch (rows) {
         ROW_TILE_CASE(1) ROW_TILE_CASE(2) ROW_TILE_CASE(3) ROW_TILE_CASE(4) ROW_TILE_CASE(5) ROW_TILE_CASE(6)
+        WIDE_TILE_CASE(7) WIDE_TILE_CASE(8) WIDE_TILE_CASE(9) WIDE_TILE_CASE(10) WIDE_TILE_CASE(11)
+        WIDE_TILE_CASE(12)
     }
 }
 
@@ -240,10 +254,12 @@ static void avx512_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int
     const uint32_t *pairs = (const uint32_t *)x;
     /* Rows that fit one tile make one pass, which only streams the weights: one block at a time, one
      * stream, as one_row (3-5 rows over the 112 weights: 43-46 ms against 48-52 ms with 4 blocks in
-     * flight, alike at 6). More rows pass over each group of RT_BLOCKS blocks from L2, in tiles of as
-     * even a size as RT_ROWS allows (16 rows as 6 + 5 + 5), each pulling in an even share of the next group. */
-    const int group = m <= RT_ROWS ? 1 : RT_BLOCKS;
-    const int tiles = (m + RT_ROWS - 1) / RT_ROWS, tile_rows = (m + tiles - 1) / tiles;
+     * flight, alike at 6). More rows pass over each group of blocks from L2 (two blocks up to RT_WIDE_MAX
+     * rows, RT_BLOCKS past it), in tiles as even as the tile's rows allow (16 rows as 8 + 8, 32 as 6 + 6 +
+     * 5 + 5 + 5 + 5), each pulling in an even share of the next group. */
+    const int wide = m > RT_ROWS && m <= RT_WIDE_MAX, most = wide ? RT_WIDE_ROWS : RT_ROWS;
+    const int group = m <= RT_ROWS ? 1 : wide ? 2 : RT_BLOCKS;
+    const int tiles = (m + most - 1) / most;
 #pragma omp parallel for schedule(static)
     for (int64_t b0 = 0; b0 < blocks; b0 += group) {
         const int nb = blocks - b0 < group ? (int)(blocks - b0) : group; /* not 3: n is a multiple of 32 */
@@ -253,11 +269,12 @@ static void avx512_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int
                                     : (blocks - b0 - group < group ? blocks - b0 - group : group);
         const int64_t next_lines = next_blocks * 16 * k * 2 / 64, share = (next_lines + tiles - 1) / tiles;
         const char *next = (const char *)(w + (b0 + group) * 16 * k);
-        for (int t = 0, m0 = 0; m0 < m; t++, m0 += tile_rows) {
+        for (int t = 0, m0 = 0, rows; m0 < m; t++, m0 += rows) {
+            rows = (m - m0 + tiles - t - 1) / (tiles - t); /* the rows left, evenly over the tiles left */
             const int64_t from = t * share < next_lines ? t * share : next_lines;
             const int64_t lines = next_lines - from < share ? next_lines - from : share;
             row_tile_of(pairs + (int64_t)m0 * (k / 2), k, w + b0 * 16 * k, out + (int64_t)m0 * n + b0 * 16, n,
-                        m - m0 < tile_rows ? m - m0 : tile_rows, nb, next + from * 64, lines);
+                        rows, nb, next + from * 64, lines);
         }
     }
 }
