@@ -49,6 +49,7 @@
 
 #include "bf16.h"
 #include "amx_tiles.h"
+#include "l2_share.h"
 #include "silu.h"
 
 #if defined(__AVX512BF16__)
@@ -185,7 +186,7 @@ static void two_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_
  * input pairs in order from zero, as one_row and two_rows do, and is rounded once the same way: a row
  * gets the same bits whatever rows share its call (a decode step's, a prompt's). The block group's
  * weights (32 k bytes a block) stay in L2 while every row tile passes over them, and each tile pulls its
- * share of the next group into L2, spread evenly over its steps, so the memory streams while the
+ * share of the next group into L2 (l2_share.h), spread evenly over its steps, so the memory streams while the
  * products run. Before, the first tile of a group waited on memory, and only the second pulled in the
  * next group: one core multiplied and streamed in turns. Over the 0.6B model's 112 decoder weights on
  * one core of AMD's Zen 4, medians of five passes in turns with the earlier kernel (the same bits):
@@ -207,12 +208,11 @@ static void two_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_
 
 static inline __attribute__((always_inline)) void row_tile(const uint32_t *pairs, int64_t k, const uint16_t *w,
                                                            uint16_t *out, int64_t n, const int rows, const int nb,
-                                                           const char *next, int64_t next_lines) {
+                                                           l2_share pull) {
     __m512 acc[RT_WIDE_ROWS][RT_BLOCKS];
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < nb; b++) acc[r][b] = _mm512_setzero_ps();
     const int64_t steps = k / 2;
-    int64_t due = 0; /* next_lines spread evenly over the steps: a line each time due passes steps */
     for (int64_t p = 0; p < steps; p++) {
         __m512bh line[RT_BLOCKS];
         for (int b = 0; b < nb; b++) {
@@ -220,7 +220,7 @@ static inline __attribute__((always_inline)) void row_tile(const uint32_t *pairs
             _mm_prefetch((const char *)(at + RT_PREFETCH_PAIRS * 32), _MM_HINT_T0);
             line[b] = (__m512bh)_mm512_loadu_si512(at);
         }
-        for (due += next_lines; due >= steps; due -= steps, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+        l2_share_step(&pull, steps);
         for (int r = 0; r < rows; r++) {
             const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)pairs[r * steps + p]);
             for (int b = 0; b < nb; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], line[b], pair);
@@ -233,15 +233,13 @@ static inline __attribute__((always_inline)) void row_tile(const uint32_t *pairs
 
 /* row_tile with its row and block counts constants, so each tile's loops unroll into registers. */
 #define ROW_TILE_CASE(r) \
-    case r: nb == RT_BLOCKS ? row_tile(pairs, k, w, out, n, r, RT_BLOCKS, next, lines) \
-          : nb == 2 ? row_tile(pairs, k, w, out, n, r, 2, next, lines)                  \
-                    : row_tile(pairs, k, w, out, n, r, 1, next, lines);                 \
-        break;
+    case r: nb == RT_BLOCKS ? row_tile(pairs, k, w, out, n, r, RT_BLOCKS, pull) \
+          : nb == 2 ? row_tile(pairs, k, w, out, n, r, 2, pull) : row_tile(pairs, k, w, out, n, r, 1, pull); break;
 #define WIDE_TILE_CASE(r) \
-    case r: row_tile(pairs, k, w, out, n, r, 2, next, lines); break;
+    case r: row_tile(pairs, k, w, out, n, r, 2, pull); break;
 
 static void row_tile_of(const uint32_t *pairs, int64_t k, const uint16_t *w, uint16_t *out, int64_t n, int rows,
-                        int nb, const char *next, int64_t lines) {
+                        int nb, l2_share pull) {
     switch (rows) {
         ROW_TILE_CASE(1) ROW_TILE_CASE(2) ROW_TILE_CASE(3) ROW_TILE_CASE(4) ROW_TILE_CASE(5) ROW_TILE_CASE(6)
         WIDE_TILE_CASE(7) WIDE_TILE_CASE(8) WIDE_TILE_CASE(9) WIDE_TILE_CASE(10) WIDE_TILE_CASE(11)
@@ -267,14 +265,11 @@ static void avx512_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int
          * first tile finds it there and the memory streams while the products run. */
         const int64_t next_blocks = group == 1 || b0 + group >= blocks ? 0
                                     : (blocks - b0 - group < group ? blocks - b0 - group : group);
-        const int64_t next_lines = next_blocks * 16 * k * 2 / 64, share = (next_lines + tiles - 1) / tiles;
-        const char *next = (const char *)(w + (b0 + group) * 16 * k);
+        const int64_t next_lines = next_blocks * 16 * k * 2 / 64;
         for (int t = 0, m0 = 0, rows; m0 < m; t++, m0 += rows) {
             rows = (m - m0 + tiles - t - 1) / (tiles - t); /* the rows left, evenly over the tiles left */
-            const int64_t from = t * share < next_lines ? t * share : next_lines;
-            const int64_t lines = next_lines - from < share ? next_lines - from : share;
             row_tile_of(pairs + (int64_t)m0 * (k / 2), k, w + b0 * 16 * k, out + (int64_t)m0 * n + b0 * 16, n,
-                        rows, nb, next + from * 64, lines);
+                        rows, nb, l2_share_of(w + (b0 + group) * 16 * k, next_lines, tiles, t));
         }
     }
 }

@@ -28,6 +28,7 @@
 
 #include "amx_tiles.h"
 #include "bf16.h"
+#include "l2_share.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -93,7 +94,7 @@ AI void dpbusd(__m512i *acc, __m512i w, __m512i a) { __asm__("vpdpbusd %2, %1, %
  * constants at every call, so the accumulators stay in registers. */
 AI void vnni_tile(const int32_t *xq, const int32_t *offsets, const float *x_scales, const uint8_t *g,
                   const float *w_scales, uint16_t *out, int64_t n, int64_t n0, int64_t k, int64_t i0, int prefetch,
-                  const char *next, int64_t next_lines, const int MR, const int NB) {
+                  l2_share pull, const int MR, const int NB) {
     __m512i acc[6][4];
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
@@ -101,7 +102,6 @@ AI void vnni_tile(const int32_t *xq, const int32_t *offsets, const float *x_scal
         for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_si512();
     const int64_t steps = k / 4, line = 64 * NB, row = k / 4;
     const int32_t *xr = xq + i0 * row;
-    int64_t due = 0; /* next_lines spread evenly over the steps: a line each time due passes steps */
     for (int64_t j = 0; j < steps; j++) {
         const uint8_t *p = g + j * line;
         __m512i wv[4];
@@ -110,7 +110,7 @@ AI void vnni_tile(const int32_t *xq, const int32_t *offsets, const float *x_scal
             if (prefetch) _mm_prefetch((const char *)(p + PREFETCH_BYTES + 64 * b), _MM_HINT_T0);
             wv[b] = _mm512_loadu_si512(p + 64 * b);
         }
-        for (due += next_lines; due >= steps; due -= steps, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+        l2_share_step(&pull, steps);
 #pragma GCC unroll 6
         for (int r = 0; r < MR; r++) {
             const __m512i a = _mm512_set1_epi32(xr[r * row + j]);
@@ -128,8 +128,7 @@ AI void vnni_tile(const int32_t *xq, const int32_t *offsets, const float *x_scal
     }
 }
 
-#define VNNI_TILE(MR, NB) \
-    vnni_tile(xq, offsets, x_scales, g, w_scales, out, n, n0, k, i0, i0 == r0, next + from * 64, lines, MR, NB)
+#define VNNI_TILE(MR, NB) vnni_tile(xq, offsets, x_scales, g, w_scales, out, n, n0, k, i0, i0 == r0, pull, MR, NB)
 #define VNNI_ROWS(NB)                                     \
     switch (rows) {                                       \
         case 1: VNNI_TILE(1, NB); break;                  \
@@ -143,19 +142,16 @@ AI void vnni_tile(const int32_t *xq, const int32_t *offsets, const float *x_scal
 /* Input rows r0..r1-1 against packed group gi, a row tile at a time: the first tile streams the group's
  * weights from memory, the others find them in cache. Where there are several tiles, each also pulls its
  * share of group gi + 1 (the thread's next, under a static schedule) into L2, spread over its steps, so
- * the memory streams while the products run, as vnni_linear.c's register tiles do. */
+ * the memory streams while the products run (l2_share.h), as vnni_linear.c's register tiles do. */
 static void vnni_group(const int32_t *xq, const int32_t *offsets, const float *x_scales, const uint8_t *w,
                        const float *w_scales, uint16_t *out, int64_t n, int64_t k, int64_t gi, int64_t r0, int64_t r1) {
     const int64_t n0 = gi * GROUP, width = n - n0 < GROUP ? n - n0 : GROUP;
     const uint8_t *g = w + n0 * k;
     const int64_t tiles = (r1 - r0 + ROW_TILE - 1) / ROW_TILE, next_n0 = n0 + GROUP;
     const int64_t next_lines = tiles < 2 || next_n0 >= n ? 0 : (n - next_n0 < GROUP ? n - next_n0 : GROUP) * k / 64;
-    const int64_t share = (next_lines + tiles - 1) / tiles;
-    const char *next = (const char *)(w + next_n0 * k);
     for (int64_t i0 = r0, t = 0; i0 < r1; i0 += ROW_TILE, t++) {
         const int64_t rows = r1 - i0 < ROW_TILE ? r1 - i0 : ROW_TILE;
-        const int64_t from = t * share < next_lines ? t * share : next_lines;
-        const int64_t lines = next_lines - from < share ? next_lines - from : share;
+        const l2_share pull = l2_share_of(w + next_n0 * k, next_lines, tiles, t);
         switch (width / 16) {
             case 1: VNNI_ROWS(1) break;
             case 2: VNNI_ROWS(2) break;
