@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import pathlib
 import re
 import secrets
 import shlex
@@ -149,18 +150,34 @@ def cluster(checkpoint, tmp_path):
     key = secrets.token_hex(16)
     (tmp_path / "secret").mkdir()
     (tmp_path / "secret" / "api-key").write_text(key + "\n")  # as the Secret's key projects into the volume
-    # The kernel cache volume on this machine's own cache, so kernels built once are not built again.
-    shared = {"api-key": str(tmp_path / "secret"), "cache": str(cache_dir().parent)}
-    pods = {name: Pod(objects, name, tmp_path, shared) for name in ("tokenizer", "worker", "gateway")}
+    pods = {name: Pod(objects, name, tmp_path, {"api-key": str(tmp_path / "secret")})
+            for name in ("tokenizer", "worker", "gateway")}
     shutil.copytree(checkpoint, os.path.join(pods["worker"].volumes["models"], "demo"), copy_function=os.link)
+    cluster = Cluster(objects, pods)
+    seed_kernel_cache(cluster, pods["worker"])
     try:
-        yield Cluster(objects, pods), key, tmp_path
+        yield cluster, key, tmp_path
     finally:
         for pod in pods.values():
             for process in pod.processes:
                 if process.poll() is None:
                     process.kill()
                     process.wait()
+
+
+def seed_kernel_cache(cluster: Cluster, pod: Pod) -> None:
+    """Put the C kernels this machine has built into the worker pod's kernel cache (its VLLM_V0_CACHE, on the
+    pod's cache volume), as a cache volume kept from an earlier start holds them: built afresh in the pod,
+    paged_attention.c alone takes about 45 s of a 2-CPU machine."""
+    (worker,) = containers(pod.deployment)
+    kernels = pathlib.Path(cluster.local(pod, worker, container_env(worker, cluster.objects)["VLLM_V0_CACHE"]),
+                           "kernels")
+    kernels.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for library in cache_dir().glob("*.so") if cache_dir().is_dir() else ():
+        try:
+            os.link(library, kernels / library.name)
+        except OSError:  # another filesystem
+            shutil.copy2(library, kernels / library.name)
 
 
 def log_tail(tmp_path, name: str) -> str:
