@@ -173,7 +173,8 @@ def seed_kernel_cache(cluster: Cluster, pod: Pod) -> None:
     kernels = pathlib.Path(cluster.local(pod, worker, container_env(worker, cluster.objects)["VLLM_V0_CACHE"]),
                            "kernels")
     kernels.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for library in cache_dir().glob("*.so") if cache_dir().is_dir() else ():
+    built = cache_dir()
+    for library in built.glob("*.so") if built.is_dir() else ():
         try:
             os.link(library, kernels / library.name)
         except OSError:  # another filesystem
