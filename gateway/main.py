@@ -47,6 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--stream-interval", 1, "tokens per streamed message while the client keeps up: 1 sends "
              "each token as it comes; N holds tokens until N are ready (the first and last never wait). Either "
              "way, tokens that come faster than messages go out are merged into one message")
+    add_flag(parser, "--stream-message-rate", 5000, "messages a second the gateway aims to send over all its streams: "
+             "with S streams open, each waits S/N seconds after a message before it takes its next tokens, which "
+             "then go out together (the first and last tokens never wait; with few streams nothing waits). 0: a "
+             "message whenever tokens are ready")
     add_flag(parser, "--model-name", "", "the model's id in GetInfo and the HTTP API (default: the worker's: its "
              "checkpoint's folder name, or the hub id given as --model)")
     add_flag(parser, "--max-prompt-tokens", 0, "longest prompt accepted, in tokens (0: the context minus one)")
@@ -89,7 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 ("--max-stop-strings", 0, None), ("--max-stop-string-chars", 1, None),
                                 ("--max-logprobs", 0, None), ("--max-prompt-chars", 1, None),
                                 ("--health-interval", 0.01, None), ("--http-port", 0, 65535),
-                                ("--stream-interval", 1, None), ("--max-resumes", 0, None),
+                                ("--stream-interval", 1, None), ("--stream-message-rate", 0, None),
+                                ("--max-resumes", 0, None),
                                 ("--resume-wait", 0, None),
                                 ("--http-request-timeout", 0, None)))
     return args
@@ -160,7 +165,8 @@ async def serve(args: argparse.Namespace) -> None:
                               downstream_api_key(args), args.max_message_bytes,
                               ResumePolicy(args.max_resumes, args.resume_wait))
     REGISTRY.register(FleetCollector(downstreams.fleet))
-    core = GenerationCore(downstreams, limits_overrides(args), args.stream_interval, Adapters(downstreams.fleet))
+    core = GenerationCore(downstreams, limits_overrides(args), args.stream_interval, Adapters(downstreams.fleet),
+                          args.stream_message_rate)
     add_servicer(server.server, service,
                  GatewayServicer(core, args.model_name, args.log_prompts, args.max_message_bytes))
     await server.start()

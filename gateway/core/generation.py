@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from gateway.core.deltas import Delta, PromptLogprob, TokenLogprob, piece_ids, step_logprobs
 from gateway.core.metrics import RequestRecord
+from gateway.core.pacing import MessagePacing
 from gateway.core.request_id import new_request_id
 from gateway.core.tools import forced_call_constraint, is_forced, offered_tools, tool_call_grammar
 from gateway.core.validation import (
@@ -76,12 +77,16 @@ class GenerationCore:
     Tokens that came while a request's reader was busy (its client slow, or tokens faster than a
     message per token can go out) are handled together and go out as one delta; `stream_interval`
     > 1 also holds tokens back until that many are ready (the first and last tokens never wait).
+    `message_rate` > 0 paces the streams under load (`MessagePacing`): each waits its share of that
+    many messages a second before it takes its next tokens.
     """
 
-    def __init__(self, downstreams, limits_overrides: dict, stream_interval: int = 1, adapters=None):
+    def __init__(self, downstreams, limits_overrides: dict, stream_interval: int = 1, adapters=None,
+                 message_rate: float = 0):
         self.downstreams = downstreams  # Downstreams, or any object with the same surface
         self.limits_overrides = limits_overrides
         self.stream_interval = stream_interval
+        self.pacing = MessagePacing(message_rate)
         self.adapters = adapters  # the fleet's LoRA adapters (fleet.adapters.Adapters); None: none are served
 
     def check_adapter(self, adapter: str) -> None:
@@ -169,6 +174,8 @@ class GenerationCore:
         output = chat_output(req, rendered)
         constrained = req.structured_output is not None or constraint is not None
         stream = self.downstreams.open_worker_stream(work, timeout())
+        pacing = self.pacing
+        pacing.opened()
         text = None
         worker_finished = False
         first = True
@@ -230,9 +237,13 @@ class GenerationCore:
                     held = delta
                     continue
                 yield delta
+                at = pacing.next_message_at(asyncio.get_running_loop().time())
+                if at is not None:
+                    stream.hold(at)
             if not worker_finished:
                 raise Unavailable("the model worker ended the stream without a finish reason")
         finally:
+            pacing.closed()
             if not worker_finished:
                 stream.cancel()  # frees the worker's sequence on a stop string, an error or a client cancel
             if text is not None:

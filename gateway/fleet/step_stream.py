@@ -19,17 +19,19 @@ class StepBuffer:
     them in one message. At most one waiter is woken per batch, however many steps it holds.
     """
 
-    __slots__ = ("steps", "ended", "error", "waiter")
+    __slots__ = ("steps", "ended", "error", "waiter", "hold_until", "holding")
 
     def __init__(self):
         self.steps: list[Step] = []
         self.ended = False
         self.error: BaseException | None = None  # raised once the steps before it are taken
         self.waiter: asyncio.Future | None = None
+        self.hold_until: float | None = None  # the next take() waits until then (loop time), unless the end comes
+        self.holding = False
 
     def put(self, step: Step) -> None:
         self.steps.append(step)
-        if self.waiter is not None:
+        if self.waiter is not None and not self.holding:
             self._wake()
 
     def end(self, error: BaseException | None = None) -> None:
@@ -41,11 +43,14 @@ class StepBuffer:
 
     def _wake(self) -> None:
         waiter, self.waiter = self.waiter, None
-        if not waiter.done():
+        if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
     async def take(self) -> list[Step]:
         """Every step waiting (at least one); [] at the end; the error, if the stream ended with one."""
+        hold_until, self.hold_until = self.hold_until, None
+        if hold_until is not None and not self.ended:
+            await self._hold(hold_until)
         while not self.steps:
             if self.ended:
                 if self.error is not None:
@@ -58,6 +63,21 @@ class StepBuffer:
                 self.waiter = None
         steps, self.steps = self.steps, []
         return steps
+
+    async def _hold(self, until: float) -> None:
+        """Lets steps pile up until `until`; the stream's end (its last token, or an error) ends the wait early."""
+        loop = asyncio.get_running_loop()
+        if until <= loop.time():
+            return
+        self.holding = True
+        self.waiter = loop.create_future()
+        timer = loop.call_at(until, self._wake)
+        try:
+            await self.waiter
+        finally:
+            timer.cancel()
+            self.holding = False
+            self.waiter = None
 
 
 class PieceJoin:
@@ -100,6 +120,10 @@ class StepStream:
 
     def __aiter__(self) -> AsyncIterator[Step]:
         return self._each()
+
+    def hold(self, until: float) -> None:
+        """The next batch is taken no sooner than `until` (loop time), unless the stream ends first."""
+        self.buffer.hold_until = until
 
     async def _each(self) -> AsyncIterator[Step]:
         async for batch in self.batches():

@@ -100,6 +100,11 @@ class WorkerStream:
             self._call.cancel()
         self._release()
 
+    def hold(self, until: float) -> None:
+        """The next batch is taken no sooner than `until` (loop time), unless the stream ends first."""
+        if self._call is not None:
+            self._call.hold(until)
+
     def move(self) -> None:
         """Leave the current worker now (it stopped serving) and go on on another."""
         call = self._call
