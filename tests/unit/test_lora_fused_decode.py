@@ -72,9 +72,9 @@ def run(engine: LLMEngine, arrivals: dict, new_tokens: int = 6) -> tuple[list[to
 def spy_on_the_loop(monkeypatch) -> list[tuple[str, int]]:
     """(which call, adapter segments) of each fused step, 0 segments for a step without adapter rows."""
     calls = []
-    for name in ("decode_layers", "prompt_layers"):
-        def spy(*args, real=getattr(cpu_decoder, name), name=name):
-            lora = args[-1]
+    for name, at in (("decode_layers", 9), ("prompt_layers", 8)):  # where each call takes its adapter rows
+        def spy(*args, real=getattr(cpu_decoder, name), name=name, at=at):
+            lora = args[at]
             calls.append((name, 0 if lora is None else lora.segments))
             return real(*args)
         monkeypatch.setattr(cpu_decoder, name, spy)

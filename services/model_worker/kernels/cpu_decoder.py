@@ -70,7 +70,8 @@ class Prompts(ctypes.Structure):
 class Step(ctypes.Structure):
     _fields_ = [("rows", ctypes.c_int), ("max_blocks", ctypes.c_int), ("cos", ctypes.c_void_p),
                 ("signed_sin", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("context_lens", ctypes.c_void_p),
-                ("block_tables", ctypes.c_void_p), ("prompts", ctypes.c_void_p), ("lora", ctypes.c_void_p)]
+                ("block_tables", ctypes.c_void_p), ("prompts", ctypes.c_void_p), ("lora", ctypes.c_void_p),
+                ("keep", ctypes.c_void_p), ("keep_count", ctypes.c_int)]
 
 
 def load() -> ctypes.CDLL | None:
@@ -141,15 +142,18 @@ class PromptLayout:
 
 def prompt_layers(library: ctypes.CDLL, kernels: Kernels, shape: Shape, layers: ctypes.Array, hidden: torch.Tensor,
                   rope: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, layout: PromptLayout,
-                  lora: LoraRows | None = None) -> None:
+                  lora: LoraRows | None = None, keep: torch.Tensor | None = None) -> None:
     """Run every layer on hidden, (rows, hidden) contiguous bf16, in place, for a step with prompts in it.
 
     rope: (rows, 1, head_dim) bf16 tables; slot_mapping (rows,) int64, contiguous on the CPU; lora: the step's
-    adapter rows, if any.
+    adapter rows, if any. keep: the rows whose final hidden states are wanted, (K,) int64 ascending and
+    contiguous (not with lora): the last layer's output projection and MLP run on those alone, and the other
+    rows of hidden come out undefined. None: every row.
     """
     cos, signed_sin = rope
     step = Step(hidden.shape[0], 0, cos.data_ptr(), signed_sin.data_ptr(), slot_mapping.data_ptr(), None, None,
-                ctypes.addressof(layout.struct), None if lora is None else ctypes.addressof(lora))
+                ctypes.addressof(layout.struct), None if lora is None else ctypes.addressof(lora),
+                None if keep is None else keep.data_ptr(), 0 if keep is None else keep.shape[0])
     _run(library, kernels, shape, layers, step, hidden, "prompt_layers")
 
 

@@ -137,7 +137,9 @@ typedef struct {
 
 /* One step of `rows` rows. cos, signed_sin: (rows, head_dim) rotary tables; slots: (rows,) cache slots.
  * prompts NULL: every row is a sequence with one new token, context_lens (rows,) and block_tables
- * (rows, max_blocks) theirs; else the step's layout is in prompts. lora: the adapter rows, NULL where none. */
+ * (rows, max_blocks) theirs; else the step's layout is in prompts. lora: the adapter rows, NULL where none.
+ * keep: NULL, or the rows (ascending, keep_count of them) whose final hidden states are wanted: the last
+ * layer runs its output projection and MLP on those alone, and the other rows come out undefined. */
 typedef struct {
     int rows, max_blocks;
     const uint16_t *cos, *signed_sin;
@@ -145,6 +147,8 @@ typedef struct {
     const int32_t *context_lens, *block_tables;
     const Prompts *prompts;
     const LoraRows *lora;
+    const int64_t *keep;
+    int keep_count;
 } Step;
 
 static int linear(const Kernels *kn, int amx_ok, const uint16_t *x, const uint16_t *w, const float *scale, int fp8,
@@ -301,15 +305,26 @@ int run_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int num_
     const int64_t I = sh->intermediate;
     const LoraRows *lora = st->lora;
     if (m < 1 || m > kn->max_rows || I % 16 || (st->prompts && !kn->prefill) || (lora && !kn->sgmv)) return -1;
-    size_t elems = (size_t)m * (H + qkv_width + qk_width + 3 * (size_t)Hq * D + H + 2 * I + I + H);
+    const int64_t *keep = st->keep;
+    if (keep && (lora || st->keep_count < 0 || st->keep_count > m)) return -1;
+    for (int i = 0; keep && i < st->keep_count; i++)
+        if (keep[i] < i || keep[i] >= m || (i && keep[i] <= keep[i - 1])) return -1;
+    size_t elems = (size_t)m * (H + qkv_width + qk_width + 3 * (size_t)Hq * D + H + 2 * I + I + H + (keep ? H : 0));
     uint16_t *buf = malloc(elems * sizeof(uint16_t));
     if (!buf) return -2;
     uint16_t *normed = buf, *qkv = normed + (size_t)m * H, *qk = qkv + m * qkv_width, *q = qk + m * qk_width,
              *attn = q + 2 * (size_t)m * Hq * D, *o = attn + (size_t)m * Hq * D, *gate_up = o + (size_t)m * H,
-             *act = gate_up + 2 * m * I, *down = act + m * I;
+             *act = gate_up + 2 * m * I, *down = act + m * I, *kept = down + (size_t)m * H;
+    const int64_t width = (int64_t)Hq * D;
     int status = 0;
     for (int l = 0; l < num_layers && status == 0; l++) {
         const Layer *L = &layers[l];
+        /* The rows this layer's output projection and MLP run on: every row, but in the last layer with keep
+         * only the wanted ones, gathered into `kept`. The others' keys and values are in the cache by then,
+         * which is all later steps read of them. */
+        const int last = keep && l == num_layers - 1;
+        const int n = last ? st->keep_count : m;
+        uint16_t *x = last ? kept : hidden;
         kn->norm(hidden, H, 1, L->input_norm, 1, normed, m, H, sh->eps, 1);
         if ((status = linear(kn, L->qkv_amx, normed, L->qkv, L->qkv_scale, L->fp8, qkv, m, qkv_width, H))) break;
         if ((status = add_lora(kn, &L->lora[0], lora, qkv, normed, H, qkv_width))) break;
@@ -321,24 +336,32 @@ int run_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int num_
                                    L->v_scale)))
             break;
         if ((status = attend(kn, sh, L, st, qkv, qk, q, attn))) break;
-        if ((status = linear(kn, L->o_amx, attn, L->o, L->o_scale, L->fp8, o, m, H, (int64_t)Hq * D))) break;
-        if ((status = add_lora(kn, &L->lora[1], lora, o, attn, (int64_t)Hq * D, H))) break;
-        add_rows(hidden, o, (int64_t)m * H);
-        kn->norm(hidden, H, 1, L->post_norm, 1, normed, m, H, sh->eps, 1);
+        if (last) {
+            if (!n) break; /* no row of this step is wanted: its keys and values were all it was for */
+            for (int i = 0; i < n; i++) { /* keep[i] >= i, ascending: no row is overwritten before it is read */
+                memmove(attn + i * width, attn + keep[i] * width, sizeof(uint16_t) * width);
+                memcpy(kept + (int64_t)i * H, hidden + keep[i] * H, sizeof(uint16_t) * H);
+            }
+        }
+        if ((status = linear(kn, L->o_amx, attn, L->o, L->o_scale, L->fp8, o, n, H, width))) break;
+        if ((status = add_lora(kn, &L->lora[1], lora, o, attn, width, H))) break;
+        add_rows(x, o, (int64_t)n * H);
+        kn->norm(x, H, 1, L->post_norm, 1, normed, n, H, sh->eps, 1);
         /* As VnniLinearMethod.apply_silu_and_mul, the same bits; not with adapter rows, whose products go in
          * before the activation (as MergedColumnParallelLinear.silu_and_mul declines them). */
         if (kn->linear_silu && !L->gate_up_scale && !(lora && L->lora[2].a)) {
-            if ((status = kn->linear_silu(normed, L->gate_up, act, m, I, H))) break;
+            if ((status = kn->linear_silu(normed, L->gate_up, act, n, I, H))) break;
         } else {
-            if ((status = linear(kn, L->gate_up_amx, normed, L->gate_up, L->gate_up_scale, L->fp8, gate_up, m, 2 * I,
+            if ((status = linear(kn, L->gate_up_amx, normed, L->gate_up, L->gate_up_scale, L->fp8, gate_up, n, 2 * I,
                                  H)))
                 break;
             if ((status = add_lora(kn, &L->lora[2], lora, gate_up, normed, H, 2 * I))) break;
-            if ((status = silu_and_mul(gate_up, act, m, I))) break;
+            if ((status = silu_and_mul(gate_up, act, n, I))) break;
         }
-        if ((status = linear(kn, L->down_amx, act, L->down, L->down_scale, L->fp8, down, m, H, I))) break;
+        if ((status = linear(kn, L->down_amx, act, L->down, L->down_scale, L->fp8, down, n, H, I))) break;
         if ((status = add_lora(kn, &L->lora[3], lora, down, act, I, H))) break;
-        add_rows(hidden, down, (int64_t)m * H);
+        add_rows(x, down, (int64_t)n * H);
+        for (int i = 0; last && i < n; i++) memcpy(hidden + keep[i] * H, kept + (int64_t)i * H, sizeof(uint16_t) * H);
     }
     free(buf);
     return status;

@@ -129,8 +129,13 @@ class FusedDecode:
         return cpu_lora.load() is not None
 
     def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> None:
-        """Every layer on hidden (rows, hidden_size), in place, as the layer-by-layer forward would."""
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                 keep: torch.Tensor | None = None) -> None:
+        """Every layer on hidden (rows, hidden_size), in place, as the layer-by-layer forward would.
+
+        keep: in a step with prompts, the rows whose final hidden states are wanted (ascending, int64; not with
+        adapter rows): the last layer's output projection and MLP run on those alone, as Qwen3Model.forward's
+        layers do with the same rows; the other rows come out undefined."""
         array, shape = self._layer_array(kv_caches, meta.block_size)
         state = self.model.lora
         batch = state.batch if state is not None else None
@@ -149,7 +154,7 @@ class FusedDecode:
                                                  meta.context_lens[seqs].contiguous(),
                                                  meta.block_tables[seqs].contiguous())
         cpu_decoder.prompt_layers(self.library, kernels, shape, array, hidden, rope, meta.slot_mapping.contiguous(),
-                                  prompt_layout, lora)
+                                  prompt_layout, lora, None if keep is None else keep.contiguous())
 
     def _kernel_table(self, backend: CpuPagedAttention) -> cpu_decoder.Kernels:
         attention_library = backend.library

@@ -69,8 +69,10 @@ class Qwen3Attention(nn.Module):
         return self._qk_weight[1]
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, **scales) -> torch.Tensor:
-        """scales: an 8-bit cache's k_scale and v_scale (kv_quant.LayerCache.scales); none for the model's dtype."""
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None, **scales) -> torch.Tensor:
+        """scales: an 8-bit cache's k_scale and v_scale (kv_quant.LayerCache.scales); none for the model's dtype.
+        rows: project only these rows' outputs (every row's keys and values still go to the cache)."""
         tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # The q and k heads are normalised and rotated as one tensor (T, H + Hkv, D): the norm is
@@ -79,8 +81,12 @@ class Qwen3Attention(nn.Module):
                              self.qk_norm_weight(), self.q_norm.eps, rope, self.q_norm.kernel)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, **scales)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, **scales).reshape(tokens, self.q_size)
+        if rows is not None:
+            out = out.index_select(0, rows)
+            if not rows.numel():  # no row is wanted: the keys and values written were all this layer was for
+                return x.new_empty(0, x.shape[-1])
+        return self.o_proj(out)
 
 
 class Qwen3MLP(nn.Module):
@@ -119,8 +125,13 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, rope, k_cache, v_cache, meta, **scales):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, k_cache, v_cache, meta, **scales)
+    def forward(self, hidden, rope, k_cache, v_cache, meta, rows: torch.Tensor | None = None, **scales):
+        """rows: the rows to return, (K,) int64 ascending; every row's keys and values still go to the cache, but
+        the output projection and MLP run on these alone. None: every row."""
+        attn = self.self_attn(self.input_layernorm(hidden), rope, k_cache, v_cache, meta, rows, **scales)
+        if rows is not None and not rows.numel():
+            return attn  # (0, hidden)
+        hidden = (hidden if rows is None else hidden.index_select(0, rows)) + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -145,12 +156,22 @@ class Qwen3Model(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, hidden.dtype)
+        adapters = self.lora is not None and self.lora.batch is not None
+        # The rows whose final hidden states the step reads (meta.output_rows): the last layer's output projection
+        # and MLP need run on those alone, the others' keys and values being all later steps read of them. Not
+        # with adapter rows, whose products the layers add by the step's row order.
+        keep = None if adapters else meta.output_rows
         fused = self.fused_decode
-        if fused is not None and (self.lora is None or self.lora.batch is None or fused.takes_lora()) and (
+        if fused is not None and (not adapters or fused.takes_lora()) and (
                 fused.takes(hidden, meta) or fused.takes_prompts(hidden, meta)):
-            self.fused_decode(hidden, rope, kv_caches, meta)  # the same layers, in place, in one call
+            self.fused_decode(hidden, rope, kv_caches, meta, keep)  # the same layers, in place, in one call
             return self.norm(hidden)
-        for layer, cache in zip(self.layers, kv_caches):
+        last = len(self.layers) - 1
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            if i == last and keep is not None:
+                # The other rows keep the layer before's states: undefined, as the fused loop leaves them.
+                kept = layer(hidden, rope, *cache, meta, keep, **scales_of(cache))
+                return self.norm(hidden.index_copy(0, keep, kept))
             hidden = layer(hidden, rope, *cache, meta, **scales_of(cache))
         return self.norm(hidden)
 

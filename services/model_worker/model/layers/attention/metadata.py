@@ -88,6 +88,9 @@ class AttentionMetadata:
     decode_seqs: torch.Tensor | None = None      # (Bd,) their batch indices
     decode_rows: torch.Tensor | None = None      # (Bd,) their rows in the flat batch
     prefill: PrefillLayout | None = None
+    # Steps with prompts: the rows whose final hidden states the step reads (ascending, int64), where they are
+    # fewer than its rows; the model may leave the others undefined. None: every row is read.
+    output_rows: torch.Tensor | None = None
 
     @classmethod
     def build(cls, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
@@ -113,4 +116,16 @@ class AttentionMetadata:
             mixed = dict(decode_seqs=decode_seqs.to(device),
                          decode_rows=host.query_start_loc[decode_seqs].long().to(device), prefill=prefill.to(device))
         return cls(inputs.slot_mapping, inputs.query_start_loc, inputs.context_lens, inputs.block_tables, block_size,
-                   host.max_query_len, host.max_context_len, backend, **mixed)
+                   host.max_query_len, host.max_context_len, backend, **mixed,
+                   output_rows=_output_rows(host, inputs.slot_mapping.device))
+
+
+def _output_rows(host, device: torch.device) -> torch.Tensor | None:
+    """The rows a step with prompts reads the final hidden states of (its sample_rows, each once, ascending), where
+    they are fewer than its rows: a prompt's rows before its last are there for their keys and values alone. None
+    for a decode step, or where the layout says nothing of the rows it reads (a FlatLayout)."""
+    sample_rows = getattr(host, "sample_rows", None)
+    if host.max_query_len <= 1 or sample_rows is None:
+        return None
+    rows = torch.unique(sample_rows)  # sorted
+    return rows.to(device) if rows.numel() < host.slot_mapping.numel() else None
