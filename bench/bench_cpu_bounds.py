@@ -67,21 +67,30 @@ def peak_rate(library: ctypes.CDLL) -> float:
     return PEAK_ITERATIONS * FLOPS_PER_ITERATION / (time.perf_counter() - start) / 1e9
 
 
-def weight_counts(engine: LLMEngine) -> tuple[int, int, int]:
-    """(bytes of bf16 weights one decode step reads, the decoder layers' matmul weights, the head's weights). The
-    head (tied to the embedding here) is read once a step and multiplies only the rows that sample; the embedding
-    table is otherwise only indexed."""
+def weight_counts(engine: LLMEngine) -> tuple[int, int, int, int]:
+    """(bytes of bf16 weights one decode step reads, the decoder layers' matmul weights, the head's weights, the
+    last layer's matmul weights after its attention). The head (tied to the embedding here) is read once a step
+    and multiplies only the rows that sample; the embedding table is otherwise only indexed. The last layer's
+    output projection and MLP multiply only the rows a step reads (served-speed.md, item 43)."""
     layers = engine.model.model.layers
     head = engine.config.vocab_size * engine.config.hidden_size
     layer_params = sum(p.numel() for p in layers.parameters())
     matmul_params = sum(p.numel() for name, p in layers.named_parameters() if "norm" not in name)
-    return (layer_params + head) * 2, matmul_params, head
+    tail = sum(p.numel() for name, p in layers[-1].named_parameters()
+               if "norm" not in name and "qkv_proj" not in name)
+    return (layer_params + head) * 2, matmul_params, head, tail
+
+
+def step_flops(counts: tuple[int, int, int, int], rows: int, rows_read: int) -> float:
+    """Matmul FLOPs of a step of `rows` rows of which `rows_read` sample (and run the last layer to its end)."""
+    _, matmul_params, head, tail = counts
+    return 2.0 * (matmul_params * rows - tail * (rows - rows_read) + head * rows_read)
 
 
 def model_sizes(engine: LLMEngine, prompt_tokens: int) -> tuple[int, float]:
     """(bytes of weights one decode step reads, matmul FLOPs of a prompt of prompt_tokens tokens)."""
-    weight_bytes, matmul_params, head = weight_counts(engine)
-    return weight_bytes, 2.0 * matmul_params * prompt_tokens + 2.0 * head
+    counts = weight_counts(engine)
+    return counts[0], step_flops(counts, prompt_tokens, 1)
 
 
 def main(argv=None) -> None:
@@ -156,7 +165,8 @@ def mixed_workload(engine: LLMEngine, streams: int, rng: random.Random, bytes_pe
     """The workload's wall time and each step's, split into steps with prompt tokens and pure decode steps,
     beside the sum of the steps' bounds."""
     config = engine.config
-    weight_bytes, matmul_params, head = weight_counts(engine)
+    counts = weight_counts(engine)
+    weight_bytes = counts[0]
     kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
     requests = [([rng.randrange(1000, 100000) for _ in range(rng.randint(32, 512))], rng.randint(32, 128))
                 for _ in range(streams)]
@@ -184,7 +194,7 @@ def mixed_workload(engine: LLMEngine, streams: int, rng: random.Random, bytes_pe
             if len(batches) == before:
                 continue
             tokens, contexts = batches[-1]
-            flops = 2.0 * matmul_params * sum(tokens) + 2.0 * head * len(outputs)
+            flops = step_flops(counts, sum(tokens), len(outputs))
             read = weight_bytes + sum(c * kv_bytes_per_token for n, c in zip(tokens, contexts) if n == 1)
             part = parts["prefill" if any(n > 1 for n in tokens) else "decode"]
             part["steps"] += 1
