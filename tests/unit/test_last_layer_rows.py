@@ -83,3 +83,25 @@ def test_the_rows_a_step_reads_and_the_cache_are_those_of_every_row_run(checkpoi
         whole = staggered_hidden(whole_engine, arrivals, 5)
     assert len(pruned) == len(whole) and all(torch.equal(a, b) for a, b in zip(pruned, whole))
     assert all(torch.equal(a, b) for a, b in zip(caches(pruned_engine), caches(whole_engine)))
+
+
+@pytest.mark.parametrize("bad", ["descending", "past the rows", "repeated", "negative"])
+def test_the_c_loop_refuses_rows_it_cannot_keep_before_it_touches_anything(checkpoint, bad, monkeypatch):
+    """Rows out of order, repeated or outside the step: refused (status -1) with hidden and the step untouched."""
+    refused = []
+    real = cpu_decoder.prompt_layers
+
+    def spy(*args):
+        hidden, keep = args[4], args[9]
+        wrong = {"descending": keep.flip(0), "past the rows": torch.tensor([hidden.shape[0]]),
+                 "repeated": keep[[0, 0]], "negative": torch.tensor([-1])}[bad].to(torch.int64).contiguous()
+        before = hidden.clone()
+        with pytest.raises(RuntimeError, match="status -1"):
+            real(*args[:9], wrong)
+        refused.append(torch.equal(before, hidden))
+        return real(*args)
+
+    monkeypatch.setattr(cpu_decoder, "prompt_layers", spy)
+    budget, arrivals = SCENARIOS["fresh prompts together"]
+    staggered_hidden(engine_for(checkpoint, True, budget), arrivals, 2)
+    assert refused == [True]
