@@ -1,11 +1,12 @@
 """The shared server shape: a port already taken is an error at start, never a second listener beside the first."""
 import asyncio
+import gc
 
 import grpc
 import pytest
 
 from rpcserver.config import ServerConfig
-from rpcserver.server import GrpcServer
+from rpcserver.server import GC_YOUNG_THRESHOLD, GrpcServer
 
 
 def config(port: int) -> ServerConfig:
@@ -28,6 +29,26 @@ def test_a_second_server_on_a_taken_port_fails_at_start():
         await third.server.stop(None)
 
     asyncio.run(main())
+
+
+def test_a_started_server_freezes_what_lives_and_collects_young_objects_less_often():
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)  # the interpreter's default (a server started before this test raised it)
+
+    async def main():
+        server = GrpcServer(config(0), [])
+        await server.start()
+        try:
+            return gc.get_threshold(), gc.get_freeze_count()
+        finally:
+            await server.server.stop(None)
+
+    try:
+        threshold, frozen = asyncio.run(main())
+    finally:
+        gc.set_threshold(*before)
+    assert threshold == (GC_YOUNG_THRESHOLD, 10, 10) and GC_YOUNG_THRESHOLD > 700
+    assert frozen > 10_000  # the imports, at least, are out of the collector's way
 
 
 def test_one_status_mapping_for_logs_and_metrics():
