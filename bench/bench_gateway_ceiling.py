@@ -6,8 +6,10 @@ interleaved rounds, client processes (grpc.aio, and a bare asyncio HTTP client) 
   - standin: the stand-in's GenerateMany directly (its own rate, what the gateway reads from);
   - gateway-grpc: GatewayService.Generate;
   - gateway-http: POST /v1/completions with stream: true (server-sent events).
-Each stream generates a fixed number of tokens (ignore_eos); a run's rate is every stream's tokens
-over the time from the common start to the last token. Before timing, one pass at 8 streams
+Each stream generates a fixed number of tokens (ignore_eos; --tokens split over the streams, 1,024
+at 256 streams by default, 4,096 at 1 and 64); a run's rate is every stream's tokens over the time
+from the common start to the last token. Streams of 256 tokens time mostly each request's setup
+(its encode, its start on the worker, the first token alone), not the steady state. Before timing, one pass at 8 streams
 checks that the gateway's token ids and text equal the stand-in's ids and their full decode.
 Also reported: the CPU each process spends per token (on a machine with fewer cores than
 processes, the figure that does not depend on who got the CPU), and the tokens per message each
@@ -277,8 +279,9 @@ def report(raw: dict, modes: tuple[str, ...], stream_counts: list[int]) -> tuple
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--streams", default="1,64,256", help="concurrent stream counts, comma-separated")
-    p.add_argument("--tokens", type=int, default=32768, help="tokens per run, split over its streams (each "
-                   "stream 256 to 4096)")
+    p.add_argument("--tokens", type=int, default=262144, help="tokens per run, split over its streams (each "
+                   "stream 256 to 4096; the default gives 1,024 at 256 streams, so a run times the streams' "
+                   "steady state rather than their setup)")
     p.add_argument("--modes", default=",".join(MODES), help="what to time, comma-separated: standin (always "
                    "timed: the ratios need it), gateway-grpc, gateway-http")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
