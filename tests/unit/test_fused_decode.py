@@ -168,14 +168,20 @@ def test_the_layer_by_layer_mlp_takes_the_c_activation_and_matches_torch_bit_for
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.fixture(scope="module", params=["gqa2-head32", "gqa4-head64"])
-def prompt_checkpoint(request, tmp_path_factory):
-    """Head sizes the prefill attention kernel takes (a multiple of 32), widths the VNNI kernel takes."""
-    path = tmp_path_factory.mktemp(f"fused-prompts-{request.param}")
-    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32) if request.param == "gqa2-head32" \
-        else dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-    make_checkpoint(path, eos_token_id=(), num_hidden_layers=3, **heads)
+# Head sizes the prefill attention kernel takes (a multiple of 32), widths the VNNI kernel takes.
+PROMPT_SHAPES = {"gqa2-head32": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+                 "gqa4-head64": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64)}
+
+
+def make_prompt_checkpoint(path, shape: str):
+    """A 3-layer checkpoint of PROMPT_SHAPES[shape], whose steps with prompts the fused loop takes."""
+    make_checkpoint(path, eos_token_id=(), num_hidden_layers=3, **PROMPT_SHAPES[shape])
     return path
+
+
+@pytest.fixture(scope="module", params=list(PROMPT_SHAPES))
+def prompt_checkpoint(request, tmp_path_factory):
+    return make_prompt_checkpoint(tmp_path_factory.mktemp(f"fused-prompts-{request.param}"), request.param)
 
 
 def staggered_hidden(engine: LLMEngine, arrivals: dict[int, list[list[int]]], new_tokens: int) -> list[torch.Tensor]:

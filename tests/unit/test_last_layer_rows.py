@@ -10,30 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.model_worker.config.engine import EngineConfig, SchedulerLimits
 from services.model_worker.engine.llm_engine import LLMEngine
 from services.model_worker.kernels import cpu_decoder
 from services.model_worker.model.layers.attention import metadata
-from tests.unit.test_fused_decode import SCENARIOS, staggered_hidden
-from tests.checkpoints import make_checkpoint
+from tests.unit.test_fused_decode import (PROMPT_SHAPES, SCENARIOS, make_prompt_checkpoint, prompt_engine,
+                                          staggered_hidden)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-@pytest.fixture(scope="module", params=["gqa2-head32", "gqa4-head64"])
+@pytest.fixture(scope="module", params=list(PROMPT_SHAPES))
 def checkpoint(request, tmp_path_factory):
-    """Shapes the fused loop takes prompts of (head sizes a multiple of 32)."""
-    path = tmp_path_factory.mktemp(f"last-layer-{request.param}")
-    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32) if request.param == "gqa2-head32" \
-        else dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-    make_checkpoint(path, eos_token_id=(), num_hidden_layers=3, **heads)
-    return path
-
-
-def engine_for(checkpoint, fused: bool, budget: int, kv_cache_dtype: str = "auto") -> LLMEngine:
-    return LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=256, block_size=8,
-                                              fused_decode=fused, kv_cache_dtype=kv_cache_dtype,
-                                              limits=SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=budget)))
+    return make_prompt_checkpoint(tmp_path_factory.mktemp(f"last-layer-{request.param}"), request.param)
 
 
 def every_row(monkeypatch) -> None:
@@ -66,7 +54,7 @@ def test_the_rows_a_step_reads_and_the_cache_are_those_of_every_row_run(checkpoi
             None if args[9] is None else args[9].tolist()) or real_layers(*args))
     with monkeypatch.context() as patch:
         patch.setattr(metadata, "_output_rows", spy)
-        pruned_engine = engine_for(checkpoint, fused, budget)
+        pruned_engine = prompt_engine(checkpoint, fused, budget)
         pruned = staggered_hidden(pruned_engine, arrivals, 5)
     if fused:
         assert fused_keeps == [rows for _, rows in kept]  # the C loop got each step's rows
@@ -79,7 +67,7 @@ def test_the_rows_a_step_reads_and_the_cache_are_those_of_every_row_run(checkpoi
         assert kept[0] == (27, [26]) and kept[-1][1] is not None
     with monkeypatch.context() as patch:
         every_row(patch)
-        whole_engine = engine_for(checkpoint, fused, budget)
+        whole_engine = prompt_engine(checkpoint, fused, budget)
         whole = staggered_hidden(whole_engine, arrivals, 5)
     assert len(pruned) == len(whole) and all(torch.equal(a, b) for a, b in zip(pruned, whole))
     assert all(torch.equal(a, b) for a, b in zip(caches(pruned_engine), caches(whole_engine)))
@@ -103,5 +91,5 @@ def test_the_c_loop_refuses_rows_it_cannot_keep_before_it_touches_anything(check
 
     monkeypatch.setattr(cpu_decoder, "prompt_layers", spy)
     budget, arrivals = SCENARIOS["fresh prompts together"]
-    staggered_hidden(engine_for(checkpoint, True, budget), arrivals, 2)
+    staggered_hidden(prompt_engine(checkpoint, True, budget), arrivals, 2)
     assert refused == [True]
