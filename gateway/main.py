@@ -22,6 +22,7 @@ from gateway.http_api.http_server import HttpServer
 from rpcserver.auth import add_auth_flags, api_key_from_args, auth_interceptors, read_api_key
 from rpcserver.config import SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges, env_default
 from rpcserver.handlers import add_servicer
+from rpcserver.priority import NICE_RANGE, add_nice_flag, lower_priority
 from rpcserver.server import GrpcServer, setup_logging
 from vllm_v0.gateway.v1 import gateway_pb2
 
@@ -83,13 +84,15 @@ def parse_args(argv=None) -> argparse.Namespace:
              "again, within the request's own deadline; past it the stream ends UNAVAILABLE")
     add_flag(parser, "--log-prompts", False, "add each request's prompt text to its log line (off: prompts are "
              "user data)")
+    add_nice_flag(parser)
     add_auth_flags(parser)
     args = parser.parse_args(argv)
     args.tokenizer_addr = parse_targets(args.tokenizer_addr or [env_default("--tokenizer-addr", "localhost:50052")])
     args.worker_addr = parse_targets(args.worker_addr or [env_default("--worker-addr", "localhost:50053")])
     # The context-dependent bounds (--max-prompt-tokens below the worker's context, --max-logprobs
     # at most the worker's) are applied once the worker has answered GetInfo.
-    check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--max-prompt-tokens", 0, None), ("--max-tokens-limit", 0, None),
+    check_ranges(parser, args, (*SERVER_FLAG_RANGES, NICE_RANGE, ("--max-prompt-tokens", 0, None),
+                                ("--max-tokens-limit", 0, None),
                                 ("--max-stop-strings", 0, None), ("--max-stop-string-chars", 1, None),
                                 ("--max-logprobs", 0, None), ("--max-prompt-chars", 1, None),
                                 ("--health-interval", 0.01, None), ("--http-port", 0, 65535),
@@ -191,6 +194,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     setup_logging(args.log_level)
+    lower_priority(args.nice)
     asyncio.run(serve(args))
 
 

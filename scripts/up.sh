@@ -53,8 +53,12 @@ fi
 
 # With VLLM_V0_ENGINE_CPUS (the worker's --engine-cpus) set, the tokenizer and gateway run on the
 # other CPUs, as the worker's own front does: none of them takes CPU time from the engine's step.
+# Without it they share the engine's CPUs, and run at a lower priority (--nice 10 unless VLLM_V0_NICE says
+# otherwise): a CPU engine's step needs all of its CPUs at once, and waits whenever another process holds one.
 off_engine=()
+yield_to_engine=(--nice "${VLLM_V0_NICE:-10}")
 if [ -n "${VLLM_V0_ENGINE_CPUS:-}" ]; then
+  yield_to_engine=()
   serving_cpus=$("$PY" -m services.model_worker.host.cpu_affinity --others "$VLLM_V0_ENGINE_CPUS")
   if [ -n "$serving_cpus" ]; then
     off_engine=(taskset -c "$serving_cpus")
@@ -62,10 +66,11 @@ if [ -n "${VLLM_V0_ENGINE_CPUS:-}" ]; then
   fi
 fi
 ${off_engine[@]+"${off_engine[@]}"} "$PY" -m services.tokenizer --model "$model" --port "$TOKENIZER_PORT" \
-  >.run/tokenizer.log 2>&1 & tokenizer_pid=$!; pids+=($!)
+  ${yield_to_engine[@]+"${yield_to_engine[@]}"} >.run/tokenizer.log 2>&1 & tokenizer_pid=$!; pids+=($!)
 "$PY" -m services.model_worker --model "$model" --port "$WORKER_PORT" >.run/worker.log 2>&1 & worker_pid=$!; pids+=($!)
 ${off_engine[@]+"${off_engine[@]}"} "$PY" -m gateway --port "$GATEWAY_PORT" --tokenizer-addr "localhost:$TOKENIZER_PORT" \
-  --worker-addr "localhost:$WORKER_PORT" --http-port "$HTTP_PORT" >.run/gateway.log 2>&1 & gateway_pid=$!; pids+=($!)
+  --worker-addr "localhost:$WORKER_PORT" --http-port "$HTTP_PORT" ${yield_to_engine[@]+"${yield_to_engine[@]}"} \
+  >.run/gateway.log 2>&1 & gateway_pid=$!; pids+=($!)
 
 echo "Waiting for the services (logs in .run/) ..."
 # Each port must answer from the process started for it, which must still be alive: a health check

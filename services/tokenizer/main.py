@@ -12,6 +12,7 @@ from checkpoint.path import TOKENIZER_FILES, resolve_model
 from rpcserver.auth import add_auth_flags, auth_interceptors
 from rpcserver.config import SERVER_FLAG_RANGES, ServerConfig, add_flag, add_server_flags, check_ranges
 from rpcserver.handlers import add_servicer
+from rpcserver.priority import NICE_RANGE, add_nice_flag, lower_priority
 from rpcserver.server import GrpcServer, setup_logging
 from services.tokenizer.core import TokenizerCore, TokenizerLoadError
 from services.tokenizer.decode_batches import StreamLimits
@@ -32,9 +33,10 @@ def parse_args(argv=None) -> argparse.Namespace:
              "a DecodeBatches stream may be dropped to make room for a new one (a caller that never sends final)")
     add_flag(parser, "--tokenize-threads", DEFAULT_THREADS, "threads that encode, render chat templates and decode "
              "long inputs, off the event loop that carries every stream's text")
+    add_nice_flag(parser)
     add_auth_flags(parser)  # for deployments without mTLS; the gateway sends its --downstream-api-key
     args = parser.parse_args(argv)
-    check_ranges(parser, args, (*SERVER_FLAG_RANGES, ("--max-decode-streams", 1, None),
+    check_ranges(parser, args, (*SERVER_FLAG_RANGES, NICE_RANGE, ("--max-decode-streams", 1, None),
                                 ("--decode-stream-idle-timeout", 0, None), ("--tokenize-threads", 1, None)))
     return args
 
@@ -71,6 +73,7 @@ async def serve_started(args: argparse.Namespace, server: GrpcServer, servicer: 
 def main(argv=None) -> None:
     args = parse_args(argv)
     setup_logging(args.log_level)
+    lower_priority(args.nice)
     asyncio.run(serve(args))
 
 

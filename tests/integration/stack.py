@@ -142,6 +142,11 @@ def child_pids(pid: int) -> list[int]:
     return [int(child) for text in _thread_files(pid, "children").values() for child in text.split()]
 
 
+def thread_nice(pid: int) -> dict[int, int]:
+    """Each thread's nice value, by thread id: field 19 of /proc/PID/task/TID/stat (after the command's parentheses)."""
+    return {task: int(text.rsplit(")", 1)[1].split()[16]) for task, text in _thread_files(pid, "stat").items()}
+
+
 def thread_status(pid: int, field: str) -> dict[int, str]:
     """One field of each thread's /proc status (such as Cpus_allowed_list), by thread id."""
     return {task: next(line.split()[1] for line in text.splitlines() if line.startswith(field + ":"))
