@@ -54,6 +54,9 @@ class RotaryEmbedding(nn.Module):
         # Not in the checkpoint: derived from the config, kept in float32 and cast per call.
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
+        # (cos | cos) and (-sin | sin), whole rows in the step's dtype, by (dtype, device): a step looks its
+        # positions up in them with one index each, where building them per step took eight small ops.
+        self._rows: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
@@ -66,15 +69,22 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq.cpu()).to(device)
         self.cos = freqs.cos() * scale
         self.sin = freqs.sin() * scale
+        self._rows.clear()
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, cos) and (-sin, sin) at the tokens' positions, (T, 1, D) each, for _rotate.
 
         Looked up once per step and shared by all layers.
         """
-        cos = self.cos[positions].to(dtype)[:, None, :]  # (T, 1, D/2)
-        sin = self.sin[positions].to(dtype)[:, None, :]
-        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        rows = self._rows.get((dtype, self.cos.device))
+        if rows is None:
+            # Rounding to dtype is the same elementwise before the lookup as after it, and rounds -x to -(x
+            # rounded): these rows equal what the lookup then the concatenation gave, bit for bit.
+            rows = (torch.cat((self.cos, self.cos), dim=-1).to(dtype),
+                    torch.cat((-self.sin, self.sin), dim=-1).to(dtype))
+            self._rows[(dtype, self.cos.device)] = rows
+        cos, signed_sin = rows
+        return cos.index_select(0, positions).unsqueeze(1), signed_sin.index_select(0, positions).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
