@@ -116,8 +116,7 @@ class ScheduledBatch:
             token_ids = [0 if s.num_pending else s.token_ids[-1] for s in seqs]
         else:
             token_ids = [s.token_ids[-1] for s in seqs]
-        host = StepInputs.decode(token_ids, tables.gather([s.slot for s in seqs], max(context_lens)), context_lens,
-                                 tables.block_size)
+        host = StepInputs.decode_from_tables(token_ids, tables, [s.slot for s in seqs], context_lens)
         return host.filled_from_previous(fill_rows, [seqs[i].pending_row for i in fill_rows])
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from services.model_worker.executor.transfer import upload_all
+from services.model_worker.kernels.cpu_decode_layout import decode_layout
 from services.model_worker.model.layers.attention.metadata import FlatLayout
 
 TENSOR_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "context_lens", "block_tables",
@@ -73,6 +74,21 @@ class StepInputs:
         return cls(torch.tensor(token_ids, dtype=torch.int64), flat.positions, flat.slot_mapping,
                    flat.query_start_loc, flat.context_lens, flat.block_tables,
                    torch.arange(len(token_ids), dtype=torch.int64), 1, flat.max_context_len)
+
+    @classmethod
+    def decode_from_tables(cls, token_ids: list[int], tables, seq_slots: list[int],
+                           context_lens: list[int]) -> "StepInputs":
+        """decode() for the sequences in rows `seq_slots` of `tables` (the persistent BlockTables), its layout
+        built in one C pass where the kernel is available (the same values)."""
+        max_context, block_size = max(context_lens), tables.block_size
+        layout = decode_layout(tables.rows, seq_slots, context_lens, -(-max_context // block_size), block_size)
+        if layout is None:
+            return cls.decode(token_ids, tables.gather(seq_slots, max_context), context_lens, block_size)
+        table, positions, slot_mapping, context = layout
+        count = len(token_ids)
+        return cls(torch.tensor(token_ids, dtype=torch.int64), positions, slot_mapping,
+                   torch.arange(count + 1, dtype=torch.int32), context, table, torch.arange(count, dtype=torch.int64),
+                   1, max_context)
 
     def filled_from_previous(self, rows: list[int], sources: list[int]) -> "StepInputs":
         """These inputs with input_ids rows `rows` to be copied from the previous step's sampled ids at
