@@ -91,3 +91,28 @@ def test_rows_follow_preemption_trims_and_reuse():
     manager.allocate(c)
     assert c.slot == slot
     assert manager.tables.rows[c.slot, :len(c.block_table)].tolist() == c.block_table
+
+
+
+def test_writes_wait_for_the_next_read_and_the_last_write_to_a_place_wins():
+    """Rows are written when next read: a slot freed and reused before then shows its new sequence's blocks."""
+    from types import SimpleNamespace
+
+    tables = BlockTables(max_seqs=2, max_blocks_per_seq=8, block_size=4)
+    first = SimpleNamespace(block_table=[5, 6, 7])
+    tables.assign(first)
+    tables.write(first)
+    slot = first.slot
+    tables.release(first)
+    second = SimpleNamespace(block_table=[9])
+    tables.assign(second)
+    tables.write(second)
+    assert second.slot == slot
+    # Its one block over the first's, and the first's others left as stale entries past its table.
+    assert tables.rows[slot, :3].tolist() == [9, 6, 7]
+    second.block_table += [10, 11]
+    tables.write(second)
+    second.block_table.append(12)
+    tables.write(second)
+    assert tables.rows[slot, :4].tolist() == [9, 10, 11, 12]
+    assert tables.gather([slot], 16).tolist() == [[9, 10, 11, 12]]
