@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import threading
 
 import pytest
@@ -79,6 +80,14 @@ def test_payloads_round_trip():
     for output in (StepOutput("3", 17, -0.25, [(17, -0.25), (2, -1.5)], FinishReason.LENGTH, 6),
                    StepOutput("4", 0, None, [], None, 1), StepOutput("5", 3, None, [], None, 2, spec_accepted=2)):
         assert ipc.output_from_list(ipc.output_to_list(output)) == output
+    # A token with nothing but its id goes as three values; anything more, and every field goes.
+    assert ipc.output_to_list(StepOutput("6", 9, None, [], None, 4)) == ["6", 9, 4]
+    for output in (StepOutput("7", 9, -0.5, [], None, 4), StepOutput("8", 9, None, [(9, -0.1)], None, 4),
+                   StepOutput("9", 9, None, [], FinishReason.EOS, 4), StepOutput("a", 9, None, [], None, 4, [None]),
+                   StepOutput("b", 9, None, [], None, 4, spec_accepted=0)):
+        raw = ipc.output_to_list(output)
+        assert len(raw) == 8
+        assert ipc.output_from_list(json.loads(json.dumps(raw))) == output
     for error in (InvalidArgument("bad prompt"), ResourceExhausted("full"), Unavailable("gone")):
         request_id, back = ipc.error_from_list(ipc.error_to_list("9", error))
         assert request_id == "9" and type(back) is type(error) and str(back) == str(error)

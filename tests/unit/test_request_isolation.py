@@ -133,10 +133,10 @@ class CoreOnThread:
                     frame = self.frames.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                for request_id, token_id, *_, reason, _prompt_tokens, _prompt_lp, _spec in frame["outputs"]:
-                    self.seen.tokens.setdefault(request_id, []).append(token_id)
-                    if reason is not None:
-                        self.seen.finished.add(request_id)
+                for output in map(protocol.output_from_list, frame["outputs"]):
+                    self.seen.tokens.setdefault(output.request_id, []).append(output.token_id)
+                    if output.finish_reason is not None:
+                        self.seen.finished.add(output.request_id)
                 for request_id, kind, message in frame["errors"]:
                     self.seen.errors[request_id] = (kind, message)
             return True

@@ -13,9 +13,11 @@ adapter's {"name", "path", "rank"} or null], beside "adapters", every adapter lo
 Core to worker: {"type": "ready", "info"} once the model is loaded, or {"type": "failed", "message"} if it
 cannot load; then {"type": "update", "outputs", "errors", "step_seconds", "stats", "kv_stored", "kv_evicted"} after every
 step, and after applying commands that left nothing to step; kv_stored and kv_evicted are the hex block hashes
-the prefix cache gained and lost since the last update. An update after a step that ended pooling requests also
-holds "pooled": [id, values as base64 of little-endian float32, prompt tokens] for each. The core's last update
-before it ends after a failed step also holds "dead": why, and an UNAVAILABLE error for every open request.
+the prefix cache gained and lost since the last update. Each output is [id, token, prompt tokens] when that is all
+it says (no logprobs, no finish, no prompt logprobs, no proposals counted), else output_to_list's eight fields.
+An update after a step that ended pooling requests also holds "pooled": [id, values as base64 of little-endian
+float32, prompt tokens] for each. The core's last update before it ends after a failed step also holds "dead":
+why, and an UNAVAILABLE error for every open request.
 """
 from __future__ import annotations
 
@@ -110,12 +112,21 @@ def params_from_dict(raw: dict) -> SamplingParams:
 
 
 def output_to_list(output: StepOutput) -> list:
-    reason = output.finish_reason.value if output.finish_reason is not None else None
-    return [output.request_id, output.token_id, output.logprob, [list(t) for t in output.top_logprobs], reason,
-            output.prompt_tokens, output.prompt_logprobs, output.spec_accepted]
+    """[request id, token, prompt tokens] for a token with nothing else to say (most tokens of most steps: a
+    third of the JSON to write and read), else every field."""
+    reason = output.finish_reason
+    if (reason is None and output.logprob is None and not output.top_logprobs and output.prompt_logprobs is None
+            and output.spec_accepted is None):
+        return [output.request_id, output.token_id, output.prompt_tokens]
+    return [output.request_id, output.token_id, output.logprob, [list(t) for t in output.top_logprobs],
+            reason.value if reason is not None else None, output.prompt_tokens, output.prompt_logprobs,
+            output.spec_accepted]
 
 
 def output_from_list(raw: list) -> StepOutput:
+    if len(raw) == 3:
+        request_id, token_id, prompt_tokens = raw
+        return StepOutput(request_id, token_id, None, [], None, prompt_tokens)
     request_id, token_id, logprob, top_logprobs, reason, prompt_tokens, prompt_logprobs, spec_accepted = raw
     if prompt_logprobs is not None:  # JSON made the tuples lists
         prompt_logprobs = [None if p is None else (p[0], [(t, lp) for t, lp in p[1]]) for p in prompt_logprobs]
