@@ -70,10 +70,8 @@ class StepInputs:
     def decode(cls, token_ids: list[int], block_tables: torch.Tensor, context_lens: list[int],
                block_size: int) -> "StepInputs":
         """A decode step: one new token per sequence, each sampled; block_tables has a row per sequence."""
-        flat = FlatLayout.build([1] * len(token_ids), block_tables, context_lens, block_size)
-        return cls(torch.tensor(token_ids, dtype=torch.int64), flat.positions, flat.slot_mapping,
-                   flat.query_start_loc, flat.context_lens, flat.block_tables,
-                   torch.arange(len(token_ids), dtype=torch.int64), 1, flat.max_context_len)
+        return cls._decode_step(token_ids, FlatLayout.build([1] * len(token_ids), block_tables, context_lens,
+                                                            block_size))
 
     @classmethod
     def decode_from_tables(cls, token_ids: list[int], tables, seq_slots: list[int],
@@ -85,10 +83,16 @@ class StepInputs:
         if layout is None:
             return cls.decode(token_ids, tables.gather(seq_slots, max_context), context_lens, block_size)
         table, positions, slot_mapping, context = layout
-        count = len(token_ids)
-        return cls(torch.tensor(token_ids, dtype=torch.int64), positions, slot_mapping,
-                   torch.arange(count + 1, dtype=torch.int32), context, table, torch.arange(count, dtype=torch.int64),
-                   1, max_context)
+        query_start = torch.arange(len(token_ids) + 1, dtype=torch.int32)
+        return cls._decode_step(token_ids, FlatLayout(positions, slot_mapping, query_start, context, table, 1,
+                                                      max_context))
+
+    @classmethod
+    def _decode_step(cls, token_ids: list[int], flat: FlatLayout) -> "StepInputs":
+        """A decode step's inputs on its layout: every row sampled, in order."""
+        return cls(torch.tensor(token_ids, dtype=torch.int64), flat.positions, flat.slot_mapping,
+                   flat.query_start_loc, flat.context_lens, flat.block_tables,
+                   torch.arange(len(token_ids), dtype=torch.int64), 1, flat.max_context_len)
 
     def filled_from_previous(self, rows: list[int], sources: list[int]) -> "StepInputs":
         """These inputs with input_ids rows `rows` to be copied from the previous step's sampled ids at
