@@ -10,6 +10,7 @@ import sys
 import time
 from operator import attrgetter, itemgetter
 
+from rpcserver import collector
 from services.model_worker.config.engine import EngineConfig, SchedulerLimits
 from services.model_worker.config.sampling import SamplingParams
 from services.model_worker.core import protocol
@@ -89,10 +90,10 @@ class OursRuns:
                                                          limits=limits))
         self.eos_ids = self.engine.eos_ids
         self._runs = itertools.count()
-        # As the engine core's process does once its model has loaded (engine_core.main): else a full
-        # collection walks every object the imports and the load left, a stall in whichever step it falls.
-        gc.collect()
-        gc.freeze()
+        # As the engine core's process does once its model has loaded (engine_core.main); undone in close, so that
+        # a peer run in this process after ours collects as it would alone.
+        self._threshold = gc.get_threshold()
+        collector.settle()
         self.sender, reader = socket.socketpair()
         self.reader = subprocess.Popen([sys.executable, "-c", _READER, str(reader.fileno())], cwd=ROOT,
                                        pass_fds=[reader.fileno()])
@@ -108,6 +109,7 @@ class OursRuns:
             raise RuntimeError(f"the frames' reader failed with exit code {self.reader.returncode}")
         self.engine.close()
         gc.unfreeze()
+        gc.set_threshold(*self._threshold)
 
     @staticmethod
     def _params(max_tokens: int, sampling: dict) -> SamplingParams:

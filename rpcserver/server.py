@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
@@ -11,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rpcserver import collector
 from rpcserver.config import ServerConfig
 from rpcserver.loop_lag import LoopLagMonitor
 from rpcserver.metrics import MetricsInterceptor, start_metrics_server
@@ -22,11 +22,6 @@ log = logging.getLogger(__name__)
 # whatever the readiness ("" and the service names) says: for liveness probes, which must not restart
 # a server that is only waiting for its model or its backends, or draining.
 LIVENESS = "liveness"
-# The youngest generation's collection threshold once the server is up (Python's default: 700 allocations). A
-# served token allocates a handful of short-lived objects (protobuf wrappers, lists), so at 700 the collector
-# ran hundreds of times a second and took 3-5% of the gateway's CPU under load (perf); at 20,000 most of
-# those objects are gone before it runs, and a collection walks a few milliseconds' worth of them at most.
-GC_YOUNG_THRESHOLD = 20_000
 
 
 def server_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -102,12 +97,9 @@ class GrpcServer:
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         start_metrics_server(self.config.host, self.config.metrics_port)
         await self.server.start()
-        # Everything alive now (imports, mostly) lives as long as the process. A full collection walks every
-        # tracked object holding the GIL, so a thread's allocations stall the loop too: the worker's front
-        # paused 100 ms a collection while a long prompt's logprobs were read. Frozen, the collector skips them.
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+        # Everything alive now (imports, mostly) lives as long as the process: a full collection would walk it
+        # holding the GIL, and the worker's front paused 100 ms a collection while a long prompt's logprobs were read.
+        collector.settle()
         log.info("listening on %s:%d (%s)", self.config.host, self.port, "TLS" if credentials else "plaintext")
         return self.port
 

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from rpcserver.collector import GC_YOUNG_THRESHOLD
 from services.model_worker.config.engine import EngineConfig
 from services.model_worker.core import protocol as ipc
 from services.model_worker.core.engine_core import EngineCore, EngineDeadError
@@ -159,3 +160,38 @@ def test_a_hung_core_writes_where_it_is_stuck_when_asked(checkpoint):
         ours.close()
     err = process.stderr.read()
     assert "Thread 0x" in err and 'in step' in err and "in _step" in err, err[-2000:]
+
+
+COLLECTOR_CORE = """
+import gc, sys
+from services.model_worker.core import engine_core
+from services.model_worker.engine.llm_engine import LLMEngine
+
+real_step, seen = LLMEngine.step, []
+
+def step(self):
+    if not seen:
+        seen.append(1)
+        print("collector", gc.get_threshold()[0], gc.get_freeze_count(), file=sys.stderr, flush=True)
+    return real_step(self)
+
+LLMEngine.step = step
+sys.exit(engine_core.main(sys.argv[1:]))
+"""
+
+
+def test_a_core_steps_with_its_startup_objects_frozen_and_young_objects_collected_less_often(checkpoint):
+    """A 256-sequence step allocates a few objects a sequence: at Python's default threshold the collector ran inside
+    steps, and a full collection would walk every module and weight the load left."""
+    process, ours = start_core(COLLECTOR_CORE, checkpoint)
+    with ours, ours.makefile("rwb") as stream:
+        assert ipc.read_blocking(stream)["type"] == "ready"
+        stream.write(ipc.encode(add("one", [1, 2, 3], 2)))
+        stream.flush()
+        while not ipc.read_blocking(stream).get("outputs"):
+            pass  # stats and the like: the first step's frame comes once the step has run
+    process.kill()
+    process.wait(60)
+    line = next(line for line in process.stderr.read().splitlines() if line.startswith("collector "))
+    threshold, frozen = map(int, line.split()[1:])
+    assert threshold == GC_YOUNG_THRESHOLD and frozen > 10_000, line

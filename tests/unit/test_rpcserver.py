@@ -5,8 +5,9 @@ import gc
 import grpc
 import pytest
 
+from rpcserver.collector import GC_YOUNG_THRESHOLD
 from rpcserver.config import ServerConfig
-from rpcserver.server import GC_YOUNG_THRESHOLD, GrpcServer
+from rpcserver.server import GrpcServer
 
 
 def config(port: int) -> ServerConfig:

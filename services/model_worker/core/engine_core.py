@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import gc
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from rpcserver import collector
 from rpcserver.errors import InvalidArgument, ServiceError, Unavailable
 from rpcserver.server import setup_logging
 from services.model_worker.config.engine import EngineConfig
@@ -325,11 +325,9 @@ def main(argv=None) -> int:
             send({"type": "failed", "message": failure})
             return 1
         core = EngineCore(engine, send, args.stats_interval)
-        # Everything alive now lives as long as the process (about 225,000 objects once the 0.6B model
-        # has loaded, most of them from imports). A full collection walked them all in 110 ms, a stall
-        # in whichever step it fell; frozen, the collector never looks at them again.
-        gc.collect()
-        gc.freeze()
+        # Everything alive now lives as long as the process (mostly the imports and the model), and a step at 256
+        # sequences allocates a few objects per sequence: collector.settle says why both matter.
+        collector.settle()
         send({"type": "ready", "info": ready_info(engine), "stats": core.stats()})
         core.run(commands)
     except (BrokenPipeError, ConnectionResetError):
