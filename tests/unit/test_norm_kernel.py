@@ -99,10 +99,10 @@ def rope_case(dtype, dim=32, tokens=6):
     return x.to(dtype), weight.to(dtype), rope
 
 
-# Head sizes: 32 and 128 (Qwen3's) take the kernel's vector loops, 24 its scalar ones; 18 tokens
-# (108 rows of heads) a prefill's 16-row sums.
+# Head sizes: 32 and 128 (Qwen3's) take the kernel's vector loops, 16 and 48 too with halves that are not whole
+# vectors, 24 its scalar ones; 18 tokens (108 rows of heads) a prefill's 16-row sums.
 @pytest.mark.parametrize("tokens", [6, 18])
-@pytest.mark.parametrize("dim", [24, 32, 128])
+@pytest.mark.parametrize("dim", [16, 24, 32, 48, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_norm_and_rotary_equal_the_torch_ops(library, dtype, dim, tokens):
     from services.model_worker.model.layers.norm import norm_and_rotate

@@ -241,11 +241,15 @@ static inline void rotate_row(const float *y, const void *cos, const void *signe
         const uint16_t *c = (const uint16_t *)cos + t * dim, *s = (const uint16_t *)signed_sin + t * dim;
         uint16_t *o = (uint16_t *)out + r * dim;
 #ifdef __AVX512F__
-        if (half % 16 == 0) {
+        if (dim % 16 == 0) {
+            /* Each place's partner, laid out beside it: a row's halves swapped. Where a half is not a whole
+             * number of vectors (heads of 16 or 48), a vector's partners straddle both halves of y. */
+            float swapped[dim];
+            memcpy(swapped, y + half, sizeof(float) * half);
+            memcpy(swapped + half, y, sizeof(float) * half);
             for (int d = 0; d < dim; d += 16) {
-                const int partner = d < half ? d + half : d - half;
                 const __m512 a = rounded(_mm512_mul_ps(_mm512_loadu_ps(y + d), load_bf16x16(c + d)));
-                const __m512 b = rounded(_mm512_mul_ps(_mm512_loadu_ps(y + partner), load_bf16x16(s + d)));
+                const __m512 b = rounded(_mm512_mul_ps(_mm512_loadu_ps(swapped + d), load_bf16x16(s + d)));
                 store_bf16x16(o + d, rounded(_mm512_add_ps(a, b)));
             }
             return;
