@@ -1,5 +1,7 @@
 """The decode kernel's bf16 paths: rows read by stride over a run of blocks give the bits of rows looked up
 block by block, and head size 16 (its own vector path) stays within one bf16 rounding of float64."""
+import pathlib
+import platform
 import random
 
 import pytest
@@ -37,9 +39,39 @@ def random_sequences(contexts: list[int], kv_heads: int, head_dim: int, seed: in
     return keys, values
 
 
+@pytest.fixture(params=[1, 0], ids=["fetched", "unfetched"])
+def fetching(kernel, request):
+    """Strided rows fetched ahead by the kernel, and left to the hardware: each CPU takes one (its family), and
+    both must give the same bits on any CPU."""
+    kernel.paged_attention_set_prefetch_runs(request.param)
+    assert kernel.paged_attention_prefetch_runs() == request.param
+    yield request.param
+    kernel.paged_attention_set_prefetch_runs(-1)
+
+
+def cpu_family() -> tuple[str, int]:
+    """(vendor, family) as /proc/cpuinfo says: the kernel reads CPUID itself."""
+    fields = {}
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+        if key.strip() == "processor" and len(fields) > 1:
+            break
+    return fields["vendor_id"], int(fields["cpu family"])
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not pathlib.Path("/proc/cpuinfo").exists(),
+                    reason="CPUID families are x86's")
+def test_strided_rows_are_fetched_ahead_except_on_amd_family_25(kernel):
+    """AMD's family 25 (Zen 4) read strided rows fastest without the kernel's fetches; other CPUs with them."""
+    kernel.paged_attention_set_prefetch_runs(-1)
+    vendor, family = cpu_family()
+    assert kernel.paged_attention_prefetch_runs() == int(not (vendor == "AuthenticAMD" and family == 25))
+
+
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 96])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_rows_read_by_stride_equal_rows_looked_up(kernel, head_dim, group):
+def test_rows_read_by_stride_equal_rows_looked_up(kernel, fetching, head_dim, group):
     """The same sequences in one run of blocks each, in shuffled blocks, and in runs broken once (so one
     chunk is read by stride and a later one looked up): the same bits."""
     kv_heads, contexts = 2, [1, 15, 16, 17, 80, 150, 256, 257, 300, 600]
@@ -72,7 +104,7 @@ def test_rows_read_by_stride_equal_rows_looked_up(kernel, head_dim, group):
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("shuffled", [False, True], ids=["runs", "shuffled"])
-def test_head_size_16_in_bf16_within_one_rounding_of_float64(kernel, group, shuffled):
+def test_head_size_16_in_bf16_within_one_rounding_of_float64(kernel, fetching, group, shuffled):
     kv_heads, contexts = 2, [1, 2, 5, 16, 33, 80, 150, 255, 256, 257, 513]
     keys, values = random_sequences(contexts, kv_heads, 16, group)
     counts = [-(-c // BLOCK_SIZE) for c in contexts]

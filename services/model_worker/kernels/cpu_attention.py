@@ -31,6 +31,11 @@ def load(source: pathlib.Path = SOURCE) -> ctypes.CDLL | None:
             library.paged_decode_attention_kv.restype = ctypes.c_int
             library.write_kv_quant.argtypes = library.write_kv.argtypes + [ctypes.c_int] + [ctypes.c_void_p] * 2
             library.write_kv_quant.restype = ctypes.c_int
+        if hasattr(library, "paged_attention_prefetch_runs"):
+            library.paged_attention_prefetch_runs.argtypes = []
+            library.paged_attention_prefetch_runs.restype = ctypes.c_int
+            library.paged_attention_set_prefetch_runs.argtypes = [ctypes.c_int]
+            library.paged_attention_set_prefetch_runs.restype = None
     return library
 
 

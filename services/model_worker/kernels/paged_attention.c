@@ -25,6 +25,9 @@
  * rows as it writes them.
  */
 #include <math.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -116,6 +119,7 @@ typedef struct {
     int kv_kind, elem;
     const float *k_scale, *v_scale;
     const uint8_t *tables; /* an 8-bit cache's byte tables (kv8_byte_tables), or NULL where there are none */
+    int prefetch_runs;     /* fetch rows AHEAD on where a chunk's rows are one run (paged_attention_prefetch_runs) */
 } Args;
 
 typedef struct {
@@ -265,7 +269,8 @@ static inline __attribute__((always_inline)) void score_step_bf16(const Args *a,
                                                                    const char *run, const char *v_run,
                                                                    const __m512i *qb,
                                                                    const int G, const int C, const int HALF,
-                                                                   int m, float scores[][SUB], int avail) {
+                                                                   const int FETCH, int m, float scores[][SUB],
+                                                                   int avail) {
     const int KB = 16 / G;
     const __m512 scale = _mm512_set1_ps(a->scale);
     for (int r = 0; r < G; r++) _mm512_storeu_ps(scores[r], _mm512_set1_ps(-INFINITY));
@@ -276,7 +281,7 @@ static inline __attribute__((always_inline)) void score_step_bf16(const Args *a,
         for (int i = 0; i < KB; i++) {
             const int at = j0 + (i < k ? i : 0);
             const uint16_t *key = (const uint16_t *)(run ? run + (size_t)at * ROW_BYTES(C, HALF) : keys[at]);
-            if (i < k && j0 + i + AHEAD < avail) { /* the key and value rows AHEAD on: see above */
+            if (FETCH && i < k && j0 + i + AHEAD < avail) { /* the key and value rows AHEAD on: see above */
                 const size_t ahead = (size_t)(j0 + i + AHEAD) * ROW_BYTES(C, HALF);
                 prefetch_row(run ? run + ahead : keys[j0 + i + AHEAD], ROW_BYTES(C, HALF));
                 prefetch_row(run ? v_run + ahead : keys[VALUES_AT + j0 + i + AHEAD], ROW_BYTES(C, HALF));
@@ -351,12 +356,17 @@ static inline __attribute__((always_inline)) void accumulate_step_bf16(const Arg
     }
 }
 
+/* How chunk_bf16 reads its rows (STRIDED): through w->keys, by stride from k_run and v_run fetching AHEAD on,
+ * or by stride leaving the fetching to the hardware (paged_attention_prefetch_runs says which, per CPU). */
+#define BY_POINTERS 0
+#define STRIDED_FETCHED 1
+#define STRIDED_UNFETCHED 2
+
 /* A chunk of n keys on the bf16 path (w->keys: n key rows, then at VALUES_AT the value rows, each array
  * with `avail` >= n entries, those past n the next chunk's first rows), in steps of SUB keys. G query rows
  * a KV head, C = head_dim / 32, or C = 1 and HALF for head_dim 16 (rows zero-extended to 32 to be scored).
  * Where the chunk's slots are one run, k_run and v_run are its first key and value rows and w->keys is
- * not read: rows by stride, still fetched AHEAD on (without, 64 sequences at 1,500-2,048 tokens, head size
- * 128, took 1.4x the time on one core of an AMD EPYC Zen 4). */
+ * not read: rows by stride, fetched AHEAD on or not as the CPU reads them faster. */
 static inline __attribute__((always_inline)) void chunk_bf16(const Args *a, Scratch *w, const __m512i *qb,
                                                               const int G, const int C, const int HALF,
                                                               const int STRIDED, const char *k_run,
@@ -368,7 +378,8 @@ static inline __attribute__((always_inline)) void chunk_bf16(const Args *a, Scra
     for (int j0 = 0; j0 < n; j0 += SUB) {
         const int m = n - j0 < SUB ? n - j0 : SUB;
         score_step_bf16(a, keys + j0, STRIDED ? k_run + j0 * row_bytes : NULL,
-                        STRIDED ? v_run + j0 * row_bytes : NULL, qb, G, C, HALF, m, scores, avail - j0);
+                        STRIDED ? v_run + j0 * row_bytes : NULL, qb, G, C, HALF, STRIDED != STRIDED_UNFETCHED, m,
+                        scores, avail - j0);
         float correction[8];
         for (int r = 0; r < G; r++) correction[r] = softmax_step(scores[r], m, &max[r], &sum[r]);
         accumulate_step_bf16(a, w->acc, values + j0, STRIDED ? v_run + j0 * row_bytes : NULL, G, C, HALF, m,
@@ -399,7 +410,9 @@ static inline __attribute__((always_inline)) void chunk_bf16(const Args *a, Scra
  * else NULL. */
 static void chunk_bf16_of(const Args *a, Scratch *w, const __m512i *qb, int group, int C, const char *k_run,
                           const char *v_run, int n, int avail, float *max, float *sum) {
-    if (k_run) CHUNK_BF16_G(1) else CHUNK_BF16_G(0)
+    if (!k_run) CHUNK_BF16_G(BY_POINTERS)
+    else if (a->prefetch_runs) CHUNK_BF16_G(STRIDED_FETCHED)
+    else CHUNK_BF16_G(STRIDED_UNFETCHED)
 }
 #endif
 
@@ -762,6 +775,52 @@ static int check_block_tables(const int32_t *context_lens, const int32_t *block_
     return 0;
 }
 
+/* Whether the bf16 path fetches key and value rows AHEAD on where a chunk's rows are one run of slots (read by
+ * stride), or leaves the two streams to the hardware's prefetchers. It depends on the CPU. On AMD's family 25
+ * (Zen 4), without the fetches, on one core (bench/bench_decode_attention.py, bit-equal, in one run against the
+ * kernel with them): 16 sequences at 1,000 tokens, head size 128, took 0.60-0.62x the time (25 GB/s, the core's
+ * streaming rate, against 15); 64 at 1,500-2,048 tokens 0.60x; one at 2,048 0.78x; 256 short contexts 0.88x,
+ * 0.90x and 0.96x at head sizes 16, 32 and 128. On family 26 the fetches were what made the strided reads
+ * pay: 64 sequences at 1,500-2,048 tokens took 1.4x the time without them. Other CPUs keep them, as measured
+ * when the strided reads came in. Family is CPUID's (base family, plus the extended family where it is 15). */
+static int prefetch_runs_of_cpu(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 1;
+    unsigned family = (eax >> 8) & 0xf;
+    if (family == 0xf) family += (eax >> 20) & 0xff;
+    char vendor[13];
+    if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return 1;
+    memcpy(vendor, &ebx, 4);
+    memcpy(vendor + 4, &edx, 4);
+    memcpy(vendor + 8, &ecx, 4);
+    vendor[12] = 0;
+    return !(strcmp(vendor, "AuthenticAMD") == 0 && family == 25);
+#else
+    return 1;
+#endif
+}
+
+static int prefetch_runs_known = -1;
+
+/* prefetch_runs_of_cpu, asked once: CPUID may trap to the hypervisor in a virtual machine, and this is read every
+ * layer of every step (a racing first call stores the same value). */
+int paged_attention_prefetch_runs(void) {
+    int *const known = &prefetch_runs_known;
+    int value = __atomic_load_n(known, __ATOMIC_RELAXED);
+    if (value < 0) {
+        value = prefetch_runs_of_cpu();
+        __atomic_store_n(known, value, __ATOMIC_RELAXED);
+    }
+    return value;
+}
+
+/* Either way for every later call (0 or 1), or the CPU's way again (-1): so tests hold both to the same bits on
+ * any CPU, and benchmarks can time both on one. */
+void paged_attention_set_prefetch_runs(int value) {
+    __atomic_store_n(&prefetch_runs_known, value < 0 ? -1 : !!value, __ATOMIC_RELAXED);
+}
+
 int paged_decode_attention_kv(const void *q, const void *k_cache, const void *v_cache, void *out,
                               const int32_t *context_lens, const int32_t *block_tables, int64_t num_slots,
                               int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
@@ -814,7 +873,8 @@ int paged_decode_attention_kv(const void *q, const void *k_cache, const void *v_
     const uint8_t *table_ptr = NULL;
 #endif
     const Args a = {q, k_cache, v_cache, out, context_lens, block_tables, num_slots, num_heads, num_kv_heads,
-                    head_dim, block_size, max_blocks, is_bf16, scale, kv_kind, elem, k_scale, v_scale, table_ptr};
+                    head_dim, block_size, max_blocks, is_bf16, scale, kv_kind, elem, k_scale, v_scale, table_ptr,
+                    paged_attention_prefetch_runs()};
     const int group = num_heads / num_kv_heads, num_items = num_seqs * num_kv_heads;
     int failed = 0;
 #pragma omp parallel
