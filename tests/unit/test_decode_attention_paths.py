@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from bench.cpu_kind import cpu_fields
 from services.model_worker.kernels import cpu_attention
 
 BLOCK_SIZE = 16
@@ -49,23 +50,13 @@ def fetching(kernel, request):
     kernel.paged_attention_set_prefetch_runs(-1)
 
 
-def cpu_family() -> tuple[str, int]:
-    """(vendor, family) as /proc/cpuinfo says: the kernel reads CPUID itself."""
-    fields = {}
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-        if key.strip() == "processor" and len(fields) > 1:
-            break
-    return fields["vendor_id"], int(fields["cpu family"])
-
-
 @pytest.mark.skipif(platform.machine() != "x86_64" or not pathlib.Path("/proc/cpuinfo").exists(),
                     reason="CPUID families are x86's")
 def test_strided_rows_are_fetched_ahead_except_on_amd_family_25(kernel):
     """AMD's family 25 (Zen 4) read strided rows fastest without the kernel's fetches; other CPUs with them."""
     kernel.paged_attention_set_prefetch_runs(-1)
-    vendor, family = cpu_family()
+    fields = cpu_fields()  # /proc/cpuinfo's: the kernel reads CPUID itself
+    vendor, family = fields["vendor_id"], int(fields["cpu family"])
     assert kernel.paged_attention_prefetch_runs() == int(not (vendor == "AuthenticAMD" and family == 25))
 
 

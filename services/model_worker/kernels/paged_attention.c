@@ -779,8 +779,8 @@ static int check_block_tables(const int32_t *context_lens, const int32_t *block_
  * stride), or leaves the two streams to the hardware's prefetchers. It depends on the CPU. On AMD's family 25
  * (Zen 4), without the fetches, on one core (bench/bench_decode_attention.py, bit-equal, in one run against the
  * kernel with them): 16 sequences at 1,000 tokens, head size 128, took 0.60-0.62x the time (25 GB/s, the core's
- * streaming rate, against 15); 64 at 1,500-2,048 tokens 0.60x; one at 2,048 0.78x; 256 short contexts 0.88x,
- * 0.90x and 0.96x at head sizes 16, 32 and 128. On family 26 the fetches were what made the strided reads
+ * streaming rate, against 15); 64 at 1,500-2,048 tokens 0.60x; one at 2,048 0.78x; 256 short contexts 0.85-0.89x,
+ * 0.92x and 0.81-0.94x at head sizes 16, 32 and 128. On family 26 the fetches were what made the strided reads
  * pay: 64 sequences at 1,500-2,048 tokens took 1.4x the time without them. Other CPUs keep them, as measured
  * when the strided reads came in. Family is CPUID's (base family, plus the extended family where it is 15). */
 static int prefetch_runs_of_cpu(void) {
@@ -806,11 +806,10 @@ static int prefetch_runs_known = -1;
 /* prefetch_runs_of_cpu, asked once: CPUID may trap to the hypervisor in a virtual machine, and this is read every
  * layer of every step (a racing first call stores the same value). */
 int paged_attention_prefetch_runs(void) {
-    int *const known = &prefetch_runs_known;
-    int value = __atomic_load_n(known, __ATOMIC_RELAXED);
+    int value = __atomic_load_n(&prefetch_runs_known, __ATOMIC_RELAXED);
     if (value < 0) {
         value = prefetch_runs_of_cpu();
-        __atomic_store_n(known, value, __ATOMIC_RELAXED);
+        __atomic_store_n(&prefetch_runs_known, value, __ATOMIC_RELAXED);
     }
     return value;
 }
