@@ -82,7 +82,7 @@ static inline void q8b_query(const uint16_t *row, int D, __m512i *qb) {
 static inline __attribute__((always_inline)) void chunk_q8b(Scratch *w, const char *k_run, const char *v_run,
                                                              const float *ks, const float *vs, const __m512i *qb, const uint8_t *tables,
                                                              const int G, const int C, const int FP8, float kf,
-                                                             int n, int avail, float *max, float *sum) {
+                                                             int n, int avail, int fetch, float *max, float *sum) {
     const char *const *keys = w->keys, *const *values = w->keys + VALUES_AT;
     const size_t row_bytes = (size_t)C * 64;
     const int KB = 16 / G, D = C * 64;
@@ -99,7 +99,7 @@ static inline __attribute__((always_inline)) void chunk_q8b(Scratch *w, const ch
             for (int i = 0; i < KB; i++) {
                 const int at = j0 + i0 + (i < k ? i : 0); /* a short group repeats its first key, sums unused */
                 const uint8_t *key = (const uint8_t *)ROW8(k_run, keys, at);
-                if (i < k && at + Q8_AHEAD < avail) {
+                if (fetch && i < k && at + Q8_AHEAD < avail) {
                     prefetch_row(ROW8(k_run, keys, at + Q8_AHEAD), row_bytes);
                     prefetch_row(ROW8(v_run, values, at + Q8_AHEAD), row_bytes);
                 }
@@ -182,10 +182,10 @@ static inline __attribute__((always_inline)) void chunk_q8b(Scratch *w, const ch
 
 #define CHUNK_Q8B_C(G, F)                                                                                \
     switch (C) {                                                                                         \
-    case 1: chunk_q8b(w, k_run, v_run, ks, vs, qb, tables, G, 1, F, kf, n, avail, max, sum); break;                            \
-    case 2: chunk_q8b(w, k_run, v_run, ks, vs, qb, tables, G, 2, F, kf, n, avail, max, sum); break;                            \
-    case 4: chunk_q8b(w, k_run, v_run, ks, vs, qb, tables, G, 4, F, kf, n, avail, max, sum); break;                            \
-    default: chunk_q8b(w, k_run, v_run, ks, vs, qb, tables, G, C, F, kf, n, avail, max, sum);                                  \
+    case 1: chunk_q8b(w, k_run, v_run, ks, vs, qb, tables, G, 1, F, kf, n, avail, fetch, max, sum); break;     \
+    case 2: chunk_q8b(w, k_run, v_run, ks, vs, qb, tables, G, 2, F, kf, n, avail, fetch, max, sum); break;     \
+    case 4: chunk_q8b(w, k_run, v_run, ks, vs, qb, tables, G, 4, F, kf, n, avail, fetch, max, sum); break;     \
+    default: chunk_q8b(w, k_run, v_run, ks, vs, qb, tables, G, C, F, kf, n, avail, fetch, max, sum);           \
     }
 #define CHUNK_Q8B_G(F)                                                                                   \
     switch (group) {                                                                                     \
@@ -197,7 +197,7 @@ static inline __attribute__((always_inline)) void chunk_q8b(Scratch *w, const ch
 /* C: head_dim / 64; group 1, 2, 4 or 8. */
 static void chunk_q8b_of(Scratch *w, const char *k_run, const char *v_run, const float *ks, const float *vs,
                          const __m512i *qb, const uint8_t *tables, int group, int C, int fp8, float kf,
-                         int n, int avail, float *max, float *sum) {
+                         int n, int avail, int fetch, float *max, float *sum) {
     if (fp8) CHUNK_Q8B_G(1) else CHUNK_Q8B_G(0)
 }
 #endif
@@ -207,12 +207,16 @@ static void chunk_q8b_of(Scratch *w, const char *k_run, const char *v_run, const
 /* An int8 cache with a bf16 query, on AVX512-VNNI: integers multiplied by vpdpwssd (32 int16 products an
  * instruction, summed exactly in int32). Each key row sign-extended to int16 meets the query rounded once
  * to int16 (q16: to 2^-15 of the row's largest |q|, its scale applied to the sum); the values meet each
- * step's weights (softmax weight times the row's scale) rounded to int16 against the step's largest, two
- * value rows interleaved a vpdpwssd, the step's int32 sums scaled into the float32 acc once. Widening to
- * float32 and one FMA per product kept one Zen 4 core compute-bound at about 15 GB/s of cache. */
+ * step's weights (softmax weight times the row's scale) rounded to int16 against the step's largest row
+ * scale, two value rows interleaved a vpdpwssd, the step's int32 sums scaled into the float32 acc once.
+ * Widening to float32 and one FMA per product kept one Zen 4 core compute-bound at about 15 GB/s of cache.
+ * A step's scores and weights stay in registers from the keys' sums to the values' weights: through memory
+ * (scalar stores, a vector load) and with each step's weights reduced for their largest, a 2 x 1,024-token
+ * decode with rows in the L3 took 12.9 ns a row and KV head on one Zen 4 core, against 11.6. */
 
 /* A bf16 query row of D (a multiple of 16) into q16 (int16), rounded to nearest even; returns the scale
- * (q ~ q16 * scale), 0 for a row of zeros. */
+ * (q ~ q16 * scale), 0 for a row of zeros. Eight bits (vpdpbusd's) would be too few: a query rounded to 2^-7 of
+ * its largest value moved sharp attention's outputs by up to 0.04 (every int8 byte, head size 128). */
 static float q8i_query(const uint16_t *row, int D, int16_t *q16) {
     __m512 amax = _mm512_setzero_ps();
     for (int d = 0; d < D; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(row, ELEM_BF16, d)));
@@ -224,11 +228,53 @@ static float q8i_query(const uint16_t *row, int D, int16_t *q16) {
     return top / 32767.0f;
 }
 
+/* Row r's step of the online softmax on its scores in a register (lanes past the step's live keys -inf): the
+ * weights exp(score - running max), 0 past the live keys; max and sum move on; *correction rescales what acc
+ * holds (1 where the max stayed, 0 on the first step). A NaN score is skipped in the max, as in softmax_step. */
+static inline __m512 softmax_step_v(__m512 s, __mmask16 live, float *max, float *sum, float *correction) {
+    const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(s, _mm512_set1_ps(-INFINITY)));
+    float c = 1.0f;
+    if (step_max > *max) {
+        c = expf(*max - step_max); /* 0 on the first step: *max is -inf */
+        *max = step_max;
+    }
+    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(*max))));
+    *sum = *sum * c + _mm512_reduce_add_ps(e);
+    *correction = c;
+    return e;
+}
+
+/* A step's scores a row: pass p's sums (sv[p], lane r KB + i for key p KB + i of row r, KB = 16 / G) regrouped
+ * so that rows[r] lane j is key j of row r, in registers (a G x G transpose of KB-lane blocks). */
+static inline __attribute__((always_inline)) void q8i_rows(const __m512 *sv, const int G, __m512 *rows) {
+    if (G == 1) {
+        rows[0] = sv[0];
+    } else if (G == 2) {
+        rows[0] = _mm512_shuffle_f32x4(sv[0], sv[1], 0x44);
+        rows[1] = _mm512_shuffle_f32x4(sv[0], sv[1], 0xEE);
+    } else if (G == 4) {
+        const __m512 t0 = _mm512_shuffle_f32x4(sv[0], sv[1], 0x44), t1 = _mm512_shuffle_f32x4(sv[2], sv[3], 0x44);
+        const __m512 t2 = _mm512_shuffle_f32x4(sv[0], sv[1], 0xEE), t3 = _mm512_shuffle_f32x4(sv[2], sv[3], 0xEE);
+        rows[0] = _mm512_shuffle_f32x4(t0, t1, 0x88);
+        rows[1] = _mm512_shuffle_f32x4(t0, t1, 0xDD);
+        rows[2] = _mm512_shuffle_f32x4(t2, t3, 0x88);
+        rows[3] = _mm512_shuffle_f32x4(t2, t3, 0xDD);
+    } else { /* G 8: pairs of lanes, an 8 x 8 transpose of 64-bit elements through memory */
+        double in[8][8] __attribute__((aligned(64))), out[8][8] __attribute__((aligned(64)));
+        for (int p = 0; p < 8; p++) _mm512_store_pd(in[p], _mm512_castps_pd(sv[p]));
+        for (int r = 0; r < 8; r++)
+            for (int p = 0; p < 8; p++) out[r][p] = in[p][r];
+        for (int r = 0; r < 8; r++) rows[r] = _mm512_castpd_ps(_mm512_load_pd(out[r]));
+    }
+}
+
 /* A chunk of n keys (w->keys as chunk_q8 takes them) in steps of SUB keys. q16: G rows of D = 32 C; qf[r]:
- * row r's score factor (the softmax scale times its q16 scale), each score then times its key's row scale. */
+ * row r's score factor (the softmax scale times its q16 scale), each score then times its key's row scale. A
+ * step's scores and weights stay in registers; its weights (softmax weight times the value row's scale, at most
+ * the step's largest row scale, since no weight exceeds 1) are rounded to int16 against that bound. */
 static inline __attribute__((always_inline)) void chunk_q8i(Scratch *w, const char *k_run, const char *v_run,
                                                              const float *ks, const float *vs, const int16_t *q16, const float *qf,
-                                                             const int G, const int C, int n, int avail,
+                                                             const int G, const int C, int n, int avail, int fetch,
                                                              float *max, float *sum) {
     const char *const *keys = w->keys, *const *values = w->keys + VALUES_AT;
     const size_t row_bytes = (size_t)C * 32;
@@ -236,17 +282,16 @@ static inline __attribute__((always_inline)) void chunk_q8i(Scratch *w, const ch
     const int CB = 8 / G; /* 32-dimension pieces of a value pass: 2 G CB int32 sums in registers */
     __m512i qv[8 * 8];
     for (int i = 0; i < G * C; i++) qv[i] = _mm512_loadu_si512(q16 + 32 * i);
-    float lane_factor[16] __attribute__((aligned(64)));
-    for (int r = 0; r < G; r++)
-        for (int i = 0; i < KB; i++) lane_factor[r * KB + i] = qf[r];
-    const __m512 lf = _mm512_load_ps(lane_factor);
-    float scores[8][SUB] __attribute__((aligned(64)));
     int32_t pairs[8][SUB / 2] __attribute__((aligned(64)));
     for (int j0 = 0; j0 < n; j0 += SUB) {
         const int m = n - j0 < SUB ? n - j0 : SUB;
         const __mmask16 live = (__mmask16)((1u << m) - 1);
-        for (int r = 0; r < G; r++) _mm512_storeu_ps(scores[r], _mm512_set1_ps(-INFINITY));
-        for (int i0 = 0; i0 < m; i0 += KB) {
+        __m512 sv[8];
+        for (int p = 0, i0 = 0; p < G; p++, i0 += KB) {
+            if (i0 >= m) {
+                sv[p] = _mm512_setzero_ps(); /* no live key: masked below */
+                continue;
+            }
             const int k = m - i0 < KB ? m - i0 : KB;
             __m512i acc[16];
             for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_si512();
@@ -254,7 +299,7 @@ static inline __attribute__((always_inline)) void chunk_q8i(Scratch *w, const ch
             for (int i = 0; i < KB; i++) {
                 const int at = j0 + i0 + (i < k ? i : 0); /* a short group repeats its first key, sums unused */
                 const int8_t *key = (const int8_t *)ROW8(k_run, keys, at);
-                if (i < k && at + Q8_AHEAD < avail) {
+                if (fetch && i < k && at + Q8_AHEAD < avail) {
                     prefetch_row(ROW8(k_run, keys, at + Q8_AHEAD), row_bytes);
                     prefetch_row(ROW8(v_run, values, at + Q8_AHEAD), row_bytes);
                 }
@@ -265,22 +310,22 @@ static inline __attribute__((always_inline)) void chunk_q8i(Scratch *w, const ch
             }
             __m512 f[16];
             for (int i = 0; i < 16; i++) f[i] = _mm512_cvtepi32_ps(acc[i]);
-            float s[16];
-            _mm512_storeu_ps(s, _mm512_mul_ps(sum16(f), lf));
-            for (int r = 0; r < G; r++)
-                for (int i = 0; i < k; i++) scores[r][i0 + i] = s[r * KB + i] * ks[j0 + i0 + i];
+            sv[p] = sum16(f);
         }
-        float correction[8], step_scale[8];
+        __m512 rows[8];
+        q8i_rows(sv, G, rows);
+        const __m512 key_scales = _mm512_maskz_loadu_ps(live, ks + j0);
         const __m512 row_scales = _mm512_maskz_loadu_ps(live, vs + j0);
+        const float vmax = _mm512_reduce_max_ps(row_scales);
+        const __m512 inv = _mm512_set1_ps(vmax > 0.0f ? 32767.0f / vmax : 0.0f);
+        const float step_scale = vmax / 32767.0f;
+        float correction[8];
         for (int r = 0; r < G; r++) {
-            correction[r] = softmax_step(scores[r], m, &max[r], &sum[r]);
-            /* the step's weights in int16 against their largest (0 past m: softmax_step zeroed those) */
-            const __m512 wt = _mm512_mul_ps(_mm512_loadu_ps(scores[r]), row_scales);
-            const float wmax = _mm512_reduce_max_ps(wt);
-            const float inv = wmax > 0.0f ? 32767.0f / wmax : 0.0f;
-            step_scale[r] = wmax / 32767.0f;
-            _mm256_storeu_si256((__m256i *)pairs[r],
-                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(wt, _mm512_set1_ps(inv)))));
+            const __m512 s = _mm512_mul_ps(rows[r], _mm512_mul_ps(key_scales, _mm512_set1_ps(qf[r])));
+            const __m512 e = softmax_step_v(_mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s), live, &max[r],
+                                            &sum[r], &correction[r]);
+            const __m512 weights = _mm512_mul_ps(_mm512_mul_ps(e, row_scales), inv);
+            _mm256_store_si256((__m256i *)pairs[r], _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(weights)));
         }
         for (int c0 = 0; c0 < C; c0 += CB) {
             const int cs = C - c0 < CB ? C - c0 : CB;
@@ -302,7 +347,7 @@ static inline __attribute__((always_inline)) void chunk_q8i(Scratch *w, const ch
                 }
             }
             for (int r = 0; r < G; r++) {
-                const __m512 f = _mm512_set1_ps(correction[r]), ss = _mm512_set1_ps(step_scale[r]);
+                const __m512 f = _mm512_set1_ps(correction[r]), ss = _mm512_set1_ps(step_scale);
                 for (int u = 0; u < 2 * cs; u++) {
                     float *at = w->acc + (size_t)r * D + 32 * c0 + 16 * u;
                     _mm512_storeu_ps(at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r * CB * 2 + u]), ss,
@@ -315,15 +360,15 @@ static inline __attribute__((always_inline)) void chunk_q8i(Scratch *w, const ch
 
 #define CHUNK_Q8I_C(G)                                                                                   \
     switch (C) {                                                                                         \
-    case 1: chunk_q8i(w, k_run, v_run, ks, vs, q16, qf, G, 1, n, avail, max, sum); break;                                      \
-    case 2: chunk_q8i(w, k_run, v_run, ks, vs, q16, qf, G, 2, n, avail, max, sum); break;                                      \
-    case 4: chunk_q8i(w, k_run, v_run, ks, vs, q16, qf, G, 4, n, avail, max, sum); break;                                      \
-    case 8: chunk_q8i(w, k_run, v_run, ks, vs, q16, qf, G, 8, n, avail, max, sum); break;                                      \
-    default: chunk_q8i(w, k_run, v_run, ks, vs, q16, qf, G, C, n, avail, max, sum);                                            \
+    case 1: chunk_q8i(w, k_run, v_run, ks, vs, q16, qf, G, 1, n, avail, fetch, max, sum); break;               \
+    case 2: chunk_q8i(w, k_run, v_run, ks, vs, q16, qf, G, 2, n, avail, fetch, max, sum); break;               \
+    case 4: chunk_q8i(w, k_run, v_run, ks, vs, q16, qf, G, 4, n, avail, fetch, max, sum); break;               \
+    case 8: chunk_q8i(w, k_run, v_run, ks, vs, q16, qf, G, 8, n, avail, fetch, max, sum); break;               \
+    default: chunk_q8i(w, k_run, v_run, ks, vs, q16, qf, G, C, n, avail, fetch, max, sum);                     \
     }
 /* C: head_dim / 32; group 1, 2, 4 or 8. */
 static void chunk_q8i_of(Scratch *w, const char *k_run, const char *v_run, const float *ks, const float *vs,
-                         const int16_t *q16, const float *qf, int group, int C, int n, int avail,
+                         const int16_t *q16, const float *qf, int group, int C, int n, int avail, int fetch,
                          float *max, float *sum) {
     switch (group) {
     case 1: CHUNK_Q8I_C(1); break;

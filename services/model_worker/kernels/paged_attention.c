@@ -95,7 +95,8 @@ static inline __m512 exp16(__m512 x) {
 #endif
 
 #define PREFETCH 16 /* key rows ahead */
-/* The 8-bit paths' rows fetched ahead (chunk_q8b, chunk_q8i): their rows are half the bf16 path's bytes. */
+/* The 8-bit paths' rows fetched ahead (chunk_q8b, chunk_q8i; by stride only where paged_attention_prefetch_runs
+ * says): their rows are half the bf16 path's bytes. */
 #ifndef Q8_AHEAD
 #define Q8_AHEAD 16
 #endif
@@ -646,14 +647,15 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
                     }
 #ifdef Q8I_PATH
                 if (q8i_path) {
-                    chunk_q8i_of(w, k_run, v_run, ks, vs, (const int16_t *)w->q, qf, group, D / 32, n, avail, max, sum);
+                    chunk_q8i_of(w, k_run, v_run, ks, vs, (const int16_t *)w->q, qf, group, D / 32, n, avail,
+                                 a->prefetch_runs, max, sum);
                     continue;
                 }
 #endif
 #ifdef Q8B_PATH
                 if (q8b_path) {
                     chunk_q8b_of(w, k_run, v_run, ks, vs, qb8, a->tables, group, D / 64, a->kv_kind == KV_FP8, q8b_kf,
-                                 n, avail, max, sum);
+                                 n, avail, a->prefetch_runs, max, sum);
                     continue;
                 }
 #endif
@@ -687,15 +689,15 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
             }
 #ifdef Q8I_PATH
         if (q8i_path) {
-            chunk_q8i_of(w, NULL, NULL, w->k_scales, w->v_scales, (const int16_t *)w->q, qf, group, D / 32, n, avail, max,
-                         sum);
+            chunk_q8i_of(w, NULL, NULL, w->k_scales, w->v_scales, (const int16_t *)w->q, qf, group, D / 32, n, avail, 1,
+                         max, sum);
             continue;
         }
 #endif
 #ifdef Q8B_PATH
         if (q8b_path) {
             chunk_q8b_of(w, NULL, NULL, w->k_scales, w->v_scales, qb8, a->tables, group, D / 64, a->kv_kind == KV_FP8,
-                         q8b_kf, n, avail, max, sum);
+                         q8b_kf, n, avail, 1, max, sum);
             continue;
         }
 #endif
@@ -775,14 +777,17 @@ static int check_block_tables(const int32_t *context_lens, const int32_t *block_
     return 0;
 }
 
-/* Whether the bf16 path fetches key and value rows AHEAD on where a chunk's rows are one run of slots (read by
- * stride), or leaves the two streams to the hardware's prefetchers. It depends on the CPU. On AMD's family 25
- * (Zen 4), without the fetches, on one core (bench/bench_decode_attention.py, bit-equal, in one run against the
- * kernel with them): 16 sequences at 1,000 tokens, head size 128, took 0.60-0.62x the time (25 GB/s, the core's
- * streaming rate, against 15); 64 at 1,500-2,048 tokens 0.60x; one at 2,048 0.78x; 256 short contexts 0.85-0.89x,
- * 0.92x and 0.81-0.94x at head sizes 16, 32 and 128. On family 26 the fetches were what made the strided reads
- * pay: 64 sequences at 1,500-2,048 tokens took 1.4x the time without them. Other CPUs keep them, as measured
- * when the strided reads came in. Family is CPUID's (base family, plus the extended family where it is 15). */
+/* Whether the bf16 path fetches key and value rows AHEAD on (the 8-bit paths Q8_AHEAD on) where a chunk's rows
+ * are one run of slots (read by stride), or leaves the two streams to the hardware's prefetchers. It depends on
+ * the CPU. On AMD's family 25 (Zen 4), without the fetches, on one core (bench/bench_decode_attention.py,
+ * bit-equal, in one run against the kernel with them): 16 sequences at 1,000 tokens, head size 128, took
+ * 0.60-0.62x the time (25 GB/s, the core's streaming rate, against 15); 64 at 1,500-2,048 tokens 0.60x; one at
+ * 2,048 0.78x; 256 short contexts 0.85-0.89x, 0.92x and 0.81-0.94x at head sizes 16, 32 and 128. The int8 path
+ * there, 16 sequences at 1,024 tokens (8 KV heads of 128, the cache read from memory), took 0.84-0.85x the time
+ * on one core and 0.69-0.83x on two; fp8's 0.95-0.97x on two. On family 26 the fetches were what made the
+ * strided reads pay: 64 sequences at 1,500-2,048 tokens took 1.4x the time without them. Other CPUs keep them,
+ * as measured when the strided reads came in. Family is CPUID's (base family, plus the extended family where it
+ * is 15). */
 static int prefetch_runs_of_cpu(void) {
 #if defined(__x86_64__) || defined(__i386__)
     unsigned eax, ebx, ecx, edx;
