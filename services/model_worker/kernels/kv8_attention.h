@@ -6,6 +6,48 @@
 #ifndef VLLM_V0_KV8_ATTENTION_H
 #define VLLM_V0_KV8_ATTENTION_H
 
+#ifdef __AVX512F__
+/* Row r's step of the online softmax on its scores in a register (lanes past the step's live keys -inf): the
+ * weights exp(score - running max), 0 past the live keys; max and sum move on; *correction rescales what acc
+ * holds (1 where the max stayed, 0 on the first step). A NaN score is skipped in the max, as in softmax_step. */
+static inline __m512 softmax_step_v(__m512 s, __mmask16 live, float *max, float *sum, float *correction) {
+    const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(s, _mm512_set1_ps(-INFINITY)));
+    float c = 1.0f;
+    if (step_max > *max) {
+        c = expf(*max - step_max); /* 0 on the first step: *max is -inf */
+        *max = step_max;
+    }
+    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(*max))));
+    *sum = *sum * c + _mm512_reduce_add_ps(e);
+    *correction = c;
+    return e;
+}
+
+/* A step's scores a row: pass p's sums (sv[p], lane r KB + i for key p KB + i of row r, KB = 16 / G) regrouped
+ * so that rows[r] lane j is key j of row r, in registers (a G x G transpose of KB-lane blocks). */
+static inline __attribute__((always_inline)) void step_rows(const __m512 *sv, const int G, __m512 *rows) {
+    if (G == 1) {
+        rows[0] = sv[0];
+    } else if (G == 2) {
+        rows[0] = _mm512_shuffle_f32x4(sv[0], sv[1], 0x44);
+        rows[1] = _mm512_shuffle_f32x4(sv[0], sv[1], 0xEE);
+    } else if (G == 4) {
+        const __m512 t0 = _mm512_shuffle_f32x4(sv[0], sv[1], 0x44), t1 = _mm512_shuffle_f32x4(sv[2], sv[3], 0x44);
+        const __m512 t2 = _mm512_shuffle_f32x4(sv[0], sv[1], 0xEE), t3 = _mm512_shuffle_f32x4(sv[2], sv[3], 0xEE);
+        rows[0] = _mm512_shuffle_f32x4(t0, t1, 0x88);
+        rows[1] = _mm512_shuffle_f32x4(t0, t1, 0xDD);
+        rows[2] = _mm512_shuffle_f32x4(t2, t3, 0x88);
+        rows[3] = _mm512_shuffle_f32x4(t2, t3, 0xDD);
+    } else { /* G 8: pairs of lanes, an 8 x 8 transpose of 64-bit elements through memory */
+        double in[8][8] __attribute__((aligned(64))), out[8][8] __attribute__((aligned(64)));
+        for (int p = 0; p < 8; p++) _mm512_store_pd(in[p], _mm512_castps_pd(sv[p]));
+        for (int r = 0; r < 8; r++)
+            for (int p = 0; p < 8; p++) out[r][p] = in[p][r];
+        for (int r = 0; r < 8; r++) rows[r] = _mm512_castpd_ps(_mm512_load_pd(out[r]));
+    }
+}
+#endif
+
 /* Row `at` of a chunk: by stride from `run` where the chunk's slots are one run of ids, else from `rows`. */
 #define ROW8(run, rows, at) ((run) ? (run) + (size_t)(at) * row_bytes : (rows)[at])
 
@@ -91,7 +133,9 @@ static inline __attribute__((always_inline)) void chunk_q8b(Scratch *w, const ch
     float scores[8][SUB] __attribute__((aligned(64)));
     for (int j0 = 0; j0 < n; j0 += SUB) {
         const int m = n - j0 < SUB ? n - j0 : SUB;
-        for (int r = 0; r < G; r++) _mm512_storeu_ps(scores[r], _mm512_set1_ps(-INFINITY));
+        const __mmask16 live = (__mmask16)((1u << m) - 1);
+        __m512 sv[8];
+        for (int p = 0; p < G; p++) sv[p] = _mm512_setzero_ps(); /* passes past the step's keys: masked below */
         for (int i0 = 0; i0 < m; i0 += KB) {
             const int k = m - i0 < KB ? m - i0 : KB;
             __m512 acc[16];
@@ -113,17 +157,18 @@ static inline __attribute__((always_inline)) void chunk_q8b(Scratch *w, const ch
                     }
                 }
             }
-            float s[16];
-            _mm512_storeu_ps(s, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(kf)));
-            for (int r = 0; r < G; r++)
-                for (int i = 0; i < k; i++)
-                    scores[r][i0 + i] = FP8 ? s[r * KB + i] : s[r * KB + i] * ks[j0 + i0 + i];
+            sv[i0 / KB] = sum16(acc);
         }
+        __m512 rows[8];
+        step_rows(sv, G, rows);
+        const __m512 key_factors = FP8 ? _mm512_set1_ps(kf) : _mm512_mul_ps(_mm512_maskz_loadu_ps(live, ks + j0),
+                                                                            _mm512_set1_ps(kf));
         float correction[8];
-        for (int r = 0; r < G; r++) correction[r] = softmax_step(scores[r], m, &max[r], &sum[r]);
-        if (!FP8)
-            for (int r = 0; r < G; r++)
-                for (int i = 0; i < m; i++) scores[r][i] *= vs[j0 + i];
+        for (int r = 0; r < G; r++) {
+            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(rows[r], key_factors));
+            const __m512 e = softmax_step_v(s, live, &max[r], &sum[r], &correction[r]);
+            _mm512_store_ps(scores[r], FP8 ? e : _mm512_mul_ps(e, _mm512_maskz_loadu_ps(live, vs + j0)));
+        }
         if (Q8B_TABLE_VALUES(FP8, G)) {
             const int CB = 4 / G > 0 ? (4 / G < C ? 4 / G : C) : 1; /* 64-byte pieces a pass: 4 G CB sums */
             const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
@@ -228,46 +273,6 @@ static float q8i_query(const uint16_t *row, int D, int16_t *q16) {
     return top / 32767.0f;
 }
 
-/* Row r's step of the online softmax on its scores in a register (lanes past the step's live keys -inf): the
- * weights exp(score - running max), 0 past the live keys; max and sum move on; *correction rescales what acc
- * holds (1 where the max stayed, 0 on the first step). A NaN score is skipped in the max, as in softmax_step. */
-static inline __m512 softmax_step_v(__m512 s, __mmask16 live, float *max, float *sum, float *correction) {
-    const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(s, _mm512_set1_ps(-INFINITY)));
-    float c = 1.0f;
-    if (step_max > *max) {
-        c = expf(*max - step_max); /* 0 on the first step: *max is -inf */
-        *max = step_max;
-    }
-    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(*max))));
-    *sum = *sum * c + _mm512_reduce_add_ps(e);
-    *correction = c;
-    return e;
-}
-
-/* A step's scores a row: pass p's sums (sv[p], lane r KB + i for key p KB + i of row r, KB = 16 / G) regrouped
- * so that rows[r] lane j is key j of row r, in registers (a G x G transpose of KB-lane blocks). */
-static inline __attribute__((always_inline)) void q8i_rows(const __m512 *sv, const int G, __m512 *rows) {
-    if (G == 1) {
-        rows[0] = sv[0];
-    } else if (G == 2) {
-        rows[0] = _mm512_shuffle_f32x4(sv[0], sv[1], 0x44);
-        rows[1] = _mm512_shuffle_f32x4(sv[0], sv[1], 0xEE);
-    } else if (G == 4) {
-        const __m512 t0 = _mm512_shuffle_f32x4(sv[0], sv[1], 0x44), t1 = _mm512_shuffle_f32x4(sv[2], sv[3], 0x44);
-        const __m512 t2 = _mm512_shuffle_f32x4(sv[0], sv[1], 0xEE), t3 = _mm512_shuffle_f32x4(sv[2], sv[3], 0xEE);
-        rows[0] = _mm512_shuffle_f32x4(t0, t1, 0x88);
-        rows[1] = _mm512_shuffle_f32x4(t0, t1, 0xDD);
-        rows[2] = _mm512_shuffle_f32x4(t2, t3, 0x88);
-        rows[3] = _mm512_shuffle_f32x4(t2, t3, 0xDD);
-    } else { /* G 8: pairs of lanes, an 8 x 8 transpose of 64-bit elements through memory */
-        double in[8][8] __attribute__((aligned(64))), out[8][8] __attribute__((aligned(64)));
-        for (int p = 0; p < 8; p++) _mm512_store_pd(in[p], _mm512_castps_pd(sv[p]));
-        for (int r = 0; r < 8; r++)
-            for (int p = 0; p < 8; p++) out[r][p] = in[p][r];
-        for (int r = 0; r < 8; r++) rows[r] = _mm512_castpd_ps(_mm512_load_pd(out[r]));
-    }
-}
-
 /* A chunk of n keys (w->keys as chunk_q8 takes them) in steps of SUB keys. q16: G rows of D = 32 C; qf[r]:
  * row r's score factor (the softmax scale times its q16 scale), each score then times its key's row scale. A
  * step's scores and weights stay in registers; its weights (softmax weight times the value row's scale, at most
@@ -313,7 +318,7 @@ static inline __attribute__((always_inline)) void chunk_q8i(Scratch *w, const ch
             sv[p] = sum16(f);
         }
         __m512 rows[8];
-        q8i_rows(sv, G, rows);
+        step_rows(sv, G, rows);
         const __m512 key_scales = _mm512_maskz_loadu_ps(live, ks + j0);
         const __m512 row_scales = _mm512_maskz_loadu_ps(live, vs + j0);
         const float vmax = _mm512_reduce_max_ps(row_scales);
