@@ -273,6 +273,23 @@ static float q8i_query(const uint16_t *row, int D, int16_t *q16) {
     return top / 32767.0f;
 }
 
+/* sum16 in int32, so that a pass's sixteen sums are converted to float32 once, not each vector (9.9 against
+ * 10.8 ns a row and KV head in chunk_q8i, rows in the L3, one Zen 4 core). A row's sum is at most
+ * 256 x 128 x 32767 = 2^30 in size. */
+static inline __m512i sum16_epi32(const __m512i v[16]) {
+    __m512i s[8], t[4], u[2];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(s[2 * i], s[2 * i + 1]),
+                                _mm512_unpackhi_epi64(s[2 * i], s[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        u[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(t[2 * i], t[2 * i + 1], 0x88),
+                                _mm512_shuffle_i32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88), _mm512_shuffle_i32x4(u[0], u[1], 0xDD));
+}
+
 /* A chunk of n keys (w->keys as chunk_q8 takes them) in steps of SUB keys. q16: G rows of D = 32 C; qf[r]:
  * row r's score factor (the softmax scale times its q16 scale), each score then times its key's row scale. A
  * step's scores and weights stay in registers; its weights (softmax weight times the value row's scale, at most
@@ -313,9 +330,7 @@ static inline __attribute__((always_inline)) void chunk_q8i(Scratch *w, const ch
                     for (int r = 0; r < G; r++) acc[r * KB + i] = _mm512_dpwssd_epi32(acc[r * KB + i], k16, qv[r * C + c]);
                 }
             }
-            __m512 f[16];
-            for (int i = 0; i < 16; i++) f[i] = _mm512_cvtepi32_ps(acc[i]);
-            sv[p] = sum16(f);
+            sv[p] = _mm512_cvtepi32_ps(sum16_epi32(acc));
         }
         __m512 rows[8];
         step_rows(sv, G, rows);
