@@ -6,48 +6,6 @@
 #ifndef VLLM_V0_KV8_ATTENTION_H
 #define VLLM_V0_KV8_ATTENTION_H
 
-#ifdef __AVX512F__
-/* Row r's step of the online softmax on its scores in a register (lanes past the step's live keys -inf): the
- * weights exp(score - running max), 0 past the live keys; max and sum move on; *correction rescales what acc
- * holds (1 where the max stayed, 0 on the first step). A NaN score is skipped in the max, as in softmax_step. */
-static inline __m512 softmax_step_v(__m512 s, __mmask16 live, float *max, float *sum, float *correction) {
-    const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(s, _mm512_set1_ps(-INFINITY)));
-    float c = 1.0f;
-    if (step_max > *max) {
-        c = expf(*max - step_max); /* 0 on the first step: *max is -inf */
-        *max = step_max;
-    }
-    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(*max))));
-    *sum = *sum * c + _mm512_reduce_add_ps(e);
-    *correction = c;
-    return e;
-}
-
-/* A step's scores a row: pass p's sums (sv[p], lane r KB + i for key p KB + i of row r, KB = 16 / G) regrouped
- * so that rows[r] lane j is key j of row r, in registers (a G x G transpose of KB-lane blocks). */
-static inline __attribute__((always_inline)) void step_rows(const __m512 *sv, const int G, __m512 *rows) {
-    if (G == 1) {
-        rows[0] = sv[0];
-    } else if (G == 2) {
-        rows[0] = _mm512_shuffle_f32x4(sv[0], sv[1], 0x44);
-        rows[1] = _mm512_shuffle_f32x4(sv[0], sv[1], 0xEE);
-    } else if (G == 4) {
-        const __m512 t0 = _mm512_shuffle_f32x4(sv[0], sv[1], 0x44), t1 = _mm512_shuffle_f32x4(sv[2], sv[3], 0x44);
-        const __m512 t2 = _mm512_shuffle_f32x4(sv[0], sv[1], 0xEE), t3 = _mm512_shuffle_f32x4(sv[2], sv[3], 0xEE);
-        rows[0] = _mm512_shuffle_f32x4(t0, t1, 0x88);
-        rows[1] = _mm512_shuffle_f32x4(t0, t1, 0xDD);
-        rows[2] = _mm512_shuffle_f32x4(t2, t3, 0x88);
-        rows[3] = _mm512_shuffle_f32x4(t2, t3, 0xDD);
-    } else { /* G 8: pairs of lanes, an 8 x 8 transpose of 64-bit elements through memory */
-        double in[8][8] __attribute__((aligned(64))), out[8][8] __attribute__((aligned(64)));
-        for (int p = 0; p < 8; p++) _mm512_store_pd(in[p], _mm512_castps_pd(sv[p]));
-        for (int r = 0; r < 8; r++)
-            for (int p = 0; p < 8; p++) out[r][p] = in[p][r];
-        for (int r = 0; r < 8; r++) rows[r] = _mm512_castpd_ps(_mm512_load_pd(out[r]));
-    }
-}
-#endif
-
 /* Row `at` of a chunk: by stride from `run` where the chunk's slots are one run of ids, else from `rows`. */
 #define ROW8(run, rows, at) ((run) ? (run) + (size_t)(at) * row_bytes : (rows)[at])
 

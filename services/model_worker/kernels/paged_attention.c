@@ -238,6 +238,46 @@ static inline float softmax_step(float *scores, int m, float *max, float *sum) {
     *sum = *sum * correction + _mm512_reduce_add_ps(e);
     return correction;
 }
+
+/* Row r's step of the online softmax on its scores in a register (lanes past the step's live keys -inf): the
+ * weights exp(score - running max), 0 past the live keys; max and sum move on; *correction rescales what acc
+ * holds (1 where the max stayed, 0 on the first step). A NaN score is skipped in the max, as in softmax_step. */
+static inline __m512 softmax_step_v(__m512 s, __mmask16 live, float *max, float *sum, float *correction) {
+    const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(s, _mm512_set1_ps(-INFINITY)));
+    float c = 1.0f;
+    if (step_max > *max) {
+        c = expf(*max - step_max); /* 0 on the first step: *max is -inf */
+        *max = step_max;
+    }
+    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(*max))));
+    *sum = *sum * c + _mm512_reduce_add_ps(e);
+    *correction = c;
+    return e;
+}
+
+/* A step's scores a row: pass p's sums (sv[p], lane r KB + i for key p KB + i of row r, KB = 16 / G) regrouped
+ * so that rows[r] lane j is key j of row r, in registers (a G x G transpose of KB-lane blocks). */
+static inline __attribute__((always_inline)) void step_rows(const __m512 *sv, const int G, __m512 *rows) {
+    if (G == 1) {
+        rows[0] = sv[0];
+    } else if (G == 2) {
+        rows[0] = _mm512_shuffle_f32x4(sv[0], sv[1], 0x44);
+        rows[1] = _mm512_shuffle_f32x4(sv[0], sv[1], 0xEE);
+    } else if (G == 4) {
+        const __m512 t0 = _mm512_shuffle_f32x4(sv[0], sv[1], 0x44), t1 = _mm512_shuffle_f32x4(sv[2], sv[3], 0x44);
+        const __m512 t2 = _mm512_shuffle_f32x4(sv[0], sv[1], 0xEE), t3 = _mm512_shuffle_f32x4(sv[2], sv[3], 0xEE);
+        rows[0] = _mm512_shuffle_f32x4(t0, t1, 0x88);
+        rows[1] = _mm512_shuffle_f32x4(t0, t1, 0xDD);
+        rows[2] = _mm512_shuffle_f32x4(t2, t3, 0x88);
+        rows[3] = _mm512_shuffle_f32x4(t2, t3, 0xDD);
+    } else { /* G 8: pairs of lanes, an 8 x 8 transpose of 64-bit elements through memory */
+        double in[8][8] __attribute__((aligned(64))), out[8][8] __attribute__((aligned(64)));
+        for (int p = 0; p < 8; p++) _mm512_store_pd(in[p], _mm512_castps_pd(sv[p]));
+        for (int r = 0; r < 8; r++)
+            for (int p = 0; p < 8; p++) out[r][p] = in[p][r];
+        for (int r = 0; r < 8; r++) rows[r] = _mm512_castpd_ps(_mm512_load_pd(out[r]));
+    }
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -260,9 +300,10 @@ static inline float softmax_step(float *scores, int m, float *max, float *sum) {
  * sums its values (the values while scoring) did no better; the values a whole step (16 rows) ahead, or
  * 4, 6 or 12 rows ahead, no better or worse (docs/served-speed.md, item 41). */
 
-/* scores[r][i] = scale * (q[r] . key[i]) for the step's m <= SUB keys, by vdpbf16ps on the unscaled bf16
+/* rows[r] lane i = scale * (q[r] . key[i]) for the step's m <= SUB keys, by vdpbf16ps on the unscaled bf16
  * query (products of two bf16 are exact in float32); lanes past m are -inf. 16 / G keys at a time for all
- * G rows, so each key row is loaded once and the 16 (row, key) sums reduce together, lane r * KB + i.
+ * G rows, so each key row is loaded once and the 16 (row, key) sums reduce together, lane r * KB + i,
+ * regrouped into a vector a row in registers (step_rows) for the softmax step.
  * G and C (head_dim / 32) are constants at each call site, and a short group repeats its first key (its
  * sums unused), so the loops unroll and the 16 sums stay in registers: with the head size a runtime
  * value they went through memory, and this step took most of the kernel's time with the rows in cache. */
@@ -270,11 +311,12 @@ static inline __attribute__((always_inline)) void score_step_bf16(const Args *a,
                                                                    const char *run, const char *v_run,
                                                                    const __m512i *qb,
                                                                    const int G, const int C, const int HALF,
-                                                                   const int FETCH, int m, float scores[][SUB],
+                                                                   const int FETCH, int m, __m512 *rows,
                                                                    int avail) {
     const int KB = 16 / G;
     const __m512 scale = _mm512_set1_ps(a->scale);
-    for (int r = 0; r < G; r++) _mm512_storeu_ps(scores[r], _mm512_set1_ps(-INFINITY));
+    __m512 sv[8];
+    for (int p = 0; p < G; p++) sv[p] = _mm512_setzero_ps(); /* passes past the step's keys: masked below */
     for (int j0 = 0; j0 < m; j0 += KB) {
         const int k = m - j0 < KB ? m - j0 : KB;
         __m512 acc[16];
@@ -294,14 +336,11 @@ static inline __attribute__((always_inline)) void score_step_bf16(const Args *a,
                     acc[r * KB + i] = _mm512_dpbf16_ps(acc[r * KB + i], (__m512bh)qb[r * C + c], kv);
             }
         }
-        float s[16];
-        _mm512_storeu_ps(s, _mm512_mul_ps(sum16(acc), scale));
-        if (k == KB)
-            for (int r = 0; r < G; r++) memcpy(&scores[r][j0], &s[r * KB], sizeof(float) * KB);
-        else
-            for (int r = 0; r < G; r++)
-                for (int i = 0; i < k; i++) scores[r][j0 + i] = s[r * KB + i];
+        sv[j0 / KB] = _mm512_mul_ps(sum16(acc), scale);
     }
+    step_rows(sv, G, rows);
+    for (int r = 0; r < G; r++)
+        rows[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((1u << m) - 1), rows[r]);
 }
 
 /* acc[r] = acc[r] * correction[r] + sum_j p[r][j] * value[j] over the step's m values. 32 bf16 dimensions
@@ -378,11 +417,14 @@ static inline __attribute__((always_inline)) void chunk_bf16(const Args *a, Scra
     float scores[8][SUB] __attribute__((aligned(64)));
     for (int j0 = 0; j0 < n; j0 += SUB) {
         const int m = n - j0 < SUB ? n - j0 : SUB;
+        __m512 rows[8];
         score_step_bf16(a, keys + j0, STRIDED ? k_run + j0 * row_bytes : NULL,
                         STRIDED ? v_run + j0 * row_bytes : NULL, qb, G, C, HALF, STRIDED != STRIDED_UNFETCHED, m,
-                        scores, avail - j0);
+                        rows, avail - j0);
         float correction[8];
-        for (int r = 0; r < G; r++) correction[r] = softmax_step(scores[r], m, &max[r], &sum[r]);
+        for (int r = 0; r < G; r++)
+            _mm512_store_ps(scores[r], softmax_step_v(rows[r], (__mmask16)((1u << m) - 1), &max[r], &sum[r],
+                                                      &correction[r]));
         accumulate_step_bf16(a, w->acc, values + j0, STRIDED ? v_run + j0 * row_bytes : NULL, G, C, HALF, m,
                              scores, correction);
     }
