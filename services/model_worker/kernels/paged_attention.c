@@ -220,6 +220,20 @@ static inline __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
 }
 
+/* Eight vectors of two keys' sums each (lanes 0-7 and 8-15): lane 2 i of the result is the sum of v[i]'s low
+ * eight lanes, lane 2 i + 1 of its high eight, in 21 shuffles and adds and a permute (sum16's tree less a level). */
+static inline __m512 sum8x2(const __m512 v[8]) {
+    __m512 s[4], t[2];
+    for (int i = 0; i < 4; i++)
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        t[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+    /* lanes 0-3: v[0..3]'s low sums, 4-7 their high sums, 8-11 and 12-15 v[4..7]'s */
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), u);
+}
+
 /* Row r's step of the online softmax: scores[r] become exp(score - running max) (0 past the step's keys),
  * max and sum move on, and the factor that rescales what acc holds so far is returned (1 where the max
  * stayed, 0 on the first step). max_ps returns its second operand when the first is NaN: a NaN score is
@@ -303,7 +317,10 @@ static inline __attribute__((always_inline)) void step_rows(const __m512 *sv, co
 /* rows[r] lane i = scale * (q[r] . key[i]) for the step's m <= SUB keys, by vdpbf16ps on the unscaled bf16
  * query (products of two bf16 are exact in float32); lanes past m are -inf. 16 / G keys at a time for all
  * G rows, so each key row is loaded once and the 16 (row, key) sums reduce together, lane r * KB + i,
- * regrouped into a vector a row in registers (step_rows) for the softmax step.
+ * regrouped into a vector a row in registers (step_rows) for the softmax step. Head size 16 by stride: two
+ * keys a vector against the query in both halves, one 64-byte load a pair and half the sums to reduce
+ * (sum8x2): 0.90-0.93x the kernel's time at 256 contexts of 16-150 tokens (bench_decode_attention, bit-equal);
+ * rows looked up keep one key a vector, where pairing them (two loads and an insert) took 1.12x.
  * G and C (head_dim / 32) are constants at each call site, and a short group repeats its first key (its
  * sums unused), so the loops unroll and the 16 sums stay in registers: with the head size a runtime
  * value they went through memory, and this step took most of the kernel's time with the rows in cache. */
@@ -319,6 +336,24 @@ static inline __attribute__((always_inline)) void score_step_bf16(const Args *a,
     for (int p = 0; p < G; p++) sv[p] = _mm512_setzero_ps(); /* passes past the step's keys: masked below */
     for (int j0 = 0; j0 < m; j0 += KB) {
         const int k = m - j0 < KB ? m - j0 : KB;
+        if (HALF && run) { /* two keys a vector, one load where rows are by stride */
+            __m512 acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+            for (int t = 0; t < KB / 2; t++) {
+                const int at = j0 + (2 * t < k ? 2 * t : 0), pair = 2 * t + 1 < k;
+                for (int i = 2 * t; FETCH && i < 2 * t + 2 && i < k && j0 + i + AHEAD < avail; i++) {
+                    const size_t ahead = (size_t)(j0 + i + AHEAD) * 32;
+                    prefetch_row(run + ahead, 32);
+                    prefetch_row(v_run + ahead, 32);
+                }
+                const __m512i kv = pair ? _mm512_loadu_si512(run + (size_t)at * 32)
+                                        : _mm512_maskz_loadu_epi16(0xFFFF, run + (size_t)at * 32);
+                for (int r = 0; r < G; r++)
+                    acc[r * (KB / 2) + t] = _mm512_dpbf16_ps(acc[r * (KB / 2) + t], (__m512bh)qb[r], (__m512bh)kv);
+            }
+            sv[j0 / KB] = _mm512_mul_ps(sum8x2(acc), scale);
+            continue;
+        }
         __m512 acc[16];
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
         for (int i = 0; i < KB; i++) {
@@ -329,7 +364,7 @@ static inline __attribute__((always_inline)) void score_step_bf16(const Args *a,
                 prefetch_row(run ? run + ahead : keys[j0 + i + AHEAD], ROW_BYTES(C, HALF));
                 prefetch_row(run ? v_run + ahead : keys[VALUES_AT + j0 + i + AHEAD], ROW_BYTES(C, HALF));
             }
-            for (int c = 0; c < C; c++) {
+            for (int c = 0; c < C; c++) { /* HALF: a row zero-extended, the query's upper copy unused */
                 const __m512bh kv = (__m512bh)(HALF ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)key))
                                                     : _mm512_loadu_si512(key + 32 * c));
                 for (int r = 0; r < G; r++)
@@ -646,8 +681,8 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
     for (int r = 0; r < group; r++) {
         const char *row = (const char *)a->q + ((size_t)b * a->num_heads + (size_t)kvh * group + r) * q_row_bytes;
 #ifdef BF16_PATH
-        if (bf16_path && half)
-            qb[r] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)row));
+        if (bf16_path && half) /* in both halves: two keys a vector (score_step_bf16) */
+            qb[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)row));
         else if (bf16_path)
             for (int c = 0; c < D / 32; c++) qb[r * (D / 32) + c] = _mm512_loadu_si512((const uint16_t *)row + 32 * c);
         else
