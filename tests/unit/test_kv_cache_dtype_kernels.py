@@ -193,6 +193,36 @@ def test_c_decode_every_byte_on_runs_and_scattered_blocks(kernel, kind, head_dim
     torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("head_dim,group", [(128, 2), (64, 4), (128, 8)])
+@pytest.mark.parametrize("sink_at", [0, 5, 15])
+def test_int8_sink_with_small_values_beside_large_ones_keeps_its_precision(kernel, head_dim, group, sink_at):
+    """One key of a 16-key step takes nearly all the weight while its value row's scale is 10^-4 of its
+    neighbours' (an attention sink): the output, about that row's small values, stays within bf16's rounding of
+    the float64 reference, relative to its own size."""
+    kv_heads, context = 2, 16
+    gen = torch.Generator().manual_seed(head_dim + group + sink_at)
+    raw_k = torch.randint(-20, 21, (kv_heads, context, head_dim), generator=gen, dtype=torch.int8)
+    signs = torch.randint(0, 2, (kv_heads, head_dim), generator=gen) * 2 - 1
+    raw_k[:, sink_at] = (signs * 127).to(torch.int8)
+    raw_v = torch.randint(-127, 128, (kv_heads, context, head_dim), generator=gen, dtype=torch.int8)
+    k_scale = torch.full((kv_heads, context), 0.05)
+    v_scale = torch.full((kv_heads, context), 1.0)
+    v_scale[:, sink_at] = 1e-4
+    # every query head along its KV head's sink key
+    q = (torch.rand(1, kv_heads * group, head_dim, generator=gen) + 0.5) * signs.repeat_interleave(group, 0)
+    caches = [raw_k, raw_v, k_scale, v_scale]
+    table = torch.tensor([[0]], dtype=torch.int32)
+    scale = head_dim ** -0.5
+    lens = torch.tensor([context], dtype=torch.int32)
+    out = cpu_attention.paged_decode_attention(kernel, q.bfloat16(), raw_k, raw_v, lens, table, context, scale,
+                                               k_scale, v_scale)
+    expected = reference_decode(q.bfloat16(), caches, [context], table, context, scale)
+    sink_share = torch.einsum("hd,hkd->hk", q.bfloat16()[0].double(),
+                              (raw_k.double() * 0.05).repeat_interleave(group, 0)).mul(scale).softmax(-1)[:, sink_at]
+    assert (sink_share > 0.999).all()  # the case meant: the sink's row all but alone
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-5)
+
+
 def test_fp8_scales_fold_into_the_kernel(kernel):
     """A per-layer fp8 scale of 4 against 1 on rows stored 4x smaller: the same attention."""
     contexts, head_dim = [40, 70], 64

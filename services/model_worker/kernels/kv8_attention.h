@@ -210,8 +210,8 @@ static void chunk_q8b_of(Scratch *w, const char *k_run, const char *v_run, const
 /* An int8 cache with a bf16 query, on AVX512-VNNI: integers multiplied by vpdpwssd (32 int16 products an
  * instruction, summed exactly in int32). Each key row sign-extended to int16 meets the query rounded once
  * to int16 (q16: to 2^-15 of the row's largest |q|, its scale applied to the sum); the values meet each
- * step's weights (softmax weight times the row's scale) rounded to int16 against the step's largest row
- * scale, two value rows interleaved a vpdpwssd, the step's int32 sums scaled into the float32 acc once.
+ * step's weights (softmax weight times the row's scale) rounded to int16 against the step's largest, two
+ * value rows interleaved a vpdpwssd, the step's int32 sums scaled into the float32 acc once.
  * Widening to float32 and one FMA per product kept one Zen 4 core compute-bound at about 15 GB/s of cache.
  * A step's scores and weights stay in registers from the keys' sums to the values' weights: through memory
  * (scalar stores, a vector load) and with each step's weights reduced for their largest, a 2 x 1,024-token
@@ -250,8 +250,10 @@ static inline __m512i sum16_epi32(const __m512i v[16]) {
 
 /* A chunk of n keys (w->keys as chunk_q8 takes them) in steps of SUB keys. q16: G rows of D = 32 C; qf[r]:
  * row r's score factor (the softmax scale times its q16 scale), each score then times its key's row scale. A
- * step's scores and weights stay in registers; its weights (softmax weight times the value row's scale, at most
- * the step's largest row scale, since no weight exceeds 1) are rounded to int16 against that bound. */
+ * step's scores and weights stay in registers. Its weights are rounded against their own largest, not against
+ * the step's largest row scale (which no weight can pass, and which needs no wait on the softmax): a key that
+ * takes nearly all the weight with a value row far smaller than its neighbours' (an attention sink) kept too
+ * few bits that way, and from memory the two took the same time. */
 static inline __attribute__((always_inline)) void chunk_q8i(Scratch *w, const char *k_run, const char *v_run,
                                                              const float *ks, const float *vs, const int16_t *q16, const float *qf,
                                                              const int G, const int C, int n, int avail, int fetch,
@@ -294,15 +296,15 @@ static inline __attribute__((always_inline)) void chunk_q8i(Scratch *w, const ch
         step_rows(sv, G, rows);
         const __m512 key_scales = _mm512_maskz_loadu_ps(live, ks + j0);
         const __m512 row_scales = _mm512_maskz_loadu_ps(live, vs + j0);
-        const float vmax = _mm512_reduce_max_ps(row_scales);
-        const __m512 inv = _mm512_set1_ps(vmax > 0.0f ? 32767.0f / vmax : 0.0f);
-        const float step_scale = vmax / 32767.0f;
-        float correction[8];
+        float correction[8], step_scale[8];
         for (int r = 0; r < G; r++) {
             const __m512 s = _mm512_mul_ps(rows[r], _mm512_mul_ps(key_scales, _mm512_set1_ps(qf[r])));
             const __m512 e = softmax_step_v(_mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s), live, &max[r],
                                             &sum[r], &correction[r]);
-            const __m512 weights = _mm512_mul_ps(_mm512_mul_ps(e, row_scales), inv);
+            const __m512 wt = _mm512_mul_ps(e, row_scales);
+            const float wmax = _mm512_reduce_max_ps(wt);
+            step_scale[r] = wmax / 32767.0f;
+            const __m512 weights = _mm512_mul_ps(wt, _mm512_set1_ps(wmax > 0.0f ? 32767.0f / wmax : 0.0f));
             _mm256_store_si256((__m256i *)pairs[r], _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(weights)));
         }
         for (int c0 = 0; c0 < C; c0 += CB) {
@@ -325,7 +327,7 @@ static inline __attribute__((always_inline)) void chunk_q8i(Scratch *w, const ch
                 }
             }
             for (int r = 0; r < G; r++) {
-                const __m512 f = _mm512_set1_ps(correction[r]), ss = _mm512_set1_ps(step_scale);
+                const __m512 f = _mm512_set1_ps(correction[r]), ss = _mm512_set1_ps(step_scale[r]);
                 for (int u = 0; u < 2 * cs; u++) {
                     float *at = w->acc + (size_t)r * D + 32 * c0 + 16 * u;
                     _mm512_storeu_ps(at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r * CB * 2 + u]), ss,
