@@ -3,7 +3,8 @@ side by side in one process, on the same inputs.
 
 A decode step's attention call for one layer: `--seqs` sequences (contexts uniform in `--contexts`),
 `--heads` query heads over `--kv-heads` KV heads, bf16, block size 16, each sequence's blocks one run of
-ids (as the block manager allocates where it can) or, with --scattered, shuffled. Per round each
+ids (as the block manager allocates where it can) or, with --scattered, shuffled, or with --shared-prefix N,
+the first N blocks of every sequence one shared run (a prompt's cached start) and the rest its own run. Per round each
 library runs `--calls` calls (the first flipped each round); prints the median µs per call and per
 (sequence, KV head) item, the median of per-round ratios (tree / rev), whether the outputs agree bit
 for bit, then one JSON line. Threads: torch's (the kernel shares its OpenMP runtime).
@@ -45,17 +46,18 @@ def sources_at(rev: str, directory: pathlib.Path) -> pathlib.Path:
 
 
 def inputs(seqs: int, heads: int, kv_heads: int, head_dim: int, contexts: tuple[int, int], scattered: bool,
-           seed: int) -> tuple:
+           seed: int, shared_prefix: int = 0) -> tuple:
     rng = random.Random(seed)
     lens = [rng.randint(*contexts) for _ in range(seqs)]
-    # Room to grow past each context, as the block manager keeps it.
-    counts = [-(-n // BLOCK_SIZE) + 1 for n in lens]
-    ids = list(range(sum(counts)))
+    # Room to grow past each context, as the block manager keeps it; the shared blocks first.
+    counts = [max(-(-n // BLOCK_SIZE) + 1 - shared_prefix, 1) for n in lens]
+    ids = list(range(shared_prefix + sum(counts)))
     if scattered:
         rng.shuffle(ids)
-    width, tables, at = max(counts), [], 0
+    width, tables, at = shared_prefix + max(counts), [], shared_prefix
     for c in counts:
-        tables.append(ids[at:at + c] + [0] * (width - c))
+        own = ids[:shared_prefix] + ids[at:at + c]
+        tables.append(own + [0] * (width - len(own)))
         at += c
     gen = torch.Generator().manual_seed(seed)
     num_slots = len(ids) * BLOCK_SIZE
@@ -85,6 +87,7 @@ def main(argv=None) -> None:
     p.add_argument("--head-dims", default="16,32")
     p.add_argument("--contexts", default="16,150", help="min,max context")
     p.add_argument("--scattered", action="store_true", help="shuffle the block ids")
+    p.add_argument("--shared-prefix", type=int, default=0, help="blocks every sequence starts with, shared")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=50)
@@ -95,7 +98,8 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         libraries = {"rev": cpu_attention.load(sources_at(args.rev, pathlib.Path(tmp))), "tree": cpu_attention.load()}
         for head_dim in (int(x) for x in args.head_dims.split(",")):
-            data = inputs(args.seqs, args.heads, args.kv_heads, head_dim, contexts, args.scattered, head_dim)
+            data = inputs(args.seqs, args.heads, args.kv_heads, head_dim, contexts, args.scattered, head_dim,
+                          args.shared_prefix)
             outs = {name: cpu_attention.paged_decode_attention(lib, *data) for name, lib in libraries.items()}
             same = torch.equal(outs["rev"].view(torch.int16), outs["tree"].view(torch.int16))
             max_diff = (outs["rev"].float() - outs["tree"].float()).abs().max().item()
@@ -111,7 +115,8 @@ def main(argv=None) -> None:
                   f"  tree {medians['tree']:7.1f} µs ({medians['tree'] / items * 1e3:5.0f} ns/item)"
                   f"  tree/rev {ratio:.3f}  bit-equal {same} (max diff {max_diff:.2g})", flush=True)
     print(json.dumps({"benchmark": "bench_decode_attention", "threads": args.threads, "seqs": args.seqs,
-                      "contexts": contexts, "scattered": args.scattered, "rev": args.rev, "results": results}))
+                      "contexts": contexts, "scattered": args.scattered, "shared_prefix": args.shared_prefix,
+                      "rev": args.rev, "results": results}))
 
 
 if __name__ == "__main__":
