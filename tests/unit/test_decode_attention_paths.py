@@ -63,8 +63,9 @@ def test_strided_rows_are_fetched_ahead_except_on_amd_family_25(kernel):
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 96])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_rows_read_by_stride_equal_rows_looked_up(kernel, fetching, head_dim, group):
-    """The same sequences in one run of blocks each, in shuffled blocks, and in runs broken once (so one
-    chunk is read by stride and a later one looked up): the same bits."""
+    """The same sequences in one run of blocks each, in shuffled blocks, in runs broken once (so one chunk is
+    read by stride and a later one looked up, or run by run), and with each first block apart from its run: the
+    same bits."""
     kv_heads, contexts = 2, [1, 15, 16, 17, 80, 150, 256, 257, 300, 600]
     keys, values = random_sequences(contexts, kv_heads, head_dim, head_dim * 10 + group)
     counts = [-(-c // BLOCK_SIZE) + 1 for c in contexts]  # one block of room, as the block manager keeps
@@ -82,15 +83,18 @@ def test_rows_read_by_stride_equal_rows_looked_up(kernel, fetching, head_dim, gr
     # Each table's run broken after its 18th block (past the first 256-key chunk): the rest in a second pool.
     broken = [t[:18] + [b + num_blocks for b in t[18:]] for t in runs]
     broken_blocks = 2 * num_blocks
+    # Each table's first block apart from the rest of its run, as a cached prompt start's is.
+    apart = [[t[0] + num_blocks] + t[1:] for t in runs]
     q = torch.randn(len(contexts), kv_heads * group, head_dim, generator=torch.Generator().manual_seed(1)).bfloat16()
     lens = torch.tensor(contexts, dtype=torch.int32)
     outs = []
-    for tables, blocks in ((runs, num_blocks), (shuffled, num_blocks), (broken, broken_blocks)):
+    for tables, blocks in ((runs, num_blocks), (shuffled, num_blocks), (broken, broken_blocks), (apart, broken_blocks)):
         k_cache, v_cache, table = laid_out(keys, values, tables, blocks)
         outs.append(cpu_attention.paged_decode_attention(kernel, q, k_cache, v_cache, lens, table, BLOCK_SIZE,
                                                          head_dim ** -0.5))
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
     assert torch.equal(outs[0].view(torch.int16), outs[2].view(torch.int16))
+    assert torch.equal(outs[0].view(torch.int16), outs[3].view(torch.int16))
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
