@@ -169,10 +169,11 @@ def every_byte_caches(kind, kv_heads, slots, head_dim, seed):
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
 @pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 16), (64, 2, 1), (128, 2, 7), (128, 8, 5),
                                                        (256, 4, 16), (256, 1, 3), (96, 2, 16)])
-@pytest.mark.parametrize("layout", ["runs", "scattered"])
+@pytest.mark.parametrize("layout", ["runs", "scattered", "apart"])
 def test_c_decode_every_byte_on_runs_and_scattered_blocks(kernel, kind, head_dim, group, block_size, layout):
-    """A bf16 query over every byte value: each sequence's blocks one run of ids (rows read by stride) or
-    shuffled, odd block sizes breaking the 16-key steps and 256-key chunks; head sizes 64, 128, 256 (and 96)."""
+    """A bf16 query over every byte value: each sequence's blocks one run of ids (rows read by stride), shuffled,
+    or one run but for its first block, kept apart (as a cached prompt start's), odd block sizes breaking the
+    16-key steps and 256-key chunks; head sizes 64, 128, 256 (and 96)."""
     contexts, kv_heads = [1, 17, 255, 300, 700], 2
     counts = [-(-c // block_size) + 1 for c in contexts]
     gen = torch.Generator().manual_seed(head_dim * group + block_size)
@@ -180,11 +181,13 @@ def test_c_decode_every_byte_on_runs_and_scattered_blocks(kernel, kind, head_dim
     if layout == "scattered":
         ids = torch.randperm(len(ids), generator=gen).tolist()
     tables, at = [], 0
-    for n in counts:
+    for i, n in enumerate(counts):
         tables.append(ids[at:at + n])
+        if layout == "apart":
+            tables[-1][0] = sum(counts) + i
         at += n
     table = torch.tensor([t + [0] * (max(counts) - len(t)) for t in tables], dtype=torch.int32)
-    caches = every_byte_caches(kind, kv_heads, sum(counts) * block_size, head_dim, seed=block_size)
+    caches = every_byte_caches(kind, kv_heads, (sum(counts) + len(counts)) * block_size, head_dim, seed=block_size)
     q = torch.randn(len(contexts), kv_heads * group, head_dim, generator=gen).bfloat16()
     scale = head_dim ** -0.5
     out = cpu_attention.paged_decode_attention(kernel, q, caches[0], caches[1], torch.tensor(contexts, dtype=torch.int32),

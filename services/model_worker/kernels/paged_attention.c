@@ -742,30 +742,44 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
                 continue;
 #endif
             }
-#ifdef BF16_PATH
             /* Two or three runs (a shared prefix's blocks, then the sequence's own run, say): where the hardware's
              * prefetchers read strided rows (no fetching of the kernel's own is lost at a run's end) and blocks
              * hold a multiple of SUB keys (so each run starts on a step, and the steps are the ones rows
-             * looked up take: the same bits), each run of the chunk's blocks is read by stride in turn. Blocks
-             * scattered one by one are looked up: read by stride a block at a time, with nothing fetching the
-             * next block, 16 sequences at 100-600 tokens (head size 128) took 1.5-1.6x the time. */
+             * looked up take: the same bits), each run of the chunk's blocks is read by stride in turn, on every
+             * path (bf16, int8, fp8). Blocks scattered one by one are looked up: read by stride a block at a time,
+             * with nothing fetching the next block, 16 sequences at 100-600 tokens (head size 128) took 1.5-1.6x
+             * the time. */
             int breaks = 0;
             const int last = (k0 + n - 1) / a->block_size;
             for (int i = first_block; i < last && breaks <= 2; i++) breaks += table[i + 1] != table[i] + 1;
-            if (bf16_path && !a->prefetch_runs && a->block_size % SUB == 0 && breaks <= 2) {
+            if (!a->prefetch_runs && a->block_size % SUB == 0 && breaks <= 2) {
                 for (int j = 0; j < n;) {
                     const int pos = k0 + j;
                     int end_block = pos / a->block_size;
                     while (end_block < last && table[end_block + 1] == table[end_block] + 1) end_block++;
                     const int end = (end_block + 1) * a->block_size - k0 < n ? (end_block + 1) * a->block_size - k0 : n;
                     const size_t first = (size_t)table[pos / a->block_size] * a->block_size + pos % a->block_size;
-                    chunk_bf16_of(a, w, qb, group, half ? 0 : D / 32, k_head + first * row_bytes,
-                                  v_head + first * row_bytes, end - j, end - j, max, sum);
+                    const char *k_run = k_head + first * row_bytes, *v_run = v_head + first * row_bytes;
+                    const float *ks = k_scales ? k_scales + first : NULL, *vs = v_scales ? v_scales + first : NULL;
+#ifdef BF16_PATH
+                    if (bf16_path)
+                        chunk_bf16_of(a, w, qb, group, half ? 0 : D / 32, k_run, v_run, end - j, end - j, max, sum);
+#endif
+#ifdef Q8I_PATH
+                    if (q8i_path)
+                        chunk_q8i_of(w, k_run, v_run, ks, vs, (const int16_t *)w->q, qf, group, D / 32, end - j,
+                                     end - j, 0, max, sum);
+#endif
+#ifdef Q8B_PATH
+                    if (q8b_path)
+                        chunk_q8b_of(w, k_run, v_run, ks, vs, qb8, a->tables, group, D / 64, a->kv_kind == KV_FP8,
+                                     q8b_kf, end - j, end - j, 0, max, sum);
+#endif
+                    (void)ks, (void)vs;
                     j = end;
                 }
                 continue;
             }
-#endif
         }
 #endif
         /* A block's slots are consecutive: one table lookup (and one division) per block, not per key. */
