@@ -253,10 +253,11 @@ static inline float softmax_step(float *scores, int m, float *max, float *sum) {
     return correction;
 }
 
-/* Row r's step of the online softmax on its scores in a register (lanes past the step's live keys -inf): the
+/* Row r's step of the online softmax on its scores in a register (lanes past the step's live keys not read): the
  * weights exp(score - running max), 0 past the live keys; max and sum move on; *correction rescales what acc
  * holds (1 where the max stayed, 0 on the first step). A NaN score is skipped in the max, as in softmax_step. */
 static inline __m512 softmax_step_v(__m512 s, __mmask16 live, float *max, float *sum, float *correction) {
+    s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s);
     const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(s, _mm512_set1_ps(-INFINITY)));
     float c = 1.0f;
     if (step_max > *max) {
@@ -315,7 +316,7 @@ static inline __attribute__((always_inline)) void step_rows(const __m512 *sv, co
  * 4, 6 or 12 rows ahead, no better or worse (docs/served-speed.md, item 41). */
 
 /* rows[r] lane i = scale * (q[r] . key[i]) for the step's m <= SUB keys, by vdpbf16ps on the unscaled bf16
- * query (products of two bf16 are exact in float32); lanes past m are -inf. 16 / G keys at a time for all
+ * query (products of two bf16 are exact in float32); lanes past m are not keys. 16 / G keys at a time for all
  * G rows, so each key row is loaded once and the 16 (row, key) sums reduce together, lane r * KB + i,
  * regrouped into a vector a row in registers (step_rows) for the softmax step. Head size 16 by stride: two
  * keys a vector against the query in both halves, one 64-byte load a pair and half the sums to reduce
@@ -374,8 +375,6 @@ static inline __attribute__((always_inline)) void score_step_bf16(const Args *a,
         sv[j0 / KB] = _mm512_mul_ps(sum16(acc), scale);
     }
     step_rows(sv, G, rows);
-    for (int r = 0; r < G; r++)
-        rows[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((1u << m) - 1), rows[r]);
 }
 
 /* acc[r] = acc[r] * correction[r] + sum_j p[r][j] * value[j] over the step's m values. 32 bf16 dimensions
