@@ -2,7 +2,7 @@
 random Qwen3-0.6B checkpoint: decode tok/s of --streams streams at a --context-token context, and the mean KL
 divergence of the 8-bit caches' next-token distributions from the bf16 cache's.
 
-Each engine (bf16 weights, one per cache kind) holds --streams sequences of --context tokens, their cache rows
+Each engine (bf16 weights, or --quantization's; one per cache kind) holds --streams sequences of --context tokens, their cache rows
 written through the engine's own cache write from random keys and values (a decode step's cost does not depend
 on what the rows hold, and 16 prompts of 1,024 tokens would take minutes to prefill per engine on 2 CPUs); then
 in every round the engines take turns (the order rotated each round) running --steps decode steps of all their
@@ -55,7 +55,8 @@ def make_engine(checkpoint: pathlib.Path, kind: str, args) -> LLMEngine:
     longest = max(args.context + args.steps * (args.rounds + 2), args.kl_context + args.kl_steps) + 1
     per_seq = -(-longest // BLOCK_SIZE)
     return LLMEngine(checkpoint, EngineConfig(
-        device="cpu", dtype="bfloat16", kv_cache_dtype=kind, enable_prefix_caching=False, block_size=BLOCK_SIZE,
+        device="cpu", dtype="bfloat16", kv_cache_dtype=kind, quantization=args.quantization,
+        enable_prefix_caching=False, block_size=BLOCK_SIZE,
         num_blocks=max(args.streams, args.kl_prompts) * per_seq + 1,
         limits=SchedulerLimits(max_num_seqs=max(args.streams, args.kl_prompts),
                                max_num_batched_tokens=max(768, args.streams))))
@@ -207,6 +208,8 @@ def main(argv=None) -> None:
     parser.add_argument("--kl-prompts", type=int, default=4)
     parser.add_argument("--kl-context", type=int, default=1024)
     parser.add_argument("--kl-steps", type=int, default=16)
+    parser.add_argument("--quantization", choices=("none", "int8", "fp8"), default="none",
+                        help="every engine's weights (the caches' comparison at another step cost)")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"of {', '.join(KINDS)}; the first is the base")
     parser.add_argument("--kernel", action="store_true", help="time the decode-attention kernel alone "
                         "(--steps calls a round)")
@@ -219,7 +222,7 @@ def main(argv=None) -> None:
         return
     ensure_checkpoint(args.checkpoint_dir, "qwen3-0.6b")
     kinds = args.kinds.split(",")
-    print(f"CPU: {cpu_model()} ({cpu_kind()}), {args.threads} threads", flush=True)
+    print(f"CPU: {cpu_model()} ({cpu_kind()}), {args.threads} threads, weights {args.quantization}", flush=True)
     engines = {kind: make_engine(args.checkpoint_dir, kind, args) for kind in kinds}
     rng = random.Random(0)
     streams = {}
@@ -254,7 +257,7 @@ def main(argv=None) -> None:
     for engine in engines.values():
         engine.close()
     print(json.dumps({"bench": "kv_cache_dtype", "cpu": cpu_model(), "cpu_kind": cpu_kind(), "threads": args.threads,
-                      "streams": args.streams, "context": args.context, "steps": args.steps, "rounds": args.rounds,
+                      "quantization": args.quantization, "streams": args.streams, "context": args.context, "steps": args.steps, "rounds": args.rounds,
                       "kl_prompts": args.kl_prompts, "kl_context": args.kl_context, "entropy": entropy,
                       "results": results}))
 
