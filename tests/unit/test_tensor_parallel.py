@@ -22,7 +22,7 @@ SHAPES = {
     "tied": {},
     "gqa_1": dict(num_attention_heads=4, num_key_value_heads=4),
     "gqa_4": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8),
-    "untied": dict(tie_word_embeddings=False),
+    # Untied too: the head's own weight split by vocabulary rows (a shape of its own added only the time of a run).
     "attention_bias": dict(attention_bias=True, tie_word_embeddings=False),
 }
 
