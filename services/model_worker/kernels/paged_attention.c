@@ -588,6 +588,52 @@ static void chunk_q8_of(Scratch *w, const float *qf, int group, int C, int fp8, 
 
 #include "kv8_attention.h"
 
+/* The register path a work item takes (attend chooses it once), with its query in that path's form. */
+#define PATH_NONE 0
+#define PATH_BF16 1 /* bf16 rows by vdpbf16ps: chunk_bf16 */
+#define PATH_Q8I 2  /* int8 rows by vpdpwssd: chunk_q8i */
+#define PATH_Q8B 3  /* 8-bit rows widened to bf16 by byte tables: chunk_q8b */
+typedef struct {
+    int kind, group;
+    int C;              /* bf16: head_dim / 32, 0 for head_dim 16; q8i: head_dim / 32; q8b: head_dim / 64 */
+#ifdef __AVX512F__
+    const __m512i *qb;  /* bf16: the query rows as they are; q8b: in q8b_query's layout */
+#endif
+    const int16_t *q16; /* q8i: the query rows in int16 (q8i_query), and each row's score factor */
+    const float *qf;
+    float q8b_kf; /* q8b: the score factor (the softmax scale, fp8: times the layer's key scale) */
+} RegPath;
+
+/* n of a chunk's keys on p's path: by stride from k_run and v_run (slots in one run; an int8 cache's scales at
+ * ks and vs), fetched ahead where Args.prefetch_runs says this CPU wants it; or, k_run NULL, looked up in w->keys
+ * (avail >= n rows, the next chunk's first after them; ks and vs the chunk's scales) and fetched ahead. The one
+ * place for the three ways attend reads a chunk: one run, run by run, and looked up. */
+static inline __attribute__((always_inline)) void chunk_on_path(const Args *a, Scratch *w, const RegPath *p,
+                                                                  const char *k_run, const char *v_run,
+                                                                  const float *ks, const float *vs, int n, int avail,
+                                                                  float *max, float *sum) {
+    const int fetch = k_run ? a->prefetch_runs : 1;
+    switch (p->kind) {
+#ifdef BF16_PATH
+    case PATH_BF16: chunk_bf16_of(a, w, p->qb, p->group, p->C, k_run, v_run, n, avail, max, sum); break;
+#endif
+#ifdef Q8I_PATH
+    case PATH_Q8I:
+        chunk_q8i_of(w, k_run, v_run, ks, vs, p->q16, p->qf, p->group, p->C, n, avail, fetch, max, sum);
+        break;
+#endif
+#ifdef Q8B_PATH
+    case PATH_Q8B:
+        chunk_q8b_of(w, k_run, v_run, ks, vs, p->qb, a->tables, p->group, p->C, a->kv_kind == KV_FP8, p->q8b_kf, n,
+                     avail, fetch, max, sum);
+        break;
+#endif
+    }
+    /* where this CPU has no register path, nothing above is built */
+    (void)a, (void)w, (void)k_run, (void)v_run, (void)ks, (void)vs, (void)n, (void)avail, (void)max, (void)sum,
+        (void)fetch;
+}
+
 /* Where dimension d sits in a row of acc: in place, or even/odd by 32-dimension chunk on the bf16 path. */
 static inline int acc_index(int d, int bf16_path, int head_dim) {
     return bf16_path && head_dim % 32 == 0 ? (d & ~31) + (d & 1) * 16 + (d & 31) / 2 : d;
@@ -701,6 +747,17 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
         max[r] = -INFINITY;
         sum[r] = 0.0f;
     }
+    RegPath path = {.kind = PATH_NONE, .group = group};
+#ifdef BF16_PATH
+    if (bf16_path) path = (RegPath){.kind = PATH_BF16, .group = group, .C = half ? 0 : D / 32, .qb = qb};
+#endif
+#ifdef Q8I_PATH
+    if (q8i_path)
+        path = (RegPath){.kind = PATH_Q8I, .group = group, .C = D / 32, .q16 = (const int16_t *)w->q, .qf = qf};
+#endif
+#ifdef Q8B_PATH
+    if (q8b_path) path = (RegPath){.kind = PATH_Q8B, .group = group, .C = D / 64, .qb = qb8, .q8b_kf = q8b_kf};
+#endif
     for (int k0 = 0; k0 < ctx; k0 += KEY_CHUNK) {
         const int n = ctx - k0 < KEY_CHUNK ? ctx - k0 : KEY_CHUNK;
         /* The chunk's rows and the next chunk's first NEXT_ROWS, for fetching ahead. */
@@ -708,7 +765,7 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
 #if defined(BF16_PATH) || defined(Q8I_PATH) || defined(Q8B_PATH)
         /* Where the blocks the chunk (and the rows after it) spans are one run of ids, its rows are read
          * by stride (and an int8 cache's scales in place): the block manager allocates runs where it can. */
-        if (bf16_path || q8i_path || q8b_path) {
+        if (path.kind != PATH_NONE) {
             const int first_block = k0 / a->block_size, last_block = (k0 + avail - 1) / a->block_size;
             int run = 1;
             for (int i = first_block; i < last_block && run; i++) run = table[i + 1] == table[i] + 1;
@@ -721,25 +778,8 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
                         __builtin_prefetch(ks + n + i, 0, 3);
                         __builtin_prefetch(vs + n + i, 0, 3);
                     }
-#ifdef Q8I_PATH
-                if (q8i_path) {
-                    chunk_q8i_of(w, k_run, v_run, ks, vs, (const int16_t *)w->q, qf, group, D / 32, n, avail,
-                                 a->prefetch_runs, max, sum);
-                    continue;
-                }
-#endif
-#ifdef Q8B_PATH
-                if (q8b_path) {
-                    chunk_q8b_of(w, k_run, v_run, ks, vs, qb8, a->tables, group, D / 64, a->kv_kind == KV_FP8, q8b_kf,
-                                 n, avail, a->prefetch_runs, max, sum);
-                    continue;
-                }
-#endif
-#ifdef BF16_PATH
-                chunk_bf16_of(a, w, qb, group, half ? 0 : D / 32, k_head + first * row_bytes,
-                              v_head + first * row_bytes, n, avail, max, sum);
+                chunk_on_path(a, w, &path, k_run, v_run, ks, vs, n, avail, max, sum);
                 continue;
-#endif
             }
             /* Two or three runs (a shared prefix's blocks, then the sequence's own run, say): where the hardware's
              * prefetchers read strided rows (no fetching of the kernel's own is lost at a run's end) and blocks
@@ -760,21 +800,7 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
                     const size_t first = (size_t)table[pos / a->block_size] * a->block_size + pos % a->block_size;
                     const char *k_run = k_head + first * row_bytes, *v_run = v_head + first * row_bytes;
                     const float *ks = k_scales ? k_scales + first : NULL, *vs = v_scales ? v_scales + first : NULL;
-#ifdef BF16_PATH
-                    if (bf16_path)
-                        chunk_bf16_of(a, w, qb, group, half ? 0 : D / 32, k_run, v_run, end - j, end - j, max, sum);
-#endif
-#ifdef Q8I_PATH
-                    if (q8i_path)
-                        chunk_q8i_of(w, k_run, v_run, ks, vs, (const int16_t *)w->q, qf, group, D / 32, end - j,
-                                     end - j, 0, max, sum);
-#endif
-#ifdef Q8B_PATH
-                    if (q8b_path)
-                        chunk_q8b_of(w, k_run, v_run, ks, vs, qb8, a->tables, group, D / 64, a->kv_kind == KV_FP8,
-                                     q8b_kf, end - j, end - j, 0, max, sum);
-#endif
-                    (void)ks, (void)vs;
+                    chunk_on_path(a, w, &path, k_run, v_run, ks, vs, end - j, end - j, max, sum);
                     j = end;
                 }
                 continue;
@@ -801,29 +827,13 @@ static void attend(const Args *a, Scratch *w, int b, int kvh) {
                 __builtin_prefetch(k_scales + slot, 0, 3);
                 __builtin_prefetch(v_scales + slot, 0, 3);
             }
-#ifdef Q8I_PATH
-        if (q8i_path) {
-            chunk_q8i_of(w, NULL, NULL, w->k_scales, w->v_scales, (const int16_t *)w->q, qf, group, D / 32, n, avail, 1,
-                         max, sum);
+        if (path.kind != PATH_NONE) {
+            chunk_on_path(a, w, &path, NULL, NULL, w->k_scales, w->v_scales, n, avail, max, sum);
             continue;
         }
-#endif
-#ifdef Q8B_PATH
-        if (q8b_path) {
-            chunk_q8b_of(w, NULL, NULL, w->k_scales, w->v_scales, qb8, a->tables, group, D / 64, a->kv_kind == KV_FP8,
-                         q8b_kf, n, avail, 1, max, sum);
-            continue;
-        }
-#endif
 #ifdef Q8_PATH
         if (q8_path) {
             chunk_q8_of(w, w->q, group, D / 16, a->kv_kind == KV_FP8, n, avail, max, sum);
-            continue;
-        }
-#endif
-#ifdef BF16_PATH
-        if (bf16_path) {
-            chunk_bf16_of(a, w, qb, group, half ? 0 : D / 32, NULL, NULL, n, avail, max, sum);
             continue;
         }
 #endif
