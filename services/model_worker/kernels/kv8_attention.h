@@ -201,7 +201,14 @@ static inline __attribute__((always_inline)) void chunk_q8b(Scratch *w, const ch
 static void chunk_q8b_of(Scratch *w, const char *k_run, const char *v_run, const float *ks, const float *vs,
                          const __m512i *qb, const uint8_t *tables, int group, int C, int fp8, float kf,
                          int n, int avail, int fetch, float *max, float *sum) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    /* With VNNI every int8 cache this path could take goes to chunk_q8i instead (attend checks it first, and it
+     * takes every head size this one does): only fp8 is built here. */
+    (void)fp8;
+    CHUNK_Q8B_G(1)
+#else
     if (fp8) CHUNK_Q8B_G(1) else CHUNK_Q8B_G(0)
+#endif
 }
 #endif
 
