@@ -484,11 +484,11 @@ static inline __attribute__((always_inline)) void chunk_bf16(const Args *a, Scra
     case 8: CHUNK_BF16_C(8, S); break;                                                                   \
     }
 /* C: head_dim / 32, or 0 for head_dim 16; k_run, v_run: the chunk's first rows where its slots are one run,
- * else NULL. */
+ * else NULL; fetch: whether a run's rows are fetched ahead (rows looked up always are). */
 static void chunk_bf16_of(const Args *a, Scratch *w, const __m512i *qb, int group, int C, const char *k_run,
-                          const char *v_run, int n, int avail, float *max, float *sum) {
+                          const char *v_run, int n, int avail, int fetch, float *max, float *sum) {
     if (!k_run) CHUNK_BF16_G(BY_POINTERS)
-    else if (a->prefetch_runs) CHUNK_BF16_G(STRIDED_FETCHED)
+    else if (fetch) CHUNK_BF16_G(STRIDED_FETCHED)
     else CHUNK_BF16_G(STRIDED_UNFETCHED)
 }
 #endif
@@ -615,7 +615,7 @@ static inline __attribute__((always_inline)) void chunk_on_path(const Args *a, S
     const int fetch = k_run ? a->prefetch_runs : 1;
     switch (p->kind) {
 #ifdef BF16_PATH
-    case PATH_BF16: chunk_bf16_of(a, w, p->qb, p->group, p->C, k_run, v_run, n, avail, max, sum); break;
+    case PATH_BF16: chunk_bf16_of(a, w, p->qb, p->group, p->C, k_run, v_run, n, avail, fetch, max, sum); break;
 #endif
 #ifdef Q8I_PATH
     case PATH_Q8I:
