@@ -2,16 +2,16 @@
 random Qwen3-0.6B checkpoint: decode tok/s of --streams streams at a --context-token context, and the mean KL
 divergence of the 8-bit caches' next-token distributions from the bf16 cache's.
 
-Each engine (bf16 weights, or --quantization's; one per cache kind) holds --streams sequences of --context tokens, their cache rows
-written through the engine's own cache write from random keys and values (a decode step's cost does not depend
-on what the rows hold, and 16 prompts of 1,024 tokens would take minutes to prefill per engine on 2 CPUs); then
-in every round the engines take turns (the order rotated each round) running --steps decode steps of all their
-streams through the model runner (the fused decode loop where it applies) and a greedy argmax. Prints each round,
-the medians and the median of per-round ratios against the bf16 cache, then the KL: --kl-prompts prompts of
---kl-context tokens prefilled and --kl-steps tokens decoded (the bf16 cache's greedy tokens, teacher-forced into
-all engines), KL(bf16 cache || 8-bit cache) averaged over those positions.
-Last, one JSON line. At 1,024 tokens a decode step of 16 streams reads 1.9 GB of bf16 cache (0.94 GB in 8 bits)
-beside 1.2 GB of weights. Pin it for a steadier figure:
+Each engine (bf16 weights, or --quantization's; one per cache kind) holds --streams sequences of --context
+tokens, their cache rows written through the engine's own cache write from random keys and values (a decode
+step's cost does not depend on what the rows hold, and 16 prompts of 1,024 tokens would take minutes to
+prefill per engine on 2 CPUs); then in every round the engines take turns (the order rotated each round)
+running --steps decode steps of all their streams through the model runner (the fused decode loop where it
+applies) and a greedy argmax. Prints each round, the medians and the median of per-round ratios against the
+bf16 cache, then the KL: --kl-prompts prompts of --kl-context tokens prefilled and --kl-steps tokens decoded
+(the bf16 cache's greedy tokens, teacher-forced into all engines), KL(bf16 cache || 8-bit cache) averaged over
+those positions. Last, one JSON line. At 1,024 tokens a decode step of 16 streams reads 1.9 GB of bf16 cache
+(0.94 GB in 8 bits) beside 1.2 GB of weights. Pin it for a steadier figure:
     taskset -c 0,1 python -m bench.bench_kv_cache_dtype --threads 2
 
 With --kernel, the decode-attention kernel alone instead: one layer's call (--streams sequences of --context
@@ -257,7 +257,8 @@ def main(argv=None) -> None:
     for engine in engines.values():
         engine.close()
     print(json.dumps({"bench": "kv_cache_dtype", "cpu": cpu_model(), "cpu_kind": cpu_kind(), "threads": args.threads,
-                      "quantization": args.quantization, "streams": args.streams, "context": args.context, "steps": args.steps, "rounds": args.rounds,
+                      "quantization": args.quantization, "streams": args.streams, "context": args.context,
+                      "steps": args.steps, "rounds": args.rounds,
                       "kl_prompts": args.kl_prompts, "kl_context": args.kl_context, "entropy": entropy,
                       "results": results}))
 
