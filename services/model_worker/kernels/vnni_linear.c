@@ -22,6 +22,9 @@
  * so the (m, 2 x intermediate) product is never written or read back and the SiLU runs beside the tile
  * products. Over the 0.6B model's 28 gate/up weights it took 0.87x, 0.86x, 0.86x and 0.95x the time
  * of vnni_linear and decoder.c's silu_and_mul at 32, 128, 512 and 768 rows (bench/bench_swiglu.py).
+ * Without AMX, from RT_WIDE_MAX rows the register tiles do the same, over groups of two gate blocks and
+ * their two up blocks: on one core of AMD's Zen 4, 0.97x the two passes' time at 32-512 rows, 0.98-0.99x
+ * at 1,024-2,048 (the SiLU's own arithmetic stays; what goes is the product's trip through memory).
  *
  * One or two rows (a decode step of one or two sequences) only stream the weights: AVX512-BF16
  * multiplies each 64-byte line by a broadcast input pair, 16 outputs at once, with ONE_ROW_BLOCKS
@@ -206,22 +209,40 @@ static void two_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_
 #define RT_WIDE_MAX 20  /* the most rows that take tiles over two blocks */
 #define RT_PREFETCH_PAIRS 16 /* weight lines ahead in each block's stream (1 KB) */
 
+/* A tile of the MLP's gate/up weight with its activation (vnni_linear_silu): blocks 2-3 are the up blocks of
+ * blocks 0-1's outputs, `up` values on, their share of the next group's up blocks `pull_up`, and the tile
+ * writes F.silu(gate) * up. on: a constant at each call, so the plain tiles compile as before. */
+typedef struct {
+    int on;
+    int64_t up;
+    l2_share pull_up;
+} silu_group;
+
+#define NO_SILU ((silu_group){0, 0, {0}})
+
+/* A result rounded to bf16 as the plain tile stores it (cvtneps), widened back: what silu_and_mul_row
+ * loads from the unfused product, so the fused tile gives its bits. */
+static inline __m512 as_bf16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
 /* One register tile: `rows` input rows by `nb` blocks, every pair step loading one line of each block and
  * multiplying it by each row's broadcast pair. Its share of the next group comes in L2_SHARE_STEPS steps at
  * a time (l2_share.h). */
 static inline __attribute__((always_inline)) void row_tile(const uint32_t *pairs, int64_t k, const uint16_t *w,
                                                            uint16_t *out, int64_t n, const int rows, const int nb,
-                                                           l2_share pull) {
+                                                           l2_share pull, const silu_group silu) {
     __m512 acc[RT_ROWS][RT_BLOCKS];
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < nb; b++) acc[r][b] = _mm512_setzero_ps();
     const int64_t steps = k / 2; /* a multiple of L2_SHARE_STEPS: k is of 32 */
     for (int64_t p0 = 0; p0 < steps; p0 += L2_SHARE_STEPS) {
         l2_share_steps(&pull, p0, p0 + L2_SHARE_STEPS, steps);
+        if (silu.on) l2_share_steps(&silu.pull_up, p0, p0 + L2_SHARE_STEPS, steps);
         for (int64_t p = p0; p < p0 + L2_SHARE_STEPS; p++) {
             __m512bh line[RT_BLOCKS];
             for (int b = 0; b < nb; b++) {
-                const uint16_t *at = w + b * 16 * k + p * 32;
+                const uint16_t *at = (silu.on && b >= 2 ? w + silu.up + (b - 2) * 16 * k : w + b * 16 * k) + p * 32;
                 _mm_prefetch((const char *)(at + RT_PREFETCH_PAIRS * 32), _MM_HINT_T0);
                 line[b] = (__m512bh)_mm512_loadu_si512(at);
             }
@@ -230,6 +251,12 @@ static inline __attribute__((always_inline)) void row_tile(const uint32_t *pairs
                 for (int b = 0; b < nb; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], line[b], pair);
             }
         }
+    }
+    if (silu.on) { /* out: (rows, n) activations; blocks 0-1 gate, 2-3 up of the same 32 outputs */
+        for (int r = 0; r < rows; r++)
+            for (int b = 0; b < 2; b++)
+                store_bf16(out + r * n + b * 16, silu_and_mul16(as_bf16(acc[r][b]), as_bf16(acc[r][b + 2])));
+        return;
     }
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < nb; b++)
@@ -267,8 +294,9 @@ static inline __attribute__((always_inline)) void wide_tile(const uint32_t *pair
 
 /* row_tile with its row and block counts constants, so each tile's loops unroll into registers. */
 #define ROW_TILE_CASE(r) \
-    case r: nb == RT_BLOCKS ? row_tile(pairs, k, w, out, n, r, RT_BLOCKS, pull) \
-          : nb == 2 ? row_tile(pairs, k, w, out, n, r, 2, pull) : row_tile(pairs, k, w, out, n, r, 1, pull); break;
+    case r: nb == RT_BLOCKS ? row_tile(pairs, k, w, out, n, r, RT_BLOCKS, pull, NO_SILU) \
+          : nb == 2 ? row_tile(pairs, k, w, out, n, r, 2, pull, NO_SILU) \
+                    : row_tile(pairs, k, w, out, n, r, 1, pull, NO_SILU); break;
 #define WIDE_TILE_CASE(r) \
     case r: wide_tile(pairs, k, w, out, n, r, pull); break;
 
@@ -281,7 +309,20 @@ static void row_tile_of(const uint32_t *pairs, int64_t k, const uint16_t *w, uin
     }
 }
 
-static void avx512_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k) {
+/* row_tile of the gate/up weight, its activation written: a group of two gate and two up blocks. */
+#define SILU_TILE_CASE(r) \
+    case r: row_tile(pairs, k, w, out, n, r, RT_BLOCKS, pull, (silu_group){1, up, pull_up}); break;
+
+static void row_tile_silu_of(const uint32_t *pairs, int64_t k, const uint16_t *w, uint16_t *out, int64_t n, int rows,
+                             l2_share pull, int64_t up, l2_share pull_up) {
+    switch (rows) { SILU_TILE_CASE(1) SILU_TILE_CASE(2) SILU_TILE_CASE(3) SILU_TILE_CASE(4) SILU_TILE_CASE(5)
+                    SILU_TILE_CASE(6) }
+}
+
+/* With silu (more than RT_WIDE_MAX rows, n gate outputs a multiple of 32), w is a gate/up weight (2n, k) and
+ * out the (m, n) activations: each group is two gate blocks and the up blocks of the same outputs, so the
+ * (m, 2n) product is never written and read back. */
+static void avx512_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int64_t n, int64_t k, int silu) {
     const int64_t blocks = n / 16;
     const uint32_t *pairs = (const uint32_t *)x;
     /* Rows that fit one tile make one pass, which only streams the weights: one block at a time, one
@@ -290,7 +331,7 @@ static void avx512_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int
      * rows, RT_BLOCKS past it), in tiles as even as the tile's rows allow (16 rows as 8 + 8, 32 as 6 + 6 +
      * 5 + 5 + 5 + 5), each pulling in an even share of the next group. */
     const int wide = m > RT_ROWS && m <= RT_WIDE_MAX, most = wide ? RT_WIDE_ROWS : RT_ROWS;
-    const int group = m <= RT_ROWS ? 1 : wide ? 2 : RT_BLOCKS;
+    const int group = silu ? 2 : m <= RT_ROWS ? 1 : wide ? 2 : RT_BLOCKS;
     const int tiles = (m + most - 1) / most;
 #pragma omp parallel for schedule(static)
     for (int64_t b0 = 0; b0 < blocks; b0 += group) {
@@ -302,8 +343,14 @@ static void avx512_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int
         const int64_t next_lines = next_blocks * 16 * k * 2 / 64;
         for (int t = 0, m0 = 0, rows; m0 < m; t++, m0 += rows) {
             rows = (m - m0 + tiles - t - 1) / (tiles - t); /* the rows left, evenly over the tiles left */
-            row_tile_of(pairs + (int64_t)m0 * (k / 2), k, w + b0 * 16 * k, out + (int64_t)m0 * n + b0 * 16, n,
-                        rows, nb, l2_share_of(w + (b0 + group) * 16 * k, next_lines, tiles, t));
+            const l2_share pull = l2_share_of(w + (b0 + group) * 16 * k, next_lines, tiles, t);
+            if (silu) /* the up blocks n * k values after the gate blocks */
+                row_tile_silu_of(pairs + (int64_t)m0 * (k / 2), k, w + b0 * 16 * k, out + (int64_t)m0 * n + b0 * 16,
+                                 n, rows, pull, n * k,
+                                 l2_share_of(w + (blocks + b0 + group) * 16 * k, next_lines, tiles, t));
+            else
+                row_tile_of(pairs + (int64_t)m0 * (k / 2), k, w + b0 * 16 * k, out + (int64_t)m0 * n + b0 * 16, n,
+                            rows, nb, pull);
         }
     }
 }
@@ -580,7 +627,7 @@ int vnni_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int m, int6
 #ifdef VNNI_AMX
     else return amx_rows(x, w, out, m, n, k, 0);
 #else
-    else avx512_rows(x, w, out, m, n, k);
+    else avx512_rows(x, w, out, m, n, k, 0);
 #endif
     return 0;
 }
@@ -591,26 +638,31 @@ int vnni_linear_avx512(const uint16_t *x, const uint16_t *w, uint16_t *out, int 
     if (m < 1 || n % 32 || k % 32) return -1;
     if (m == 1) one_row(x, w, out, n, k);
     else if (m == 2) two_rows(x, w, out, n, k);
-    else avx512_rows(x, w, out, m, n, k);
+    else avx512_rows(x, w, out, m, n, k, 0);
     return 0;
 }
 
 /* act = F.silu(x Wg^T) * (x Wu^T), rounded as torch rounds it on the bf16 matmul outputs: w is a gate/up
  * weight (2n, k) in VNNI order, its n gate rows first; act: (m, n) bf16. n a multiple of 16, k of 32.
  * From three rows each AMX block pair is a gate block and the up block of the same outputs, and the
- * activation is applied to the result tiles: the (m, 2n) product is never written or read back. One
- * or two rows (a decode step) write it to a buffer first. Returns 0; -1 for a shape it does not
- * take; -2 out of memory. */
+ * activation is applied to the result tiles: the (m, 2n) product is never written or read back. Without
+ * AMX the register tiles do so past RT_WIDE_MAX rows where n is a multiple of 32; fewer rows (a decode
+ * step's, whose product stays in cache) write it to a buffer first. Returns 0; -1 for a shape it does
+ * not take; -2 out of memory. */
 int vnni_linear_silu(const uint16_t *x, const uint16_t *w, uint16_t *act, int m, int64_t n, int64_t k) {
     if (m < 1 || n % 16 || k % 32) return -1;
 #ifdef VNNI_AMX
     if (m >= 3) return amx_rows(x, w, act, m, n, k, 1);
 #endif
+    if (m > RT_WIDE_MAX && n % 32 == 0) {
+        avx512_rows(x, w, act, m, n, k, 1);
+        return 0;
+    }
     uint16_t *gate_up = malloc((size_t)m * 2 * n * sizeof(uint16_t));
     if (!gate_up) return -2;
     if (m == 1) one_row(x, w, gate_up, 2 * n, k);
     else if (m == 2) two_rows(x, w, gate_up, 2 * n, k);
-    else avx512_rows(x, w, gate_up, m, 2 * n, k);
+    else avx512_rows(x, w, gate_up, m, 2 * n, k, 0);
     for (int r = 0; r < m; r++) silu_and_mul_row(gate_up + (int64_t)r * 2 * n, act + (int64_t)r * n, n);
     free(gate_up);
     return 0;
