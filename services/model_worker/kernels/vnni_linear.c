@@ -22,7 +22,7 @@
  * so the (m, 2 x intermediate) product is never written or read back and the SiLU runs beside the tile
  * products. Over the 0.6B model's 28 gate/up weights it took 0.87x, 0.86x, 0.86x and 0.95x the time
  * of vnni_linear and decoder.c's silu_and_mul at 32, 128, 512 and 768 rows (bench/bench_swiglu.py).
- * Without AMX, from RT_WIDE_MAX rows the register tiles do the same, over groups of two gate blocks and
+ * Without AMX, past RT_WIDE_MAX rows the register tiles do the same, over groups of two gate blocks and
  * their two up blocks: on one core of AMD's Zen 4, 0.97x the two passes' time at 32-512 rows, 0.98-0.99x
  * at 1,024-2,048 (the SiLU's own arithmetic stays; what goes is the product's trip through memory).
  *
