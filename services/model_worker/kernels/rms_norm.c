@@ -300,8 +300,8 @@ static void normalise(const void *x, int64_t group_stride, int group_rows, const
         for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
             int64_t base[16];
             float sums[16];
-            if (dim <= WIDE_ROTATE_MAX) prefetch_rows((const uint16_t *)x, r0 + chunk, rows, chunk, group_stride,
-                                                      group_rows, dim);
+            if (chunk == 16 && dim <= WIDE_ROTATE_MAX) /* a prompt's heads; a decode step's are in cache */
+                prefetch_rows((const uint16_t *)x, r0 + chunk, rows, chunk, group_stride, group_rows, dim);
             const int count = chunk_sums(x, r0, rows, chunk, group_stride, group_rows, dim, 1, base, sums);
             for (int i = 0; i < count; i++) {
                 const int64_t r = r0 + i, t = r / group_rows;

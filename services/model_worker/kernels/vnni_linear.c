@@ -343,14 +343,14 @@ static void avx512_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, int
         const int64_t next_lines = next_blocks * 16 * k * 2 / 64;
         for (int t = 0, m0 = 0, rows; m0 < m; t++, m0 += rows) {
             rows = (m - m0 + tiles - t - 1) / (tiles - t); /* the rows left, evenly over the tiles left */
+            const uint32_t *tile_pairs = pairs + (int64_t)m0 * (k / 2);
+            uint16_t *tile_out = out + (int64_t)m0 * n + b0 * 16;
             const l2_share pull = l2_share_of(w + (b0 + group) * 16 * k, next_lines, tiles, t);
             if (silu) /* the up blocks n * k values after the gate blocks */
-                row_tile_silu_of(pairs + (int64_t)m0 * (k / 2), k, w + b0 * 16 * k, out + (int64_t)m0 * n + b0 * 16,
-                                 n, rows, pull, n * k,
+                row_tile_silu_of(tile_pairs, k, w + b0 * 16 * k, tile_out, n, rows, pull, n * k,
                                  l2_share_of(w + (blocks + b0 + group) * 16 * k, next_lines, tiles, t));
             else
-                row_tile_of(pairs + (int64_t)m0 * (k / 2), k, w + b0 * 16 * k, out + (int64_t)m0 * n + b0 * 16, n,
-                            rows, nb, pull);
+                row_tile_of(tile_pairs, k, w + b0 * 16 * k, tile_out, n, rows, nb, pull);
         }
     }
 }
